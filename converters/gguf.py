@@ -1,0 +1,159 @@
+"""GGUF files (llama.cpp): config from metadata, tensors dequantized and renamed to HF names.
+
+Tensor data are dequantized with the `gguf` package's numpy kernels (F32, F16, BF16, Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, Q2_K..Q6_K and more). llama.cpp stores Llama/Mistral q and k projections with
+its rotary permutation (`convert_hf_to_gguf.py: LlamaModel.permute`); `unpermute` undoes it so the
+result is the HF layout, which `name_map` then converts like any HF checkpoint. The tokenizer is
+read from the same metadata through transformers (`gguf_file=`).
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+
+from .name_map import CheckpointError
+
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_PERMUTED_ARCHS = ("llama",)
+
+_GGUF_TO_HF = [
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
+    (r"rope_freqs\.weight", None),  # llama3 rope factors: recomputed from the config
+]
+_GGUF_RX = [(re.compile(p + r"\Z"), t) for p, t in _GGUF_TO_HF]
+
+
+def _reader(path: str):
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading GGUF files needs the gguf package: pip install 'jvllm[gguf]'") from None
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # truncated / corrupt: numpy memmap errors, bad magic, ...
+        raise CheckpointError(f"{path}: cannot read GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(r, key, default=None):
+    f = r.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def gguf_hf_config(path: str) -> dict:
+    """An HF-style config dict (model_type, architectures, sizes, rope) from GGUF metadata."""
+    r = _reader(path)
+    arch = _field(r, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}")
+
+    def g(k, default=None):
+        return _field(r, f"{arch}.{k}", default)
+
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    tokens = r.fields.get("tokenizer.ggml.tokens")
+    vocab = g("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    names = {t.name for t in r.tensors}
+    if vocab is None:
+        vocab = int([t for t in r.tensors if t.name == "token_embd.weight"][0].shape[1])
+    cfg = {
+        "model_type": arch,
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": int(g("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(g("context_length", 2048)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+    }
+    if arch == "qwen2":
+        cfg["attention_bias"] = True
+    st = g("rope.scaling.type")
+    if st and st != "none":
+        cfg["rope_scaling"] = {"rope_type": st, "factor": float(g("rope.scaling.factor", 1.0))}
+        orig = g("rope.scaling.original_context_length")
+        if orig:
+            cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+    return cfg
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation ([n_head*hd, ...] rows)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[str, callable]]:
+    """(HF tensor name, loader) for every tensor of the file, dequantized to float32."""
+    import gguf
+
+    r = _reader(path)
+    hf_cfg = hf_cfg or gguf_hf_config(path)
+    arch = hf_cfg["model_type"]
+    H, KV = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
+    size = os.path.getsize(path)
+    for t in r.tensors:
+        for rx, tgt in _GGUF_RX:
+            m = rx.match(t.name)
+            if m:
+                break
+        else:
+            raise CheckpointError(f"{path}: unexpected GGUF tensor {t.name!r}")
+        if tgt is None:
+            continue
+        hf_name = m.expand(tgt)
+        qtype = t.tensor_type
+        if qtype.name not in SUPPORTED_GGUF_TYPES:
+            raise CheckpointError(f"{path}: tensor {t.name!r} has unsupported GGUF type {qtype.name}; "
+                                  f"supported: {', '.join(SUPPORTED_GGUF_TYPES)}")
+        if t.data_offset + t.n_bytes > size:
+            raise CheckpointError(f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte "
+                                  f"{t.data_offset + t.n_bytes}, file has {size}")
+
+        def load(t=t, qtype=qtype, hf_name=hf_name):
+            shape = tuple(int(x) for x in reversed(t.shape))
+            try:
+                a = gguf.quants.dequantize(t.data, qtype)
+            except NotImplementedError:
+                raise CheckpointError(f"{path}: tensor {t.name!r} uses GGUF type {qtype.name}, which this "
+                                      f"gguf version cannot dequantize") from None
+            a = np.asarray(a, dtype=np.float32).reshape(shape)
+            if arch in _PERMUTED_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                a = unpermute(a, H if ".q_proj" in hf_name else KV)
+            return a
+
+        yield hf_name, load
+
+
+def gguf_tokenizer(path: str):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                      gguf_file=os.path.basename(path))

@@ -1,0 +1,109 @@
+"""Checkpoint tensor names -> jvllm parameter names, declaratively, with shape-checked transforms.
+
+`HF_RULES` maps a transformers-style tensor name (regex) to a jvllm parameter name template and a
+transform. `None` as a target means "drop" (e.g. rotary inv_freq buffers). Each transform derives
+the *source* shape it expects from the declared target shape and raises `CheckpointError` naming
+the tensor when they differ, so a wrong checkpoint never produces silently reshaped garbage.
+
+`convert_tensors` streams (name, loader) pairs: each tensor is read, transformed, cast and handed to
+`put` (e.g. `jax.device_put` into a sharding) one at a time, so peak host memory is about one tensor.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+import numpy as np
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model's declared parameters, or a damaged file."""
+
+
+def _expect(name, arr, shape):
+    if tuple(arr.shape) != tuple(shape):
+        raise CheckpointError(f"tensor {name!r}: shape {tuple(arr.shape)} but the model expects {tuple(shape)} "
+                              f"in checkpoint layout")
+
+
+def t_identity(name, a, tgt):
+    _expect(name, a, tgt)
+    return a
+
+
+def t_transpose(name, a, tgt):  # torch Linear [out, in] -> [in, out]
+    _expect(name, a, (tgt[1], tgt[0]))
+    return a.T
+
+
+def t_in_heads(name, a, tgt):  # [heads*hd, embed] -> [embed, heads, hd]
+    d, h, hd = tgt
+    _expect(name, a, (h * hd, d))
+    return a.T.reshape(d, h, hd)
+
+
+def t_out_heads(name, a, tgt):  # [embed, heads*hd] -> [heads, hd, embed]
+    h, hd, d = tgt
+    _expect(name, a, (d, h * hd))
+    return a.T.reshape(h, hd, d)
+
+
+def t_bias_heads(name, a, tgt):  # [heads*hd] -> [heads, hd]
+    h, hd = tgt
+    _expect(name, a, (h * hd,))
+    return a.reshape(h, hd)
+
+
+_L = r"model\.layers\.(\d+)\."
+HF_RULES: list[tuple[str, str | None, Callable | None]] = [
+    (r"model\.embed_tokens\.weight", "embed", t_identity),
+    (_L + r"self_attn\.(q|k|v)_proj\.weight", r"layers.\1.self_attn.\2_proj", t_in_heads),
+    (_L + r"self_attn\.(q|k|v)_proj\.bias", r"layers.\1.self_attn.\2_bias", t_bias_heads),
+    (_L + r"self_attn\.o_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_L + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight", t_identity),
+    (_L + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj", t_transpose),
+    (_L + r"mlp\.(gate|up|down)_proj\.bias", r"layers.\1.mlp.\2_bias", t_identity),
+    (_L + r"(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight", t_identity),
+    (r"model\.norm\.weight", "norm.weight", t_identity),
+    (r"lm_head\.weight", "lm_head", t_transpose),
+    (_L + r"self_attn\.rotary_emb\.inv_freq", None, None),
+    (r"model\.rotary_emb\.inv_freq", None, None),
+]
+_COMPILED = [(re.compile(p + r"\Z"), t, f) for p, t, f in HF_RULES]
+
+
+def map_name(name: str):
+    """(jvllm name or None to drop, transform); raises CheckpointError for an unknown tensor."""
+    for rx, tgt, fn in _COMPILED:
+        m = rx.match(name)
+        if m:
+            return (m.expand(tgt) if tgt is not None else None), fn
+    raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (no parameter of this model maps to it)")
+
+
+def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.ndarray]]], dtype,
+                    put: Callable[[str, np.ndarray], object] | None = None,
+                    tied_embeddings: bool = False) -> dict:
+    """Convert a stream of checkpoint tensors into {jvllm name: put(array)}.
+
+    specs: `jvllm.models.param_specs(cfg)`; tensors: (checkpoint name, zero-arg loader) pairs;
+    dtype: numpy-compatible target dtype. Errors name the tensor: unexpected, duplicate, wrong
+    shape, non-finite values are *not* checked (they are legal), missing ones are listed together.
+    """
+    put = put or (lambda name, a: a)
+    out = {}
+    for src, load in tensors:
+        tgt, fn = map_name(src)
+        if tgt is None or (tgt == "lm_head" and tied_embeddings):
+            continue
+        if tgt not in specs:
+            raise CheckpointError(f"unexpected tensor {src!r}: this model declares no parameter {tgt!r}")
+        if tgt in out:
+            raise CheckpointError(f"tensor {src!r} appears twice in the checkpoint")
+        arr = fn(src, load(), specs[tgt][0])
+        out[tgt] = put(tgt, np.ascontiguousarray(arr).astype(dtype, copy=False))
+    missing = sorted(set(specs) - set(out))
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: "
+                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    return out

@@ -1,0 +1,113 @@
+"""Lazy tensor readers: HF safetensors (single or sharded), PyTorch .bin/.pt state dicts.
+
+Each reader yields `(name, loader)` pairs; calling a loader reads one tensor as a numpy array
+(float32 for bf16 sources, since numpy has no bf16 arithmetic worth trusting across versions).
+Safetensors files are parsed here, not through torch: the header is validated against the file
+size, so a truncated download is a `CheckpointError` naming the file and the byte counts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from .name_map import CheckpointError
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _to_float(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32) if a.dtype == ml_dtypes.bfloat16 else a
+
+
+def read_safetensors(path: str) -> Iterator[tuple[str, callable]]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            raise CheckpointError(f"{path}: corrupt safetensors header length {n} (file is {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if data_start + end > size:
+        raise CheckpointError(f"{path}: truncated safetensors file: header needs {data_start + end} bytes, "
+                              f"file has {size}")
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if size else None
+    for name, info in header.items():
+        dt = _ST_DTYPES.get(info["dtype"])
+        if dt is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        b0, b1 = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if (b1 - b0) != int(np.prod(shape)) * np.dtype(dt).itemsize:
+            raise CheckpointError(f"{path}: tensor {name!r} byte range {b0}:{b1} does not match shape {shape} "
+                                  f"{info['dtype']}")
+
+        def load(b0=b0, b1=b1, dt=dt, shape=shape):
+            return _to_float(np.frombuffer(mm[data_start + b0: data_start + b1], dtype=dt).reshape(shape))
+
+        yield name, load
+
+
+def read_torch(path: str) -> Iterator[tuple[str, callable]]:
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("reading PyTorch .bin/.pt checkpoints needs torch: pip install 'jvllm[torch]' "
+                          "(on a CPU machine: pip install torch==2.13.0)") from None
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # zip errors, pickle errors, EOF ...
+        raise CheckpointError(f"{path}: cannot read PyTorch checkpoint ({type(e).__name__}: {e})") from None
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict):
+        raise CheckpointError(f"{path}: expected a state dict, found {type(sd).__name__}")
+    for name, t in sd.items():
+        if not hasattr(t, "numpy"):
+            raise CheckpointError(f"{path}: entry {name!r} is not a tensor ({type(t).__name__})")
+        yield name, (lambda t=t: (t.float() if t.dtype == torch.bfloat16 else t).numpy())
+
+
+def _sharded(folder: str, index_name: str, reader) -> Iterator:
+    with open(os.path.join(folder, index_name)) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    for fn in files:
+        p = os.path.join(folder, fn)
+        if not os.path.isfile(p):
+            raise CheckpointError(f"{folder}: shard {fn!r} named in {index_name} is missing")
+        yield from reader(p)
+
+
+def hf_tensor_stream(folder: str) -> Iterator[tuple[str, callable]]:
+    """All weight tensors of an HF checkpoint folder (safetensors preferred over .bin)."""
+    ls = set(os.listdir(folder))
+    if "model.safetensors.index.json" in ls:
+        return _sharded(folder, "model.safetensors.index.json", read_safetensors)
+    if "model.safetensors" in ls:
+        return read_safetensors(os.path.join(folder, "model.safetensors"))
+    if "pytorch_model.bin.index.json" in ls:
+        return _sharded(folder, "pytorch_model.bin.index.json", read_torch)
+    for fn in ("pytorch_model.bin", "model.pt", "pytorch_model.pt"):
+        if fn in ls:
+            return read_torch(os.path.join(folder, fn))
+    st = sorted(f for f in ls if f.endswith(".safetensors"))
+    if st:
+        return (x for f in st for x in read_safetensors(os.path.join(folder, f)))
+    raise CheckpointError(f"{folder}: no weights found (model.safetensors, model.safetensors.index.json, "
+                          f"pytorch_model.bin or .pt)")

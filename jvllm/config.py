@@ -1,0 +1,241 @@
+"""Frozen, self-validating configuration objects.
+
+`ModelConfig` is the one description of a model's shape that every other part of jvllm reads. It is
+built from a checkpoint's config.json through `transformers.AutoConfig` (so the 4.x style
+`rope_theta` + `rope_scaling` and the 5.x style `rope_parameters` both work), or from a GGUF file's
+metadata (see `jvllm.converters.gguf`). Engine-side configs (`CacheConfig`, `SchedulerConfig`) live
+here too; each validates itself in `__post_init__` and raises `ValueError` naming the bad value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+
+def _freeze(d: dict | None) -> tuple | None:
+    if not d:
+        return None
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only Llama-family model.
+
+    `layer_windows[i]` is the sliding-window size of layer i (None = full attention); a token at
+    position q attends keys k with q - window < k <= q, as in transformers.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None  # frozen dict: rope_type + its parameters
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    layer_windows: tuple = ()
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"ModelConfig.{f} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu")
+        if len(self.layer_windows) != self.num_layers:
+            object.__setattr__(self, "layer_windows", tuple([None] * self.num_layers))
+        rtype = self.rope_type
+        if rtype not in _ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling type {rtype!r}; supported: {', '.join(_ROPE_TYPES)}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def rope_type(self) -> str:
+        d = dict(self.rope_scaling or ())
+        return d.get("rope_type", d.get("type", "default")) or "default"
+
+    @property
+    def rope_params(self) -> dict:
+        return dict(self.rope_scaling or ())
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        D, I, H, K, hd, V = (self.hidden_size, self.intermediate_size, self.num_heads,
+                             self.num_kv_heads, self.head_dim, self.vocab_size)
+        per_layer = D * hd * (H + 2 * K) + H * hd * D + 3 * D * I + 2 * D
+        return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + D
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_hf_config(cls, hf) -> "ModelConfig":
+        """From a `transformers.PretrainedConfig` (4.x or 5.x style)."""
+        archs = list(getattr(hf, "architectures", None) or [])
+        arch = archs[0] if archs else _arch_from_model_type(getattr(hf, "model_type", ""))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} (architectures={archs}, model_type="
+                f"{getattr(hf, 'model_type', None)!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = hf.num_attention_heads
+        kv = getattr(hf, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        rope = getattr(hf, "rope_parameters", None)
+        if rope is None:  # transformers 4.x
+            rope = dict(getattr(hf, "rope_scaling", None) or {})
+            rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        rope = dict(rope)
+        if "rope_type" not in rope and "type" in rope:
+            rope["rope_type"] = rope["type"]
+        theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
+        rope.pop("type", None)
+        rope.setdefault("rope_type", "default")
+        if rope["rope_type"] == "default" and len(rope) == 1:
+            rope = {}
+        n = hf.num_hidden_layers
+        windows = [None] * n
+        sw = getattr(hf, "sliding_window", None)
+        layer_types = getattr(hf, "layer_types", None)
+        if sw:
+            if layer_types:
+                windows = [sw if t == "sliding_attention" else None for t in layer_types]
+            elif arch == "MistralForCausalLM":
+                windows = [sw] * n
+            elif getattr(hf, "use_sliding_window", False):
+                mwl = getattr(hf, "max_window_layers", n)
+                windows = [sw if i >= mwl else None for i in range(n)]
+        eos = getattr(hf, "eos_token_id", None)
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=n,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=_freeze(rope),
+            max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048) or 2048),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", arch == "Qwen2ForCausalLM")),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            layer_windows=tuple(windows),
+            hidden_act=getattr(hf, "hidden_act", "silu"),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        """From a folder holding config.json (read with transformers.AutoConfig)."""
+        return cls.from_hf_config(load_hf_config(path))
+
+
+def _arch_from_model_type(mt: str) -> str:
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}.get(mt, mt or "<none>")
+
+
+def load_hf_config(path: str):
+    import transformers
+
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"no config.json in {path!r}")
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    mt = raw.get("model_type")
+    if mt not in ("llama", "mistral", "qwen2", "qwen3"):
+        archs = raw.get("architectures")
+        raise ValueError(f"unsupported architecture {archs!r} (model_type={mt!r}); "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return transformers.AutoConfig.from_pretrained(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """KV page pool: `num_blocks` blocks of `block_size` tokens (block 0 is the null block)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from memory
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_gpu_blocks_override must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+
+    def __post_init__(self):
+        for f in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{f} must be a positive integer, got {v!r}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}): every running request needs one token a step")
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from `lo` up to and including `hi` (hi itself is always the last bucket)."""
+    out, b = [], max(1, lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+

@@ -1,0 +1,402 @@
+"""LLMEngine: add_request / abort_request / step / has_unfinished_requests.
+
+The loop is nano-vllm's: schedule -> run -> postprocess. `step()` runs one scheduled batch and
+returns a RequestOutput for every user request that made progress (or finished). Requests with
+n > 1 fan out into n sequences that share the prompt's KV blocks through the prefix cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jvllm.config import CacheConfig, ModelConfig, SchedulerConfig, cdiv, pow2_buckets
+from jvllm.engine.request import Request, Status
+from jvllm.engine.scheduler import Scheduler
+from jvllm.memory.block_pool import KVCacheManager
+from jvllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jvllm.sampling_params import RequestOutputKind, SamplingParams
+
+log = logging.getLogger("jvllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything `LLM(...)` / `jvllm serve` accept. None means "pick a default for this device"."""
+
+    model: str = "smollm2"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    skip_tokenizer_init: bool | None = None  # None: auto (True when the checkpoint has no tokenizer)
+    token_buckets: tuple[int, ...] | None = None
+    query_tile: int = 8
+    kv_chunk_blocks: int = 16
+    compilation_cache_dir: str | None = None
+    use_tqdm_on_load: bool = True
+
+
+def _on_accelerator() -> bool:
+    return jax.default_backend() not in ("cpu",)
+
+
+def resolve_dtype(dtype: str):
+    if dtype in (None, "auto"):
+        return jnp.bfloat16 if _on_accelerator() else jnp.float32
+    names = {"float32": jnp.float32, "fp32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
+             "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
+    return names[dtype]
+
+
+class RequestGroup:
+    """A user request: n sequences with one id."""
+
+    def __init__(self, request_id, prompt, prompt_token_ids, params, seqs):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs: list[Request] = seqs
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from jvllm import compile as jcompile
+        from jvllm.converters import load_checkpoint, load_tokenizer, resolve_model
+        from jvllm.models import bind
+        from jvllm.runner import ModelRunner
+
+        jcompile.install_counter()
+        if config.compilation_cache_dir != "off":
+            jcompile.enable_persistent_cache(config.compilation_cache_dir)
+        self.config = config
+        t0 = time.perf_counter()
+        spec = resolve_model(config.model)
+        self.dtype = resolve_dtype(config.dtype)
+        ckpt = load_checkpoint(spec, self.dtype)
+        self.model_config: ModelConfig = ckpt.config
+        self.load_seconds = ckpt.load_seconds
+        self.tokenizer = None
+        if config.skip_tokenizer_init is not True:
+            self.tokenizer = load_tokenizer(spec)
+            if self.tokenizer is None and config.skip_tokenizer_init is False:
+                raise ValueError(f"model {config.model!r} ships no tokenizer files; pass skip_tokenizer_init=True")
+        mc = self.model_config
+        self.eos_token_ids = tuple(mc.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None else ())
+        graphdef, state = bind(mc, ckpt.params, self.dtype)
+        head_w = ckpt.params["embed"] if mc.tie_word_embeddings else ckpt.params["lm_head"]
+
+        acc = _on_accelerator()
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings and mc.rope_type == "default":
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({mc.max_position_embeddings})")
+        mnbt = config.max_num_batched_tokens or (2048 if acc else 512)
+        mns = config.max_num_seqs or min(256 if acc else 32, mnbt)
+        self.sched_config = SchedulerConfig(max_num_batched_tokens=mnbt, max_num_seqs=mns, max_model_len=max_model_len)
+        buckets = tuple(sorted(set(config.token_buckets or pow2_buckets(8, mnbt))))
+        if buckets[-1] < mnbt:
+            buckets = buckets + (mnbt,)
+        bs = config.block_size
+        self.cache_config = CacheConfig(block_size=bs, num_blocks=config.num_gpu_blocks_override,
+                                        gpu_memory_utilization=config.gpu_memory_utilization,
+                                        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                                        enable_prefix_caching=config.enable_prefix_caching)
+
+        def make_runner(num_blocks):
+            return ModelRunner(mc, graphdef, state, head_w, dtype=self.dtype, block_size=bs,
+                               num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=mns,
+                               token_buckets=buckets, query_tile=config.query_tile,
+                               kv_chunk_blocks=config.kv_chunk_blocks)
+
+        num_blocks = self._num_blocks(mc, max_model_len, mns, make_runner)
+        need = cdiv(max_model_len, bs)
+        if need > num_blocks - 1:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) needs {need} KV blocks of {bs} tokens but the pool has "
+                f"{num_blocks - 1} usable blocks ({(num_blocks - 1) * bs} tokens); lower max_model_len or give "
+                f"the KV cache more memory (gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)")
+        self.runner = make_runner(num_blocks)
+        del ckpt
+        self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.sched_config, self.kv_manager)
+        self.groups: dict[str, RequestGroup] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        self.stats = dict(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0, num_requests=0)
+        self.warmup_seconds = self.warmup(use_tqdm=config.use_tqdm_on_load)
+        self.compiles_after_warmup_base = jcompile.compile_count()
+        self.init_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ memory sizing
+    def kv_bytes_per_block(self, mc: ModelConfig | None = None) -> int:
+        mc = mc or self.model_config
+        return 2 * mc.num_layers * self.cache_config.block_size * mc.num_kv_heads * mc.head_dim * jnp.dtype(self.dtype).itemsize
+
+    def _num_blocks(self, mc: ModelConfig, max_model_len: int, max_num_seqs: int, make_runner) -> int:
+        cc = self.cache_config
+        per_block = self.kv_bytes_per_block(mc)
+        if cc.num_blocks is not None:
+            return cc.num_blocks
+        cap = max_num_seqs * cdiv(max_model_len, cc.block_size) + 1  # never more than all slots could use
+        if cc.kv_cache_memory_bytes is not None:
+            return max(2, min(cap, cc.kv_cache_memory_bytes // per_block + 1))
+        stats = None
+        try:
+            stats = jax.devices()[0].memory_stats()
+        except Exception:
+            pass
+        if stats and stats.get("bytes_limit"):
+            # vLLM's rule: utilization x device memory - weights (in use now) - activation peak, with
+            # the peak taken from XLA's memory analysis of the largest step program.
+            limit, used = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+            act = self._activation_peak_bytes(make_runner)
+            budget = cc.gpu_memory_utilization * limit - used - act
+            if budget < 2 * per_block:
+                raise ValueError(f"no device memory left for the KV cache: limit {limit / 2**30:.2f} GiB x "
+                                 f"{cc.gpu_memory_utilization} - weights {used / 2**30:.2f} GiB - activations "
+                                 f"{act / 2**30:.2f} GiB < 2 blocks; raise gpu_memory_utilization")
+            return int(min(cap, budget // per_block))
+        return max(2, min(cap, (512 * 2**20) // per_block + 1))  # CPU default: 512 MiB
+
+    def _activation_peak_bytes(self, make_runner) -> int:
+        """XLA's temp allocation for the largest step and sampler programs, compiled against a
+        2-block pool (the peak does not depend on the pool size: the pool is donated)."""
+        probe = make_runner(2)
+        T = probe.token_buckets[-1]
+        peak = 0
+        for kind, key in (("step", T), ("sample", (probe.seq_bucket(T), True))):
+            try:
+                peak = max(peak, probe.compile(kind, key).memory_analysis().temp_size_in_bytes)
+            except Exception:  # memory analysis unavailable: assume 10% of the budget below
+                peak = max(peak, 0)
+        for k, v in probe.kv:
+            k.delete()
+            v.delete()
+        return int(peak * 1.1)
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, use_tqdm: bool = True) -> float:
+        """Compile every program of every bucket ahead of time. Returns seconds spent."""
+        t0 = time.perf_counter()
+        progs = self.runner.programs()
+        it = progs
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            it = tqdm(progs, desc="jvllm: compiling buckets", unit="prog", leave=False)
+        for kind, key in it:
+            self.runner.compile(kind, key)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ requests
+    def _tokenize(self, prompt):
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (skip_tokenizer_init): pass "
+                                 "{'prompt_token_ids': [...]} instead of text")
+            return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request. Raises ValueError/TypeError for bad input (nothing queued)."""
+        params = params or SamplingParams()
+        request_id = str(request_id) if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        V = self.model_config.vocab_size
+        L = self.sched_config.max_model_len
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:8]} outside the vocabulary [0, {V})")
+        if len(ids) >= L:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {L}, which leaves no room "
+                             f"to generate")
+        params.validate_for_vocab(V)
+        seqs = []
+        for i in range(params.n):
+            if params.seed is not None:
+                seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
+            else:
+                seed = int(self._rng.integers(0, 2**63 - 1))
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            seqs.append(Request(rid, ids, params, seed, self.eos_token_ids, text, group_id=request_id, index=i,
+                                arrival_time=arrival_time, tokenizer=self.tokenizer, length_cap=L - len(ids)))
+        self.groups[request_id] = RequestGroup(request_id, text, ids, params, seqs)
+        for s in seqs:
+            self.scheduler.add(s)
+        self.stats["num_requests"] += 1
+        return request_id
+
+    def abort_request(self, request_id) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            g = self.groups.get(rid)
+            if g is None:
+                continue
+            for s in g.seqs:
+                if not s.is_finished:
+                    self.scheduler.finish(s, Status.FINISHED_ABORTED)
+            self.groups.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # nothing fits even in an empty pool: fail the head request instead of spinning
+                req = self.scheduler.waiting[0]
+                req.error = "request does not fit in the KV cache"
+                self.scheduler.finish(req, Status.FINISHED_ERROR)
+                return self._outputs({req.group_id})
+            return []
+        now = time.time()
+        try:
+            res = self.runner.execute(sched.scheduled)
+        except Exception as e:  # an engine error fails the requests of this step, not the engine
+            log.exception("step failed")
+            for s in sched.scheduled:
+                s.req.error = f"{type(e).__name__}: {e}"
+                self.scheduler.finish(s.req, Status.FINISHED_ERROR)
+            return self._outputs({s.req.group_id for s in sched.scheduled})
+        self.scheduler.update_after_step(sched)
+        self.stats["num_steps"] += 1
+        touched = set()
+        for r, s in enumerate(sched.scheduled):
+            req = s.req
+            touched.add(req.group_id)
+            if s.start < req.num_prompt_tokens:
+                self.stats["num_prompt_tokens"] += min(s.num_tokens, req.num_prompt_tokens - s.start)
+            if r in res.prompt_logprobs:
+                self._add_prompt_logprobs(req, *res.prompt_logprobs[r])
+            if not s.samples or req.is_finished:
+                continue
+            tok = int(res.token_ids[r])
+            entry, lp = None, None
+            if res.logprobs is not None:
+                lp = float(res.logprobs[0][r])
+                if req.params.logprobs is not None:
+                    entry = self._logprob_entry(tok, lp, int(res.logprobs[1][r]), res.logprobs[2][r],
+                                                res.logprobs[3][r], req.params.logprobs)
+            req.append_token(tok, entry, lp)
+            self.stats["num_generation_tokens"] += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            if req.is_finished:
+                req.metrics.finished_time = now
+                self.scheduler.finish(req, req.status)
+        return self._outputs(touched)
+
+    def _decode_one(self, tid: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([int(tid)])
+
+    def _logprob_entry(self, tok, lp, rank, top_ids, top_lps, n):
+        entry = {tok: Logprob(lp, rank, self._decode_one(tok))}
+        for i in range(n):
+            t = int(top_ids[i])
+            if t not in entry:
+                entry[t] = Logprob(float(top_lps[i]), i + 1, self._decode_one(t))
+        return entry
+
+    def _add_prompt_logprobs(self, req: Request, pos, tok_lp, rank, top_ids, top_lps):
+        n = req.params.prompt_logprobs
+        for j, p in enumerate(pos):
+            if len(req.prompt_logprobs) != p + 1:
+                continue  # already recorded (recompute after preemption)
+            t = req.prompt_token_ids[p + 1]
+            req.prompt_logprobs.append(self._logprob_entry(t, float(tok_lp[j]), int(rank[j]), top_ids[j], top_lps[j], n))
+
+    def _outputs(self, group_ids) -> list[RequestOutput]:
+        outs = []
+        for gid in group_ids:
+            g = self.groups.get(gid)
+            if g is None:
+                continue
+            out = self.make_output(g)
+            if out is not None:
+                outs.append(out)
+            if g.finished:
+                del self.groups[gid]
+        return outs
+
+    def make_output(self, g: RequestGroup) -> RequestOutput | None:
+        kind = g.params.output_kind
+        finished = g.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        comps = []
+        for s in g.seqs:
+            text = s.streamable_text()
+            ids, lps = s.output_token_ids, s.logprobs
+            if kind is RequestOutputKind.DELTA:
+                t0, k0 = s.sent_text_len, s.sent_token_len
+                s.sent_text_len, s.sent_token_len = len(text), len(ids)
+                text, ids = text[t0:], ids[k0:]
+                lps = lps[k0:] if lps is not None else None
+            comps.append(CompletionOutput(
+                index=s.index, text=text, token_ids=list(ids),
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=lps, finish_reason=s.status.reason, stop_reason=s.stop_reason))
+        s0 = g.seqs[0]
+        return RequestOutput(request_id=g.request_id, prompt=g.prompt, prompt_token_ids=g.prompt_token_ids,
+                             prompt_logprobs=s0.prompt_logprobs, outputs=comps, finished=finished,
+                             metrics=s0.metrics, num_cached_tokens=s0.metrics.num_cached_tokens)
+
+    # ------------------------------------------------------------------ stats / lifecycle
+    def get_stats(self) -> dict:
+        from jvllm import compile as jcompile
+
+        pool = self.kv_manager.pool
+        return dict(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=pool.usage(), num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
+            prefix_cache_hit_rate=self.kv_manager.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
+            compiles_after_warmup=jcompile.compile_count() - self.compiles_after_warmup_base,
+            **self.stats)
+
+    def shutdown(self):
+        """Free the weights and the KV pool on the device. The engine is unusable afterwards."""
+        for g in list(self.groups):
+            self.abort_request(g)
+        if getattr(self, "runner", None) is not None:
+            self.runner.release()
+            self.runner = None

@@ -1,0 +1,161 @@
+"""One sequence the scheduler runs (a user request with n > 1 becomes n of these), and the
+incremental detokenizer. Plain Python: no jax."""
+from __future__ import annotations
+
+import enum
+import time
+
+from jvllm.outputs import Logprob, RequestMetrics
+from jvllm.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self.value >= 3
+
+    @property
+    def reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(self.value)
+
+
+class Detokenizer:
+    """Incremental detokenization that never emits half a multi-byte character.
+
+    Keeps a window [prefix_offset, read_offset) of already-emitted tokens as context (a few prompt
+    tokens at the start, so sentencepiece's leading-space rules see the same context as a full
+    decode) and emits decode(window + new) minus decode(window), holding back while the decode ends
+    in U+FFFD (an incomplete UTF-8 sequence)."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_ids[-5:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                 eos_token_ids: tuple = (), prompt: str | None = None, group_id: str | None = None,
+                 index: int = 0, arrival_time: float | None = None, tokenizer=None,
+                 length_cap: int = 2**31):
+        self.request_id = request_id
+        self.group_id = group_id or request_id
+        self.index = index
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.num_computed_tokens = 0
+        self.length_cap = length_cap  # max_model_len - prompt length
+        self.status = Status.WAITING
+        self.block_hashes: list[bytes] = []
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        # outputs
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.detok = Detokenizer(tokenizer, self.prompt_token_ids, params.skip_special_tokens) if tokenizer else None
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.sent_text_len = 0  # for DELTA outputs / streaming
+        self.sent_token_len = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still owed for positions computed from now on."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens if self.params.max_tokens is not None else 2**31
+
+    def append_token(self, token_id: int, logprob_entry: dict[int, Logprob] | None, logprob: float | None):
+        """Record a sampled token, detokenize it and apply the stop conditions."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.logprobs is not None and logprob_entry is not None:
+            self.logprobs.append(logprob_entry)
+        if logprob is not None:
+            self.cumulative_logprob += logprob
+        p = self.params
+        n = self.num_output_tokens
+        stop_tok = (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids
+        if stop_tok and n > p.min_tokens:
+            self.status = Status.FINISHED_STOPPED
+            self.stop_reason = token_id if token_id in p.stop_token_ids else None
+            if self.detok is not None and p.include_stop_str_in_output and token_id in p.stop_token_ids:
+                self.text += self.detok.step(token_id)
+            return
+        if self.detok is not None:
+            delta = self.detok.step(token_id)
+            if delta:
+                start = max(0, len(self.text) - self.max_stop_len + 1)
+                self.text += delta
+                if p.stop and n > p.min_tokens:
+                    self._check_stop_strings(start)
+                    if self.is_finished:
+                        return
+        if n >= self.max_tokens or n >= self.length_cap:
+            self.status = Status.FINISHED_LENGTH
+
+    def _check_stop_strings(self, start: int):
+        best = None
+        for s in self.params.stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.text = self.text[: i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
+            self.status = Status.FINISHED_STOPPED
+            self.stop_reason = s
+
+    def streamable_text(self) -> str:
+        """Text safe to show now: holds back a possible partial stop string while running."""
+        if self.is_finished or self.max_stop_len <= 1:
+            return self.text
+        return self.text[: max(self.sent_text_len, len(self.text) - self.max_stop_len + 1)]

@@ -1,0 +1,137 @@
+"""Token-budget scheduler (vLLM v1 style; ../shared/DESIGN.md principle 3). Plain Python, no jax.
+
+Each request has `num_computed_tokens` catching up with `num_tokens` (prompt + sampled outputs).
+A step is a budget of `max_num_batched_tokens`: running requests first (a decode is one token, an
+unfinished prefill gets its next chunk), then waiting requests FCFS while budget, `max_num_seqs`
+and KV blocks last. When a running request cannot get a block, the newest running request is
+preempted (its blocks freed, its computed tokens forgotten; it is re-queued at the front of the
+waiting queue and recomputed later, prefix cache permitting). Sampling is keyed per request by
+(seed, output index), so a preempted request resumes with exactly the output it would have had.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from jvllm.config import SchedulerConfig
+from jvllm.engine.request import Request, Status
+from jvllm.memory.block_pool import KVCacheManager
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    req: Request
+    num_tokens: int          # tokens computed this step
+    start: int               # position of the first of them
+    block_ids: list[int]     # the request's whole block table
+
+    @property
+    def samples(self) -> bool:
+        """The step's last token is the request's last known token: its logits give a new token."""
+        return self.start + self.num_tokens == self.req.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    num_tokens: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request):
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: Status):
+        """Remove a request (finished, aborted or errored) and return its blocks at once."""
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        self.kv.free(req)
+
+    def _preempt(self, req: Request):
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = Status.PREEMPTED
+        req.num_computed_tokens = 0
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        now = time.time()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break  # req itself was preempted: nothing after it can run either
+            scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, self.kv.block_ids(req)))
+            budget -= n
+            i += 1
+
+        # n > 1: siblings share the prompt's blocks through the prefix cache, so a sibling is not
+        # admitted while another one is computing the prompt (its blocks are cached after the step).
+        share = self.kv.pool.enable_caching
+        in_flight_groups = {s.req.group_id for s in scheduled if s.start < s.req.num_prompt_tokens}
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            if share and req.group_id in in_flight_groups and req.num_prompt_tokens >= self.kv.block_size:
+                break
+            hits, n_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - n_hit, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = n_hit
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.metrics.num_cached_tokens = n_hit
+            req.status = Status.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n, n_hit, self.kv.block_ids(req)))
+            if n_hit < req.num_prompt_tokens:
+                in_flight_groups.add(req.group_id)
+            budget -= n
+        return SchedulerOutput(scheduled, preempted, self.cfg.max_num_batched_tokens - budget)
+
+    def update_after_step(self, out: SchedulerOutput):
+        """Advance computed counts and register newly full blocks in the prefix cache."""
+        for s in out.scheduled:
+            req = s.req
+            if req.status is not Status.RUNNING:
+                continue
+            req.num_computed_tokens = s.start + s.num_tokens
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)

@@ -1,0 +1,127 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...)`, `generate`, `chat`, `shutdown`.
+
+Works in scripts, notebooks and sharded runs alike: no `if __name__ == "__main__"` guard, no
+asyncio loop, and `shutdown()` (or `del llm` + garbage collection) returns the device memory of the
+weights and the KV pool, so another `LLM` can be built in the same Jupyter kernel.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from jvllm.engine.engine import EngineConfig, LLMEngine
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", *, dtype: str = "auto", max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.9, block_size: int = 16,
+                 num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                 enable_prefix_caching: bool = True, seed: int = 0, skip_tokenizer_init: bool | None = None,
+                 token_buckets: Sequence[int] | None = None, **kwargs):
+        known = {f for f in EngineConfig.__dataclass_fields__}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown option(s) {unknown}; known: {sorted(known)}")
+        self.config = EngineConfig(
+            model=model, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            block_size=block_size, num_gpu_blocks_override=num_gpu_blocks_override,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, seed=seed,
+            skip_tokenizer_init=skip_tokenizer_init, token_buckets=tuple(token_buckets) if token_buckets else None,
+            **kwargs)
+        self.llm_engine = LLMEngine(self.config)
+        self._counter = 0
+
+    # ------------------------------------------------------------------ API
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (str, token-id list, or {"prompt_token_ids": [...]} / {"prompt": ...}; one or a
+        list) to completion; outputs come back in input order. All prompts are validated before any
+        is queued, so one bad prompt raises without leaving the others half-run."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        eng = self.llm_engine
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(eng.add_request(f"llm-{self._counter}", p, sp))
+                self._counter += 1
+        except Exception:
+            eng.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (a list of {"role", "content"}
+        dicts) or to a list of conversations, then generate."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer; this model was loaded without one")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message,
+                                          chat_template=chat_template, **(chat_template_kwargs or {}))
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            text = tok.decode(ids)
+            prompts.append({"prompt_token_ids": list(ids), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids, use_tqdm) -> list[RequestOutput]:
+        eng = self.llm_engine
+        want = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        t0, ntok = time.perf_counter(), 0
+        try:
+            while eng.has_unfinished_requests() and len(done) < len(want):
+                for out in eng.step():
+                    if out.finished and out.request_id in want:
+                        done[out.request_id] = out
+                        ntok += sum(len(o.token_ids) for o in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix_str(f"{ntok / (time.perf_counter() - t0):.1f} tok/s out")
+        except BaseException:
+            eng.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def get_stats(self) -> dict:
+        return self.llm_engine.get_stats()
+
+    def shutdown(self):
+        """Release the weights and KV pool device memory now (idempotent)."""
+        eng = getattr(self, "llm_engine", None)
+        if eng is not None:
+            eng.shutdown()
+            self.llm_engine = None
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

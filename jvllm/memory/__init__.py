@@ -1,0 +1,1 @@
+from jvllm.memory.block_pool import BlockPool, KVCacheManager  # noqa: F401

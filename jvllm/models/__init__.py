@@ -1,0 +1,77 @@
+"""Model registry: architecture name -> Flax NNX class, and helpers to build abstract or random models."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jvllm.models.llama import LlamaForCausalLM
+
+_REGISTRY = {a: LlamaForCausalLM for a in SUPPORTED_ARCHITECTURES}
+
+
+def model_class(cfg: ModelConfig):
+    try:
+        return _REGISTRY[cfg.architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(_REGISTRY)}") from None
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
+    """The model with `jax.ShapeDtypeStruct` leaves: its declared parameters, allocating nothing."""
+    cls = model_class(cfg)
+    return nnx.eval_shape(lambda: cls(cfg, dtype))
+
+
+def param_specs(cfg: ModelConfig, dtype=jnp.float32) -> dict[str, tuple[tuple[int, ...], object, tuple[str, ...]]]:
+    """{'layers.0.self_attn.q_proj': (shape, dtype, logical_axes)} for every declared parameter."""
+    state = nnx.state(abstract_model(cfg, dtype), nnx.Param)
+    out = {}
+    for path, var in _flat_vars(state):
+        v = var.get_value() if hasattr(var, "get_value") else var.value
+        out[path] = (tuple(v.shape), v.dtype, tuple(var.get_metadata().get("axes", ())) if hasattr(var, "get_metadata") else tuple(getattr(var, "axes", ())))
+    return out
+
+
+def _flat_vars(state):
+    for path, var in nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state():
+        yield ".".join(str(p) for p in path), var
+
+
+def random_params(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
+    """Random weights by name (normal(0, std), norms = 1): for tests and shape-only benchmarks."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (shape, _, _) in param_specs(cfg, dtype).items():
+        if name.endswith("norm.weight"):
+            out[name] = np.ones(shape, np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape, dtype=np.float32) * std)
+    return out
+
+
+def bind(cfg: ModelConfig, params: dict, dtype=jnp.float32):
+    """(graphdef, state) of the model with `params` ({name: array}) as its parameter values.
+
+    The module is split once here; the engine merges it inside its jitted step (trace time only),
+    so no per-step NNX traversal happens (tpu-inference measured ~17 ms/step for that)."""
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    flat = nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state()
+    names = {".".join(str(p) for p in path): (path, var) for path, var in flat}
+    missing = sorted(set(names) - set(params))
+    if missing:
+        raise ValueError(f"params missing for {missing[:8]}")
+    extra = sorted(set(params) - set(names))
+    if extra:
+        raise ValueError(f"unexpected params {extra[:8]}")
+    new = []
+    for name, (path, var) in names.items():
+        v = params[name]
+        want = var.get_value() if hasattr(var, "get_value") else var.value
+        if tuple(v.shape) != tuple(want.shape):
+            raise ValueError(f"param {name!r}: shape {tuple(v.shape)}, declared {tuple(want.shape)}")
+        new.append((path, var.replace(v)))
+    state = nnx.from_flat_state(new) if hasattr(nnx, "from_flat_state") else type(state).from_flat_path(dict(new))
+    return graphdef, state

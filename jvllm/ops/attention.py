@@ -1,0 +1,98 @@
+"""Paged attention over a ragged batch, in plain XLA (the reference path and the test oracle).
+
+The batch is flat: T scheduled tokens from R requests, each token with its position in its own
+sequence. KV lives in per-layer page pools `[num_blocks, block_size, kv_heads, head_dim]`; block 0
+is the null block (never handed to a request; padded writes land there and are never read
+unmasked).
+
+Queries are grouped into *query tiles*: every tile holds up to `Qt` consecutive tokens of one
+request (`tile_token_idx [NT, Qt]`, padded with T, which points at a zero row). A tile reads its
+request's pages once, so a decode token costs one read of its context and a prefill chunk of n
+tokens costs ceil(n / Qt) reads (not n). Keys are walked in chunks of `kv_chunk_blocks` blocks with
+an online softmax and a *dynamic* trip count (the batch's longest context), so no context-length
+bucket is compiled and memory stays O(NT x chunk). Masking is purely positional: key j of a request
+is visible to a query at position q iff q - window < j <= q; keys past the context are therefore
+masked without a separate length array, and padded query slots (position -1) see nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    positions: jax.Array        # [T] int32, -1 for padding tokens
+    slot_mapping: jax.Array     # [T] int32, flat slot (block * block_size + offset); >= num_slots = drop
+    block_tables: jax.Array     # [R, W] int32, W a multiple of kv_chunk_blocks, padded with 0
+    tile_token_idx: jax.Array   # [NT, Qt] int32 indices into the T tokens, T = padding
+    tile_req: jax.Array         # [NT] int32 request row of each tile
+    logits_indices: jax.Array   # [R] int32 token whose hidden state feeds sampling
+
+
+def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter new K or V rows [T, kv_heads, head_dim] into `pages` at `slot_mapping` (in place
+    when `pages` is donated). Out-of-range slots (padding) are dropped."""
+    nb, bs, kh, d = pages.shape
+    flat = pages.reshape(nb * bs, kh, d)
+    flat = flat.at[slot_mapping].set(new.astype(pages.dtype), mode="drop")
+    return flat.reshape(nb, bs, kh, d)
+
+
+def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
+                    window: int | None = None, kv_chunk_blocks: int = 16):
+    """q [T, H, D] -> [T, H, D]. Reads K/V (including this step's tokens) from the pages."""
+    T, H, D = q.shape
+    _, bs, KH, _ = k_pages.shape
+    G = H // KH
+    NT, Qt = md.tile_token_idx.shape
+    W = md.block_tables.shape[1]
+    cb = min(kv_chunk_blocks, W)
+    assert W % cb == 0, (W, cb)
+    chunk = cb * bs
+
+    q_ext = jnp.concatenate([q, jnp.zeros((1, H, D), q.dtype)], axis=0)
+    qt = q_ext[md.tile_token_idx].reshape(NT, Qt, KH, G, D)
+    pos_ext = jnp.concatenate([md.positions, jnp.full((1,), -1, md.positions.dtype)])
+    qpos = pos_ext[md.tile_token_idx]  # [NT, Qt]
+    bt = md.block_tables[md.tile_req]  # [NT, W]
+
+    max_pos = jnp.max(qpos)
+    n_chunks = jnp.minimum((max_pos + chunk) // chunk, W // cb)  # ceil((max_pos + 1) / chunk)
+    if window is not None:
+        valid_min = jnp.min(jnp.where(qpos >= 0, qpos, jnp.iinfo(jnp.int32).max))
+        first = jnp.clip((valid_min - window + 1) // chunk, 0, n_chunks)
+    else:
+        first = jnp.int32(0)
+
+    def body(c, carry):
+        m, l, acc = carry
+        blocks = jax.lax.dynamic_slice_in_dim(bt, c * cb, cb, axis=1)  # [NT, cb]
+        kc = k_pages[blocks].reshape(NT, chunk, KH, D)
+        vc = v_pages[blocks].reshape(NT, chunk, KH, D)
+        s = jnp.einsum("nqhgd,nkhd->nhgqk", qt, kc, preferred_element_type=jnp.float32) * scale
+        kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        mask = kpos[None, None, :] <= qpos[:, :, None]
+        if window is not None:
+            mask &= kpos[None, None, :] > qpos[:, :, None] - window
+        s = jnp.where(mask[:, None, None, :, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        corr = jnp.exp(m - m_safe)
+        l = l * corr + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("nhgqk,nkhd->nhgqd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+        acc = acc * corr[..., None] + pv
+        return m_new, l, acc
+
+    init = (jnp.full((NT, KH, G, Qt), -jnp.inf, jnp.float32),
+            jnp.zeros((NT, KH, G, Qt), jnp.float32),
+            jnp.zeros((NT, KH, G, Qt, D), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(first, n_chunks, body, init)
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]  # fully masked (padding) rows -> 0
+    out = out.transpose(0, 3, 1, 2, 4).reshape(NT, Qt, H, D).astype(q.dtype)
+    flat = jnp.zeros((T + 1, H, D), q.dtype).at[md.tile_token_idx].set(out)
+    return flat[:T]

@@ -1,0 +1,117 @@
+"""`SamplingParams`, shaped like vLLM's. Every invalid value raises ValueError naming the field and
+the allowed range (`validate`); vocabulary-dependent checks happen in `validate_for_vocab`."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map token ids to floats, got {self.logit_bias!r}") from None
+        self.validate()
+
+    def validate(self):
+        def bad(field, value, allowed):
+            raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", self.n, "an integer >= 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0 ** 31:
+            bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not (self.temperature >= 0.0) or self.temperature > 1e4:
+            bad("temperature", self.temperature, "in [0, 1e4]")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", self.min_p, "in [0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not _INT64[0] <= self.seed <= _INT64[1]):
+            bad("seed", self.seed, "an integer within int64")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", self.prompt_logprobs, f"an integer in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", self.stop, "a list of non-empty strings")
+        if any(not isinstance(t, int) for t in self.stop_token_ids):
+            bad("stop_token_ids", self.stop_token_ids, "a list of integers")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"{len(self.logit_bias)} entries", f"at most {MAX_LOGIT_BIAS} entries")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            bad("logit_bias", self.logit_bias, "values in [-100, 100]")
+
+    def validate_for_vocab(self, vocab_size: int):
+        """Token ids (stop_token_ids, logit_bias keys) must lie in [0, vocab_size)."""
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias keys {bad} outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_extras(self) -> bool:
+        """Whether this request needs the penalties / logit-bias sampler variant (min_tokens too)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+    def clone(self) -> "SamplingParams":
+        return dataclasses.replace(self)
