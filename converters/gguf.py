@@ -140,7 +140,10 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
         def load(t=t, qtype=qtype, hf_name=hf_name):
             shape = tuple(int(x) for x in reversed(t.shape))
             try:
-                a = gguf.quants.dequantize(t.data, qtype)
+                if qtype.name in ("F32", "F16", "F64"):
+                    a = np.asarray(t.data)
+                else:  # the reader may type BF16 data as uint16: dequantize wants the raw bytes
+                    a = gguf.quants.dequantize(np.ascontiguousarray(t.data).view(np.uint8), qtype)
             except NotImplementedError:
                 raise CheckpointError(f"{path}: tensor {t.name!r} uses GGUF type {qtype.name}, which this "
                                       f"gguf version cannot dequantize") from None
@@ -153,7 +156,11 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
 
 
 def gguf_tokenizer(path: str):
+    """The file's tokenizer through transformers, or None when the file carries none."""
     import transformers
+
+    if "tokenizer.ggml.model" not in _reader(path).fields:
+        return None
 
     return transformers.AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                                       gguf_file=os.path.basename(path))

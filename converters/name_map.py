@@ -60,6 +60,7 @@ HF_RULES: list[tuple[str, str | None, Callable | None]] = [
     (_L + r"self_attn\.(q|k|v)_proj\.weight", r"layers.\1.self_attn.\2_proj", t_in_heads),
     (_L + r"self_attn\.(q|k|v)_proj\.bias", r"layers.\1.self_attn.\2_bias", t_bias_heads),
     (_L + r"self_attn\.o_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_L + r"self_attn\.o_proj\.bias", r"layers.\1.self_attn.o_bias", t_identity),
     (_L + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight", t_identity),
     (_L + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj", t_transpose),
     (_L + r"mlp\.(gate|up|down)_proj\.bias", r"layers.\1.mlp.\2_bias", t_identity),

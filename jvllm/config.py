@@ -49,7 +49,8 @@ class ModelConfig:
     rope_scaling: tuple | None = None  # frozen dict: rope_type + its parameters
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_bias: bool = False  # o_proj bias (Llama / Qwen3 with attention_bias; never Qwen2)
     mlp_bias: bool = False
     qk_norm: bool = False
     layer_windows: tuple = ()
@@ -150,7 +151,8 @@ class ModelConfig:
             rope_scaling=_freeze(rope),
             max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048) or 2048),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             layer_windows=tuple(windows),

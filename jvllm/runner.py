@@ -283,5 +283,28 @@ class ModelRunner:
         return {r: (pos, *(a[o:o + len(pos)] for a in out)) for r, (o, pos) in spans.items()}
 
     # ------------------------------------------------------------------ one-off forward
-    def num_top_logprobs(self) -> int:
-        return NUM_TOP_LOGPROBS
+    def sequence_logits(self, token_ids) -> np.ndarray:
+        """float32 logits [n, vocab] of one whole sequence, computed as one prefill through the
+        paged path (blocks 1..k of this runner's pool, which it overwrites: for `jvllm verify` and
+        tests, never on a runner that is serving). Compiles for each new length."""
+        from types import SimpleNamespace
+
+        ids = [int(t) for t in token_ids]
+        n, bs = len(ids), self.block_size
+        blocks = list(range(1, cdiv(n, bs) + 1))
+        if blocks and blocks[-1] >= self.num_blocks:
+            raise ValueError(f"{n} tokens need {len(blocks)} blocks; this runner's pool has {self.num_blocks - 1}")
+        req = SimpleNamespace(all_token_ids=ids)
+        sched = [SimpleNamespace(req=req, num_tokens=n, start=0, block_ids=blocks)]
+        saved = self.token_buckets
+        self.token_buckets = (n,)
+        try:
+            T, R, tokens, md = self.prepare(sched)
+        finally:
+            self.token_buckets = saved
+        self.kv, _, h = self._step_fn(self.state, self.kv, tokens, md)
+        return np.asarray(self._logits_fn(self.head_w, h))
+
+    @functools.cached_property
+    def _logits_fn(self):
+        return jax.jit(functools.partial(self._logits, tied=self.cfg.tie_word_embeddings))

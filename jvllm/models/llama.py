@@ -40,10 +40,13 @@ class Attention(nnx.Module):
             self.q_bias = declare((H, hd), ("heads", "head_dim"), dtype)
             self.k_bias = declare((K, hd), ("kv_heads", "head_dim"), dtype)
             self.v_bias = declare((K, hd), ("kv_heads", "head_dim"), dtype)
+        if cfg.o_bias:
+            self.o_bias = declare((D,), ("embed",), dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, axes=("head_dim",))
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, axes=("head_dim",))
         self.bias = cfg.attention_bias
+        self.has_o_bias = cfg.o_bias
         self.qk_norm = cfg.qk_norm
         self.window = cfg.layer_windows[layer]
         self.scale = float(hd) ** -0.5
@@ -64,7 +67,10 @@ class Attention(nnx.Module):
         v_pages = write_kv(v_pages, v, md.slot_mapping)
         o = paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
                             kv_chunk_blocks=kv_chunk_blocks)
-        return jnp.einsum("thk,hkd->td", o, self.o_proj[...]), (k_pages, v_pages)
+        out = jnp.einsum("thk,hkd->td", o, self.o_proj[...])
+        if self.has_o_bias:
+            out = out + self.o_bias[...]
+        return out, (k_pages, v_pages)
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,180 @@
+"""`jvllm generate | chat | verify | convert` (serve and bench are added by their modules)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser):
+    """Every LLM(...) engine option as a flag (shared by generate, chat, serve, bench)."""
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-tokenizer-init", action="store_true", default=None)
+    p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   help="comma-separated token-count buckets compiled at start-up")
+    p.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache ('off' to disable)")
+
+
+def engine_kwargs(a) -> dict:
+    return dict(dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
+                block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
+                kv_cache_memory_bytes=a.kv_cache_memory_bytes, max_num_batched_tokens=a.max_num_batched_tokens,
+                max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
+                skip_tokenizer_init=a.skip_tokenizer_init, token_buckets=a.token_buckets,
+                compilation_cache_dir=a.compilation_cache_dir)
+
+
+def add_sampling_args(p):
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+
+
+def sampling_params(a):
+    from jvllm import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                          min_p=a.min_p, seed=a.sampling_seed)
+
+
+def cmd_generate(a):
+    from jvllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(a.model, **engine_kwargs(a))
+    t_load = time.perf_counter() - t0
+    prompts = a.prompt or ["The capital of France is"]
+    sp = sampling_params(a)
+    t1 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t1
+    n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    for o in outs:
+        print(f"--- prompt: {o.prompt!r}")
+        print(o.outputs[0].text)
+    print(f"\n[jvllm] {len(outs)} prompt(s), {n} tokens in {dt:.2f}s = {n / dt:.1f} tokens/s "
+          f"(start-up {t_load:.1f}s incl. load + compile)", file=sys.stderr)
+    llm.shutdown()
+
+
+def cmd_chat(a):
+    from jvllm import LLM
+
+    llm = LLM(a.model, **engine_kwargs(a))
+    sp = sampling_params(a)
+    messages = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    print("jvllm chat: type a message, empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        eng = llm.llm_engine
+        tok = llm.get_tokenizer()
+        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        from jvllm.sampling_params import RequestOutputKind
+
+        sp.output_kind = RequestOutputKind.DELTA
+        rid = eng.add_request(None, {"prompt_token_ids": list(ids)}, sp)
+        reply = []
+        t0, n = time.perf_counter(), 0
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.request_id == rid:
+                    piece = out.outputs[0].text
+                    n += len(out.outputs[0].token_ids)
+                    reply.append(piece)
+                    print(piece, end="", flush=True)
+        print(f"\n[{n / max(time.perf_counter() - t0, 1e-9):.1f} tok/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    llm.shutdown()
+
+
+def cmd_verify(a):
+    import jax
+
+    from jvllm.verify import verify
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        ok, _ = verify(a.model, atol=a.atol)
+    sys.exit(0 if ok else 1)
+
+
+def cmd_convert(a):
+    from jvllm.converters import convert_to_orbax, load_checkpoint
+
+    r = convert_to_orbax(a.src, a.dst, a.dtype)
+    t0 = time.perf_counter()
+    ck = load_checkpoint(a.dst, a.dtype)
+    r["reload_s"] = time.perf_counter() - t0
+    r.update(src=a.src, dst=a.dst, dtype=a.dtype, params=len(ck.params))
+    print(json.dumps(r, indent=1))
+
+
+def main(argv=None):
+    from jvllm.converters import DEFAULT_MODEL
+
+    ap = argparse.ArgumentParser(prog="jvllm", description="LLM inference on JAX")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompt", nargs="*")
+    g.add_argument("--model", default=DEFAULT_MODEL)
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    c.add_argument("--model", default=DEFAULT_MODEL)
+    c.add_argument("--system", default=None)
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat, max_tokens=256)
+
+    v = sub.add_parser("verify", help="compare jvllm's logits with transformers' on a checkpoint")
+    v.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    v.add_argument("--atol", type=float, default=None)
+    v.set_defaults(func=cmd_verify)
+
+    cv = sub.add_parser("convert", help="convert a checkpoint to an Orbax folder (params + config + tokenizer)")
+    cv.add_argument("src")
+    cv.add_argument("dst")
+    cv.add_argument("--dtype", default="float32")
+    cv.set_defaults(func=cmd_convert)
+
+    for mod in ("jvllm.server.cli", "jvllm.bench"):
+        try:
+            __import__(mod, fromlist=["register"]).register(sub)
+        except ImportError:
+            pass
+
+    a = ap.parse_args(argv)
+    if a.cmd == "verify" and a.atol is None:
+        from jvllm.verify import DEFAULT_ATOL
+
+        a.atol = DEFAULT_ATOL
+    a.func(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""AsyncEngine: one background thread owns the (not thread-safe) LLMEngine; asyncio handlers talk
+to it through a command queue and get outputs back through per-submission asyncio queues.
+
+Threading contract:
+- Only the engine thread calls `engine.add_request / abort_request / step / get_stats`. Handlers
+  put commands on a thread-safe queue; the thread drains it between steps, so an abort frees its
+  KV blocks before the next step at the latest.
+- Outputs of one step are handed to the event loop in one `loop.call_soon_threadsafe` call.
+- `Submission` objects (one per HTTP request, holding 1..k engine requests) live on the event
+  loop; everything that touches them or the admission counter runs on the loop thread.
+
+Admission ("the queue"): at most `max_num_seqs + max_queue_len` engine requests (one per prompt;
+a request with n > 1 still counts once) are admitted at a time; the first `max_num_seqs` can run,
+the rest wait, and one more is refused with `QueueFullError` (HTTP 503 + Retry-After). The
+count depends only on the order of arrivals and finishes, never on the engine's timing.
+
+Failure contract: an engine error on one request reaches it as an output with finish_reason
+"error" (LLMEngine.step does that). An exception escaping `step()` is an engine bug: the engine is
+marked dead, every open submission gets `EngineDeadError`, and /health answers 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+log = logging.getLogger("jvllm.server")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class DrainingError(RuntimeError):
+    pass
+
+
+class Submission:
+    """The engine requests of one HTTP request. Iterate `async for idx, out in sub` (idx = prompt
+    index) until every request finished; always `close()` (idempotent) in a finally: it aborts the
+    unfinished requests in the engine and gives their admission slots back."""
+
+    def __init__(self, aengine: "AsyncEngine", request_ids: list[str]):
+        self._aengine = aengine
+        self.request_ids = request_ids
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(request_ids)
+        self.arrival = time.time()
+        self.tokens0: dict[str, int] = {rid: 0 for rid in request_ids}  # tokens of choice 0, for TPOT
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator:
+        return self._iter()
+
+    async def _iter(self):
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield self.index[item.request_id], item
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        if self.unfinished:
+            self._aengine.abort(list(self.unfinished))
+        self._aengine._release(self)
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_queue_len: int = 512, metrics=None):
+        self.engine = engine
+        self.max_num_seqs = engine.sched_config.max_num_seqs
+        self.capacity = self.max_num_seqs + max_queue_len
+        self.metrics = metrics
+        self.num_admitted = 0  # loop thread only
+        self.draining = False
+        self.dead: BaseException | None = None
+        self.stats: dict = dict(engine.get_stats())  # snapshot, replaced by the engine thread
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders "check dead + enqueue" against "die + drain"
+        self._subs: dict[str, Submission] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # ------------------------------------------------------------------ lifecycle (loop thread)
+    def start(self):
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jvllm-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 10.0):
+        """Stop the engine thread: aborts what is still running (its streams end with 'abort')."""
+        self._stop = True
+        self._cmds.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and (self._thread is None or self._thread.is_alive() or self._stop)
+
+    # ------------------------------------------------------------------ requests (loop thread)
+    async def submit(self, items: list[tuple[str, object, object]]) -> Submission:
+        """Admit and queue [(request_id, prompt, SamplingParams)] all-or-nothing. Raises
+        QueueFullError / DrainingError / EngineDeadError, or the engine's ValueError/TypeError."""
+        if self.draining:
+            raise DrainingError("the server is shutting down")
+        if not self.alive:
+            raise EngineDeadError(f"the engine is dead: {self.dead!r}")
+        if self.num_admitted + len(items) > self.capacity:
+            raise QueueFullError(f"the server is full: {self.num_admitted} requests admitted, the limit is "
+                                 f"{self.capacity} (max_num_seqs {self.max_num_seqs} + max_queue_len "
+                                 f"{self.capacity - self.max_num_seqs}); retry later")
+        sub = Submission(self, [rid for rid, _, _ in items])
+        self.num_admitted += len(items)
+        fut = self._loop.create_future()
+        try:
+            with self._lock:
+                if self.dead is not None:
+                    raise EngineDeadError(f"the engine is dead: {self.dead!r}")
+                self._cmds.put(("add", items, sub, fut))
+            await fut
+        except BaseException:
+            sub.unfinished.clear()  # nothing of it is in the engine (or the abort below covers it)
+            if not fut.done() or fut.cancelled():
+                self.abort(sub.request_ids)  # cancelled while the engine thread may be adding it
+            sub.close()
+            raise
+        return sub
+
+    def abort(self, request_ids: list[str]):
+        """Thread-safe, non-blocking: the engine thread aborts them before its next step."""
+        self._cmds.put(("abort", list(request_ids)))
+
+    def _release(self, sub: Submission):
+        self.num_admitted -= len(sub.request_ids)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self):
+        eng = self.engine
+        try:
+            while not self._stop:
+                self._drain(block=not eng.has_unfinished_requests())
+                if self._stop:
+                    break
+                if eng.has_unfinished_requests():
+                    outs = eng.step()
+                    if outs:
+                        self._dispatch(outs)
+                self.stats = dict(eng.get_stats())
+        except BaseException as e:  # engine bug: the engine is dead, fail everyone
+            log.exception("the engine loop died")
+            self._die(e)
+            return
+        # shutdown: abort everything still open, and tell its consumers
+        rids = list(self._subs)
+        if rids:
+            eng.abort_request(rids)
+            subs = [self._subs.pop(r) for r in rids]
+            self._loop.call_soon_threadsafe(self._deliver_shutdown, subs)
+
+    def _drain(self, block: bool):
+        try:
+            cmd = self._cmds.get(timeout=0.2) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._handle(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd):
+        eng = self.engine
+        if cmd[0] == "abort":
+            alive = [r for r in cmd[1] if self._subs.pop(r, None) is not None]
+            if alive:
+                eng.abort_request(alive)
+            return
+        _, items, sub, fut = cmd
+        added = []
+        try:
+            for rid, prompt, params in items:
+                eng.add_request(rid, prompt, params, arrival_time=sub.arrival)
+                added.append(rid)
+        except BaseException as e:
+            if added:
+                eng.abort_request(added)
+            self._loop.call_soon_threadsafe(_set_exc, fut, e)
+            return
+        for rid in added:
+            self._subs[rid] = sub
+        self._loop.call_soon_threadsafe(_set_result, fut)
+
+    def _dispatch(self, outs):
+        batch = []
+        for out in outs:
+            sub = self._subs.get(out.request_id)
+            if sub is None:
+                continue
+            if out.finished:
+                del self._subs[out.request_id]
+            batch.append((sub, out))
+        if batch:
+            self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _die(self, e: BaseException):
+        with self._lock:
+            self.dead = e
+            pending = []
+            while True:
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd is not None and cmd[0] == "add":
+                    pending.append(cmd[3])
+        err = EngineDeadError(f"the engine died: {type(e).__name__}: {e}")
+        subs = {id(s): s for s in self._subs.values()}.values()
+        self._subs.clear()
+
+        def fail():
+            for fut in pending:
+                _set_exc(fut, err)
+            for s in subs:
+                s.queue.put_nowait(err)
+
+        try:
+            self._loop.call_soon_threadsafe(fail)
+        except RuntimeError:  # loop closed
+            pass
+
+    # ------------------------------------------------------------------ loop thread callbacks
+    def _deliver(self, batch):
+        for sub, out in batch:
+            sub.queue.put_nowait(out)
+            if sub.tokens0.get(out.request_id) is not None and out.outputs:
+                sub.tokens0[out.request_id] += len(out.outputs[0].token_ids)
+            if out.finished and self.metrics is not None:
+                self.metrics.observe_finished(out, sub.tokens0.get(out.request_id, 0))
+
+    @staticmethod
+    def _deliver_shutdown(subs):
+        for sub in subs:
+            sub.queue.put_nowait(DrainingError("the server shut down before the request finished"))
+
+
+def _set_result(fut):
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _set_exc(fut, e):
+    if not fut.done():
+        fut.set_exception(e)

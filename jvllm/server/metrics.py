@@ -1,0 +1,111 @@
+"""Prometheus metrics of one server, in the app's OWN CollectorRegistry (never the process-global
+one, so several apps in one process, e.g. tests, do not collide).
+
+Names follow vLLM's with the `jvllm:` prefix:
+  gauges    jvllm:num_requests_running, jvllm:num_requests_waiting, jvllm:num_requests_admitted,
+            jvllm:kv_cache_usage_perc (0..1), jvllm:kv_cache_free_blocks, jvllm:kv_cache_total_blocks,
+            jvllm:prefix_cache_hit_rate (0..1), jvllm:compiles_after_warmup, jvllm:engine_alive
+  counters  jvllm:prompt_tokens_total, jvllm:generation_tokens_total, jvllm:num_preemptions_total,
+            jvllm:request_success_total{finished_reason}, jvllm:request_rejected_total{reason}
+  histograms jvllm:time_to_first_token_seconds, jvllm:time_per_output_token_seconds,
+            jvllm:e2e_request_latency_seconds
+Engine gauges and counters come from the engine thread's last stats snapshot (refreshed after every
+step and every command batch, and every 0.2 s when idle), read at scrape time by a custom collector.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 10.0, 20.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0)
+
+
+class _EngineCollector:
+    def __init__(self, aengine, model_name: str):
+        self.aengine = aengine
+        self.model_name = model_name
+
+    def collect(self):
+        s = self.aengine.stats
+        lab = ["model_name"]
+        v = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=lab)
+            g.add_metric(v, float(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=lab)
+            c.add_metric(v, float(value))
+            return c
+
+        nb = s.get("num_blocks", 0)
+        yield gauge("jvllm:num_requests_running", "Sequences running in the engine.", s.get("num_running", 0))
+        yield gauge("jvllm:num_requests_waiting", "Sequences waiting for an engine slot.", s.get("num_waiting", 0))
+        yield gauge("jvllm:num_requests_admitted", "Engine requests admitted by the server (running + queued).",
+                    self.aengine.num_admitted)
+        yield gauge("jvllm:kv_cache_usage_perc", "KV block pool usage, 0..1.", s.get("kv_usage", 0.0))
+        yield gauge("jvllm:kv_cache_free_blocks", "Free KV blocks (cached-but-unused blocks count as free).",
+                    s.get("num_free_blocks", 0))
+        yield gauge("jvllm:kv_cache_total_blocks", "Usable KV blocks (the null block excluded).", max(nb - 1, 0))
+        yield gauge("jvllm:prefix_cache_hit_rate", "Prefix-cache hit rate over all prompts, 0..1.",
+                    s.get("prefix_cache_hit_rate", 0.0))
+        yield gauge("jvllm:compiles_after_warmup", "XLA compilations since warm-up (should stay 0).",
+                    s.get("compiles_after_warmup", 0))
+        yield gauge("jvllm:engine_alive", "1 while the engine loop runs.", 1 if self.aengine.alive else 0)
+        yield counter("jvllm:prompt_tokens", "Prompt tokens computed (prefill).", s.get("num_prompt_tokens", 0))
+        yield counter("jvllm:generation_tokens", "Tokens generated.", s.get("num_generation_tokens", 0))
+        yield counter("jvllm:num_preemptions", "Sequences preempted.", s.get("num_preemptions", 0))
+
+
+class ServerMetrics:
+    """Histograms and counters the server observes, plus the engine collector. `render()` is the
+    /metrics body (Prometheus text format 0.0.4)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("jvllm:time_to_first_token_seconds", "Arrival to first generated token.", lab,
+                              buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("jvllm:time_per_output_token_seconds", "Mean time per output token after the "
+                              "first, per request.", lab, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("jvllm:e2e_request_latency_seconds", "Arrival to finish.", lab,
+                             buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.success = Counter("jvllm:request_success", "Finished engine requests by finish reason.",
+                               lab + ["finished_reason"], registry=r)
+        self.rejected = Counter("jvllm:request_rejected", "HTTP requests refused before reaching the engine.",
+                                lab + ["reason"], registry=r)
+
+    def attach_engine(self, aengine):
+        self.registry.register(_EngineCollector(aengine, self.model_name))
+
+    def observe_finished(self, out, tokens0: int):
+        """Record one finished RequestOutput (engine timestamps; choice 0 carries the timing)."""
+        m = out.metrics
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.success.labels(self.model_name, reason or "unknown").inc()
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            if tokens0 > 1 and m.last_token_time is not None:
+                self.tpot.observe(max(0.0, (m.last_token_time - m.first_token_time) / (tokens0 - 1)))
+        end = m.finished_time or m.last_token_time
+        if end is not None and reason in ("stop", "length"):
+            self.e2e.observe(max(0.0, end - m.arrival_time))
+
+    def reject(self, reason: str):
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

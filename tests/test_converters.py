@@ -1,0 +1,191 @@
+"""Converters: every format, every error path, Orbax round trip."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jvllm.converters import CheckpointError, load_checkpoint, resolve_model
+from jvllm.verify import verify
+from tests.gguf_util import write_llama_gguf
+
+PROMPTS = [list(range(3, 30)), [7, 8, 9, 10]]
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_truncated_safetensors(ckpt_dir, tmp_path):
+    d = _copy(ckpt_dir("llama"), tmp_path / "m")
+    f = os.path.join(d, "model.safetensors")
+    size = os.path.getsize(f)
+    with open(f, "r+b") as fh:
+        fh.truncate(size - 100)
+    with pytest.raises(CheckpointError, match=r"truncated safetensors file: header needs \d+ bytes, file has"):
+        load_checkpoint(d)
+
+
+def test_corrupt_safetensors_header(ckpt_dir, tmp_path):
+    d = _copy(ckpt_dir("llama"), tmp_path / "m")
+    with open(os.path.join(d, "model.safetensors"), "r+b") as fh:
+        fh.seek(8)
+        fh.write(b"#garbage#")
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        load_checkpoint(d)
+
+
+def _rewrite(d, fn):
+    from safetensors.numpy import load_file, save_file
+
+    f = os.path.join(d, "model.safetensors")
+    t = load_file(f)
+    fn(t)
+    save_file(t, f, metadata={"format": "pt"})
+
+
+def test_missing_tensor(ckpt_dir, tmp_path):
+    d = _copy(ckpt_dir("llama"), tmp_path / "m")
+    _rewrite(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor.*layers\.1\.mlp\.up_proj"):
+        load_checkpoint(d)
+
+
+def test_wrong_shape(ckpt_dir, tmp_path):
+    d = _copy(ckpt_dir("llama"), tmp_path / "m")
+    _rewrite(d, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", np.zeros((16, 64), np.float32)))
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.k_proj.weight': shape \(16, 64\) but the "
+                                              r"model expects \(32, 64\)"):
+        load_checkpoint(d)
+
+
+def test_unexpected_tensor(ckpt_dir, tmp_path):
+    d = _copy(ckpt_dir("llama"), tmp_path / "m")
+    _rewrite(d, lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", np.zeros(3, np.float32)))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.mlp.extra.weight'"):
+        load_checkpoint(d)
+
+
+def test_unknown_architecture(ckpt_dir, tmp_path):
+    d = _copy(ckpt_dir("llama"), tmp_path / "m")
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\].*supported: LlamaForCausalLM"):
+        load_checkpoint(d)
+
+
+def test_truncated_bin(ckpt_dir, tmp_path):
+    d = _copy(ckpt_dir("llama", fmt="bin"), tmp_path / "m")
+    f = os.path.join(d, "pytorch_model.bin")
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    with pytest.raises(CheckpointError, match="cannot read PyTorch checkpoint"):
+        load_checkpoint(d)
+
+
+def test_missing_shard(ckpt_dir, tmp_path):
+    d = _copy(ckpt_dir("llama", fmt="sharded"), tmp_path / "m")
+    shard = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))[-1]
+    os.remove(os.path.join(d, shard))
+    with pytest.raises(CheckpointError, match=f"shard '{shard}'.*missing"):
+        load_checkpoint(d)
+
+
+def test_resolve_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a built-in name"):
+        resolve_model(str(tmp_path / "nope"))
+    assert resolve_model("smollm2").kind == "gguf"
+
+
+# ------------------------------------------------------------------------------------- GGUF
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_gguf_types_vs_transformers(ckpt_dir, tmp_path, qtype):
+    """Our GGUF reading (names, unpermute, dequantization) == transformers' reading of the file."""
+    hf = ckpt_dir("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    path = write_llama_gguf(hf, str(tmp_path / f"m-{qtype}.gguf"), lambda n, s: qtype)
+    ok, reps = verify(path, prompts=PROMPTS, atol=1e-4, log=lambda *a: None)
+    assert ok, [(r.max_abs_diff, r.top1_agreement) for r in reps]
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_kquants_vs_transformers(ckpt_dir, tmp_path, qtype):
+    hf = ckpt_dir("llama", hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, vocab_size=64, num_hidden_layers=1)
+    path = write_llama_gguf(hf, str(tmp_path / f"m-{qtype}.gguf"),
+                            lambda n, s: qtype if s[-1] % 256 == 0 and "token_embd" not in n else "F32")
+    ok, reps = verify(path, prompts=[[1, 2, 3, 4, 5, 6]], atol=1e-3, log=lambda *a: None)
+    assert ok, [(r.max_abs_diff, r.top1_agreement) for r in reps]
+
+
+def test_gguf_unsupported_type(ckpt_dir, tmp_path):
+    import gguf
+
+    hf = ckpt_dir("llama")
+    path = str(tmp_path / "iq.gguf")
+    write_llama_gguf(hf, path)
+    # rewrite one tensor's type field to IQ4_NL in place (same block size as Q4_0: it parses)
+    r = gguf.GGUFReader(path)
+    t = [t for t in r.tensors if t.name == "blk.0.ffn_up.weight"][0]
+    path2 = str(tmp_path / "iq2.gguf")
+    w = gguf.GGUFWriter(path2, "llama")
+    for k, f in r.fields.items():
+        if k.startswith("llama.") or k == "llama.vocab_size":
+            v = f.contents()
+            (w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
+    for tt in r.tensors:
+        if tt is t:
+            data = np.zeros((tt.data.shape[0], tt.data.shape[-1] // 32 * 18), np.uint8)
+            w.add_tensor(tt.name, data, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        else:
+            w.add_tensor(tt.name, np.asarray(tt.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="'blk.0.ffn_up.weight' has unsupported GGUF type IQ4_NL; supported: F32"):
+        load_checkpoint(path2)
+
+
+def test_gguf_truncated(ckpt_dir, tmp_path):
+    path = write_llama_gguf(ckpt_dir("llama"), str(tmp_path / "t.gguf"))
+    with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) - 4096)
+    with pytest.raises(CheckpointError, match=r"t\.gguf"):
+        load_checkpoint(path)
+
+
+def test_gguf_missing_tensor(ckpt_dir, tmp_path):
+    path = write_llama_gguf(ckpt_dir("llama"), str(tmp_path / "m.gguf"), drop=("blk.1.ffn_norm.weight",))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor.*layers\.1\.post_attention_layernorm"):
+        load_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------- Orbax
+def test_orbax_roundtrip(ckpt_dir, tmp_path):
+    from jvllm.cli import main
+
+    src = ckpt_dir("qwen3", tokenizer=True)
+    dst = str(tmp_path / "orbax")
+    main(["convert", src, dst])
+    assert resolve_model(dst).kind == "orbax"
+    a = load_checkpoint(src)
+    b = load_checkpoint(dst)
+    assert a.config == b.config
+    for k in a.params:
+        np.testing.assert_array_equal(np.asarray(a.params[k]), np.asarray(b.params[k]))
+    assert os.path.isfile(os.path.join(dst, "tokenizer.json"))
+
+
+def test_orbax_mismatch_is_an_error(ckpt_dir, tmp_path):
+    from jvllm.converters import convert_to_orbax
+
+    dst = str(tmp_path / "orbax")
+    convert_to_orbax(ckpt_dir("llama"), dst)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg["intermediate_size"] = 96
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="mlp"):
+        load_checkpoint(dst)
