@@ -105,10 +105,15 @@ class Scheduler:
         # n > 1: siblings share the prompt's blocks through the prefix cache, so a sibling is not
         # admitted while another one is computing the prompt (its blocks are cached after the step).
         share = self.kv.pool.enable_caching
-        in_flight_groups = {s.req.group_id for s in scheduled if s.start < s.req.num_prompt_tokens}
+        bs = self.kv.block_size
+
+        def full_prompt(r):  # tokens of the prompt that fill whole (shareable) blocks
+            return r.num_prompt_tokens // bs * bs
+
+        in_flight_groups = {s.req.group_id for s in scheduled if s.start < full_prompt(s.req)}
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
-            if share and req.group_id in in_flight_groups and req.num_prompt_tokens >= self.kv.block_size:
+            if share and req.group_id in in_flight_groups:
                 break
             hits, n_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - n_hit, budget)
@@ -122,7 +127,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n, n_hit, self.kv.block_ids(req)))
-            if n_hit < req.num_prompt_tokens:
+            if n_hit < full_prompt(req):
                 in_flight_groups.add(req.group_id)
             budget -= n
         return SchedulerOutput(scheduled, preempted, self.cfg.max_num_batched_tokens - budget)

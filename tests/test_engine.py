@@ -1,0 +1,100 @@
+"""The batched engine against transformers' greedy generation, token for token: the real SmolLM2
+and random checkpoints of each family, under preemption, chunked prefill and prefix-cache hits."""
+import numpy as np
+import pytest
+
+from jvllm import LLM, SamplingParams
+from tests.helpers import hf_greedy, hf_model
+
+N_NEW = 12
+
+
+def _prompts(rng, vocab, n=5, lo=3, hi=40):
+    return [rng.integers(3, vocab, int(k)).tolist() for k in rng.integers(lo, hi, n)]
+
+
+def _greedy(llm, prompts, n_new=N_NEW):
+    sp = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _small_llm(path, **kw):
+    kw.setdefault("max_model_len", 128)
+    kw.setdefault("max_num_batched_tokens", 32)
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("token_buckets", (8, 32))
+    return LLM(path, dtype="float32", use_tqdm_on_load=False, **kw)
+
+
+def test_smollm2_greedy_matches_transformers(smollm2_llm, smollm2_hf_dir):
+    tok = smollm2_llm.get_tokenizer()
+    texts = ["The capital of France is", "def add(a, b):", "Water boils at", "My favourite colour is"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    ours = _greedy(smollm2_llm, prompts, 16)
+    ref = hf_model(smollm2_hf_dir)
+    for p, o in zip(prompts, ours):
+        assert o == hf_greedy(ref, p, 16)
+    assert smollm2_llm.get_stats()["num_free_blocks"] == smollm2_llm.get_stats()["num_blocks"] - 1
+
+
+@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen2", "qwen3", "smollm2"])
+def test_family_greedy_batched(ckpt_dir, arch):
+    path = ckpt_dir(arch)
+    prompts = _prompts(np.random.default_rng(1), 256, n=4, lo=3, hi=30)
+    llm = _small_llm(path)
+    try:
+        assert llm.get_tokenizer() is None  # no tokenizer files: detected automatically
+        ours = _greedy(llm, prompts)
+        outs = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert outs[0].outputs[0].text == ""
+    finally:
+        llm.shutdown()
+    ref = hf_model(path)
+    for p, o in zip(prompts, ours):
+        assert o == hf_greedy(ref, p, N_NEW), (arch, p)
+
+
+@pytest.fixture(scope="module")
+def llama_ref(ckpt_dir):
+    path = ckpt_dir("llama")
+    rng = np.random.default_rng(2)
+    shared = rng.integers(3, 256, 35).tolist()
+    prompts = _prompts(rng, 256, n=6, lo=20, hi=60) + [shared + [5, 6], shared + [9, 9, 9]]
+    ref = hf_model(path)
+    return path, prompts, [hf_greedy(ref, p, N_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("case", ["preemption", "chunked_prefill", "prefix_cache", "no_prefix_cache"])
+def test_engine_modes_match_transformers(llama_ref, case):
+    path, prompts, expected = llama_ref
+    kw = {}
+    if case == "preemption":  # 12 usable blocks of 8 tokens: 8 requests of up to 70 tokens cannot all run
+        kw = dict(num_gpu_blocks_override=13, block_size=8, max_model_len=96)
+    elif case == "chunked_prefill":
+        kw = dict(max_num_batched_tokens=16, token_buckets=(8, 16), max_num_seqs=4)
+    elif case == "no_prefix_cache":
+        kw = dict(enable_prefix_caching=False)
+    llm = _small_llm(path, **kw)
+    try:
+        ours = _greedy(llm, prompts)
+        if case == "prefix_cache":
+            again = _greedy(llm, prompts)  # every prompt's full blocks now come from the cache
+            assert again == ours
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert ours == expected
+    assert stats["num_free_blocks"] == stats["num_blocks"] - 1  # no leaks
+    if case == "preemption":
+        assert stats["num_preemptions"] > 0
+    if case == "prefix_cache":
+        assert stats["prefix_cache_hit_rate"] > 0.3
+    if case == "no_prefix_cache":
+        assert stats["prefix_cache_hit_rate"] == 0.0
+    assert stats["compiles_after_warmup"] == 0
+
+
+def test_request_that_can_never_fit_is_rejected_at_start(ckpt_dir):
+    with pytest.raises(ValueError, match=r"max_model_len \(128\) needs 8 KV blocks of 16 tokens but the pool has 3"):
+        _small_llm(ckpt_dir("llama"), num_gpu_blocks_override=4)
