@@ -27,6 +27,21 @@ BUILTIN_MODELS = {
 BUILTIN_MODELS["smollm2-135m-instruct"] = BUILTIN_MODELS["smollm2"]
 DEFAULT_MODEL = "smollm2"
 
+# Random-weight models by shape ("random:NAME" or "random:/path/config.json"), for benchmarks.
+RANDOM_PRESETS = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+                      max_position_embeddings=8192),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+                       max_position_embeddings=8192),
+    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -38,6 +53,12 @@ class ModelSpec:
 def resolve_model(model: str) -> ModelSpec:
     """Map a user's model argument to a checkpoint on disk (never downloads)."""
     key = model.lower()
+    if key.startswith("random:"):
+        name = model[len("random:"):]
+        if name not in RANDOM_PRESETS and not os.path.isfile(name):
+            raise FileNotFoundError(f"random model {name!r}: not a preset ({', '.join(RANDOM_PRESETS)}) "
+                                    f"nor a config.json file")
+        return ModelSpec("random", name, model)
     if key in BUILTIN_MODELS and not os.path.exists(model):
         pkg, fn = BUILTIN_MODELS[key]
         spec = importlib.util.find_spec(pkg)
@@ -66,6 +87,12 @@ def resolve_model(model: str) -> ModelSpec:
 
 
 def hf_config_dict(spec: ModelSpec) -> dict:
+    if spec.kind == "random":
+        if spec.path in RANDOM_PRESETS:
+            return dict(model_type="llama", architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2,
+                        rms_norm_eps=1e-5, **RANDOM_PRESETS[spec.path])
+        with open(spec.path) as f:
+            return json.load(f)
     if spec.kind == "gguf":
         from .gguf import gguf_hf_config
 
@@ -77,7 +104,7 @@ def hf_config_dict(spec: ModelSpec) -> dict:
 def model_config(spec: ModelSpec):
     from jvllm.config import ModelConfig, load_hf_config
 
-    if spec.kind == "gguf":
+    if spec.kind in ("gguf", "random"):
         import transformers
 
         d = hf_config_dict(spec)
@@ -88,6 +115,8 @@ def model_config(spec: ModelSpec):
 
 def load_tokenizer(spec: ModelSpec):
     """The checkpoint's tokenizer, or None when it ships no tokenizer files."""
+    if spec.kind == "random":
+        return None
     if spec.kind == "gguf":
         from .gguf import gguf_tokenizer
 
@@ -129,6 +158,9 @@ def load_checkpoint(spec: ModelSpec | str, dtype="float32",
 
         params = restore(spec.path, specs, jdtype, shardings)
         return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
+    if spec.kind == "random":
+        params = random_device_params(specs, jdtype, shardings)
+        return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
     if put is None:
         def put(name, a):
             s = (shardings or {}).get(name)
@@ -159,3 +191,30 @@ def convert_to_orbax(src: str, dst: str, dtype="float32") -> dict:
     t0 = time.perf_counter()
     save(dst, ck.params, d, tok, source=spec.path, dtype=str(dtype))
     return {"load_s": ck.load_seconds, "save_s": time.perf_counter() - t0}
+
+
+def random_device_params(specs: dict, dtype, shardings: dict | None = None, seed: int = 0, std: float = 0.02) -> dict:
+    """Random weights generated on the device(s) in their target dtype and sharding (no host copy):
+    normal(0, std) for matrices, 1 for norm weights, 0 for biases."""
+    import jax
+    import jax.numpy as jnp
+
+    out = {}
+    key = jax.random.PRNGKey(seed)
+    fns = {}
+    for i, (name, (shape, _, _)) in enumerate(sorted(specs.items())):
+        kind = "ones" if name.endswith("norm.weight") else ("zeros" if "bias" in name else "normal")
+        sh = (shardings or {}).get(name)
+        fk = (shape, kind, sh)
+        if fk not in fns:
+            def make(k, shape=shape, kind=kind):
+                if kind == "ones":
+                    return jnp.ones(shape, dtype)
+                if kind == "zeros":
+                    return jnp.zeros(shape, dtype)
+                return (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
+
+            fns[fk] = jax.jit(make, out_shardings=sh)
+        out[name] = fns[fk](jax.random.fold_in(key, i))
+    jax.block_until_ready(list(out.values()))
+    return out
