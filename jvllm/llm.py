@@ -20,7 +20,8 @@ class LLM:
                  num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, skip_tokenizer_init: bool | None = None,
-                 token_buckets: Sequence[int] | None = None, **kwargs):
+                 token_buckets: Sequence[int] | None = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, **kwargs):
         known = {f for f in EngineConfig.__dataclass_fields__}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -31,8 +32,14 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, seed=seed,
             skip_tokenizer_init=skip_tokenizer_init, token_buckets=tuple(token_buckets) if token_buckets else None,
-            **kwargs)
-        self.llm_engine = LLMEngine(self.config)
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size, **kwargs)
+        if data_parallel_size > 1:
+            from jvllm.engine.data_parallel import DataParallelEngine
+
+            self.llm_engine = DataParallelEngine(self.config)
+        else:
+            self.llm_engine = LLMEngine(self.config)
         self._counter = 0
 
     # ------------------------------------------------------------------ API

@@ -8,6 +8,14 @@ Buckets: `token_buckets` (T); the request bucket is R = min(T, max_num_seqs), so
 compiles exactly one model program. Inputs are numpy arrays built on the host and transferred
 once per step; the host receives sampled ids (and logprobs only when some request wants them).
 
+Parallelism: the runner holds one or more pipeline *stages* (`Stage`), each a model slice with its
+own weights, KV pages and device sub-mesh (axis "tensor": tensor parallelism inside a stage is
+GSPMD over NamedSharding'd params and KV pages). With several stages a step is split into
+micro-batches that are dispatched asynchronously stage after stage, so stage s works on
+micro-batch m while stage s+1 works on m-1 (JAX's async dispatch pipelines them; chosen over one
+SPMD program with a stage axis because each stage keeps plain per-device programs and no
+collective-permute schedule is needed).
+
 Hazard: anything here that calls a jnp function eagerly with a new shape compiles a tiny XLA
 program at serving time; the compile counter (`jvllm.compile`) catches that in tests.
 """
@@ -38,13 +46,46 @@ class StepResult:
     prompt_logprobs: dict                 # row -> (positions, tok_lp, rank, top_ids, top_lp)
 
 
+@dataclasses.dataclass
+class Stage:
+    graphdef: object
+    state: object
+    mesh: object | None = None        # 1-D mesh ("tensor",) of this stage's devices; None = default device
+    kv_spec: object = None            # PartitionSpec of KV pages on `mesh`
+    kv: list | None = None
+    first: bool = True
+    last: bool = True
+
+    def sharding(self, spec=None):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, spec if spec is not None else PartitionSpec())
+
+
+def _put(x, sharding):
+    """numpy -> device array with `sharding` (also across processes in a multi-host run)."""
+    if sharding is None:
+        return x
+    if jax.process_count() > 1:
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+    return jax.device_put(x, sharding)
+
+
+def _to_host(x) -> np.ndarray:
+    if not getattr(x, "is_fully_addressable", True):  # multi-host: every process holds a replica
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
+
+
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, graphdef, state, head_w, *, dtype, block_size: int, num_blocks: int,
-                 max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
-                 query_tile: int = 8, kv_chunk_blocks: int = 16, kv_sharding=None):
+    def __init__(self, cfg: ModelConfig, graphdef=None, state=None, head_w=None, *, dtype, block_size: int,
+                 num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
+                 query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
+                 num_microbatches: int | None = None):
         self.cfg = cfg
-        self.graphdef = graphdef
-        self.state = state
+        self.stages = stages or [Stage(graphdef, state)]
         self.head_w = head_w
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
@@ -53,38 +94,59 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.token_buckets = tuple(sorted(token_buckets))
         self.query_tile = query_tile
+        self.num_microbatches = num_microbatches or len(self.stages)
         max_blocks = cdiv(max_model_len, block_size)
         self.kv_chunk_blocks = min(kv_chunk_blocks, max_blocks)
         self.table_width = cdiv(max_blocks, self.kv_chunk_blocks) * self.kv_chunk_blocks
-        self.kv_sharding = kv_sharding
-        self.kv = self._alloc_kv()
-        self._step_fn = jax.jit(self._step_impl, donate_argnums=(1,))
+        for st in self.stages:
+            st.kv = self._alloc_kv(st)
+        self._step_fns = [jax.jit(functools.partial(self._step_impl, st.graphdef, st.last), donate_argnums=(1,))
+                          for st in self.stages]
         self._sample_fn = jax.jit(functools.partial(self._sample_impl, tied=cfg.tie_word_embeddings))
         self._plp_fn = jax.jit(functools.partial(self._plp_impl, tied=cfg.tie_word_embeddings))
         self._compiled: dict = {}
+
+    # single-stage conveniences (verify, tests)
+    @property
+    def kv(self):
+        return self.stages[0].kv if len(self.stages) == 1 else [kv for st in self.stages for kv in st.kv]
+
+    @property
+    def state(self):
+        return self.stages[0].state
 
     # ------------------------------------------------------------------ memory
     def kv_shape(self):
         return (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
 
-    def _alloc_kv(self):
+    def _alloc_kv(self, st: Stage):
         shape = self.kv_shape()
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)
-        return [(zeros(), zeros()) for _ in range(self.cfg.num_layers)]
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=st.sharding(st.kv_spec))
+        return [(zeros(), zeros()) for _ in range(self._stage_num_layers(st))]
+
+    def _stage_num_layers(self, st: Stage) -> int:
+        flat = nnx.to_flat_state(st.state) if hasattr(nnx, "to_flat_state") else st.state.flat_state()
+        return len({str(path[1]) for path, _ in flat if str(path[0]) == "layers"})
 
     def release(self):
-        """Drop device buffers (weights and KV pool) so their memory returns at once."""
-        for arr in jax.tree_util.tree_leaves((self.kv, self.state, self.head_w)):
-            if isinstance(arr, jax.Array) and not arr.is_deleted():
-                arr.delete()
-        self.kv = self.state = self.head_w = None
+        """Drop device buffers (weights and KV pools) so their memory returns at once."""
+        for st in self.stages:
+            for arr in jax.tree_util.tree_leaves((st.kv, st.state)):
+                if isinstance(arr, jax.Array) and not arr.is_deleted():
+                    arr.delete()
+            st.kv = st.state = None
+        if isinstance(self.head_w, jax.Array) and not self.head_w.is_deleted():
+            self.head_w.delete()
+        self.head_w = None
         self._compiled.clear()
 
     # ------------------------------------------------------------------ programs
-    def _step_impl(self, state, kv, tokens, md):
-        model = nnx.merge(self.graphdef, state)
-        h, kv = model(tokens, kv, md, self.kv_chunk_blocks)
-        return kv, h[md.logits_indices], h
+    def _step_impl(self, graphdef, last, state, kv, x, md):
+        model = nnx.merge(graphdef, state)
+        h, kv = model(x, kv, md, self.kv_chunk_blocks)
+        if last:
+            return kv, h[md.logits_indices], h
+        return kv, h
 
     @staticmethod
     def _logits(w, h, tied):
@@ -135,7 +197,7 @@ class ModelRunner:
         """Every (kind, key) this runner compiles at warm-up."""
         out = []
         for T in self.token_buckets:
-            out.append(("step", T))
+            out += [("step", (s, T)) for s in range(len(self.stages))]
             out.append(("prompt_lp", T))
         for R in sorted({self.seq_bucket(T) for T in self.token_buckets}):
             out += [("sample", (R, False)), ("sample", (R, True))]
@@ -146,17 +208,29 @@ class ModelRunner:
             return self._compiled[(kind, key)]
         sds = jax.ShapeDtypeStruct
         hidden = self.cfg.hidden_size
+        last = self.stages[-1]
+
+        def on(st, tree):  # abstract inputs replicated on a stage's devices
+            shard = st.sharding()
+            return jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype, sharding=shard), tree)
+
+        def like(tree):
+            return jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype, sharding=a.sharding), tree)
+
         if kind == "step":
-            tokens, md, R = self._abstract_inputs(key)
-            kv_abs = jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype, sharding=a.sharding), self.kv)
-            st_abs = jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype, sharding=a.sharding), self.state)
-            exe = self._step_fn.lower(st_abs, kv_abs, tokens, md).compile()
+            s_idx, T = key
+            st = self.stages[s_idx]
+            tokens, md, R = self._abstract_inputs(T)
+            x = tokens if st.first else sds((T, hidden), self.dtype)
+            exe = self._step_fns[s_idx].lower(like(st.state), like(st.kv), on(st, x), on(st, md)).compile()
         elif kind == "sample":
             R, extras = key
             sb, ex = self._abstract_sampling(R, extras)
-            exe = self._sample_fn.lower(self.head_w, sds((R, hidden), self.dtype), sb, ex).compile()
+            exe = self._sample_fn.lower(like(self.head_w), on(last, sds((R, hidden), self.dtype)),
+                                        on(last, sb), on(last, ex)).compile()
         elif kind == "prompt_lp":
-            exe = self._plp_fn.lower(self.head_w, sds((key, hidden), self.dtype), sds((key,), jnp.int32)).compile()
+            exe = self._plp_fn.lower(like(self.head_w), on(last, sds((key, hidden), self.dtype)),
+                                     on(last, sds((key,), jnp.int32))).compile()
         else:
             raise KeyError(kind)
         self._compiled[(kind, key)] = exe
@@ -250,18 +324,72 @@ class ModelRunner:
         return sb, ex, want_lp
 
     # ------------------------------------------------------------------ execute
+    def _microbatches(self, scheduled):
+        """Split a step into up to `num_microbatches` groups of whole requests, balanced by tokens
+        (only with several pipeline stages; one group otherwise)."""
+        m = min(self.num_microbatches, len(scheduled)) if len(self.stages) > 1 else 1
+        if m <= 1:
+            return [list(enumerate(scheduled))]
+        total = sum(s.num_tokens for s in scheduled)
+        groups, cur, acc = [], [], 0
+        for i, s in enumerate(scheduled):
+            cur.append((i, s))
+            acc += s.num_tokens
+            if acc >= total * (len(groups) + 1) / m and len(groups) < m - 1:
+                groups.append(cur)
+                cur = []
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def dispatch(self, scheduled):
+        """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`."""
+        pending = []
+        for group in self._microbatches(scheduled):
+            sched = [s for _, s in group]
+            T, R, tokens, md = self.prepare(sched)
+            x = tokens
+            for s_idx, st in enumerate(self.stages):
+                shard = st.sharding()
+                md_s = jax.tree_util.tree_map(lambda a: _put(a, shard), md) if shard is not None else md
+                x = _put(x, shard) if isinstance(x, np.ndarray) else (
+                    jax.device_put(x, shard) if shard is not None else x)
+                out = self.compile("step", (s_idx, T))(st.state, st.kv, x, md_s)
+                st.kv = out[0]
+                x = out[-1]
+            _, last_h, all_h = out
+            sb, ex, want_lp = self._sampling_inputs(sched, R)
+            shard = self.stages[-1].sharding()
+            if shard is not None:
+                sb, ex = jax.tree_util.tree_map(lambda a: _put(np.asarray(a), shard), (sb, ex))
+            tok, lp = self.compile("sample", (R, ex is not None))(self.head_w, last_h, sb, ex)
+            plp = {}
+            if any(s.req.needs_prompt_logprobs for s in sched):
+                plp = self._prompt_logprobs(sched, T, all_h)
+            pending.append((group, tok, lp if want_lp else None, plp))
+        return len(scheduled), pending
+
+    def collect(self, handle) -> StepResult:
+        """Wait for a dispatched step and bring its sampled ids (and logprobs) to the host."""
+        n, pending = handle
+        token_ids = np.zeros(n, np.int32)
+        lps = None
+        plp_all = {}
+        for group, tok, lp, plp in pending:
+            rows = [i for i, _ in group]
+            token_ids[rows] = _to_host(tok)[: len(rows)]
+            if lp is not None:
+                if lps is None:
+                    lps = (np.zeros(n, np.float32), np.zeros(n, np.int32),
+                           np.zeros((n, NUM_TOP_LOGPROBS), np.int32), np.zeros((n, NUM_TOP_LOGPROBS), np.float32))
+                for dst, src in zip(lps, lp):
+                    dst[rows] = _to_host(src)[: len(rows)]
+            for local, v in plp.items():
+                plp_all[rows[local]] = (v[0], *(_to_host(a) for a in v[1:]))
+        return StepResult(token_ids, lps, plp_all)
+
     def execute(self, scheduled) -> StepResult:
-        T, R, tokens, md = self.prepare(scheduled)
-        step = self.compile("step", T)
-        self.kv, last_h, all_h = step(self.state, self.kv, tokens, md)
-        sb, ex, want_lp = self._sampling_inputs(scheduled, R)
-        tok, lp = self.compile("sample", (R, ex is not None))(self.head_w, last_h, sb, ex)
-        plp = {}
-        if any(s.req.needs_prompt_logprobs for s in scheduled):
-            plp = self._prompt_logprobs(scheduled, T, all_h)
-        token_ids = np.asarray(tok)[: len(scheduled)]
-        lps = tuple(np.asarray(a)[: len(scheduled)] for a in lp) if want_lp else None
-        return StepResult(token_ids, lps, plp)
+        return self.collect(self.dispatch(scheduled))
 
     def _prompt_logprobs(self, scheduled, T, all_h):
         targets = np.zeros(T, np.int32)
@@ -279,7 +407,8 @@ class ModelRunner:
             off += s.num_tokens
         if not spans:
             return {}
-        out = [np.asarray(a) for a in self.compile("prompt_lp", T)(self.head_w, all_h, targets)]
+        shard = self.stages[-1].sharding()
+        out = [_to_host(a) for a in self.compile("prompt_lp", T)(self.head_w, all_h, _put(targets, shard))]
         return {r: (pos, *(a[o:o + len(pos)] for a in out)) for r, (o, pos) in spans.items()}
 
     # ------------------------------------------------------------------ one-off forward
@@ -302,7 +431,10 @@ class ModelRunner:
             T, R, tokens, md = self.prepare(sched)
         finally:
             self.token_buckets = saved
-        self.kv, _, h = self._step_fn(self.state, self.kv, tokens, md)
+        if len(self.stages) != 1:
+            raise ValueError("sequence_logits needs a single-stage runner")
+        st = self.stages[0]
+        st.kv, _, h = self._step_fns[0](st.state, st.kv, tokens, md)
         return np.asarray(self._logits_fn(self.head_w, h))
 
     @functools.cached_property

@@ -46,6 +46,10 @@ class EngineConfig:
     kv_chunk_blocks: int = 16
     compilation_cache_dir: str | None = None
     use_tqdm_on_load: bool = True
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
 
 
 def _on_accelerator() -> bool:
@@ -78,10 +82,10 @@ class RequestGroup:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, devices=None):
+        """`devices`: the devices of this engine (a data-parallel replica gets a slice); default all."""
         from jvllm import compile as jcompile
-        from jvllm.converters import load_checkpoint, load_tokenizer, resolve_model
-        from jvllm.models import bind
+        from jvllm.converters import load_checkpoint, load_tokenizer, model_config, resolve_model
         from jvllm.runner import ModelRunner
 
         jcompile.install_counter()
@@ -91,8 +95,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
-        ckpt = load_checkpoint(spec, self.dtype)
-        self.model_config: ModelConfig = ckpt.config
+        self.model_config: ModelConfig = model_config(spec)
+        layout = self._layout(config, devices)
+        ckpt = load_checkpoint(spec, self.dtype, shardings=layout["shardings"])
         self.load_seconds = ckpt.load_seconds
         self.tokenizer = None
         if config.skip_tokenizer_init is not True:
@@ -102,8 +107,8 @@ class LLMEngine:
         mc = self.model_config
         self.eos_token_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None else ())
-        graphdef, state = bind(mc, ckpt.params, self.dtype)
-        head_w = ckpt.params["embed"] if mc.tie_word_embeddings else ckpt.params["lm_head"]
+        stages, head_w = self._build_stages(layout, ckpt.params)
+        self.num_stages = len(stages)
 
         acc = _on_accelerator()
         max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -123,10 +128,12 @@ class LLMEngine:
                                         enable_prefix_caching=config.enable_prefix_caching)
 
         def make_runner(num_blocks):
-            return ModelRunner(mc, graphdef, state, head_w, dtype=self.dtype, block_size=bs,
+            return ModelRunner(mc, head_w=head_w, dtype=self.dtype, block_size=bs,
                                num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=mns,
                                token_buckets=buckets, query_tile=config.query_tile,
-                               kv_chunk_blocks=config.kv_chunk_blocks)
+                               kv_chunk_blocks=config.kv_chunk_blocks,
+                               stages=[dataclasses.replace(st, kv=None) for st in stages],
+                               num_microbatches=config.num_microbatches)
 
         num_blocks = self._num_blocks(mc, max_model_len, mns, make_runner)
         need = cdiv(max_model_len, bs)
@@ -147,10 +154,62 @@ class LLMEngine:
         self.compiles_after_warmup_base = jcompile.compile_count()
         self.init_seconds = time.perf_counter() - t0
 
+    # ------------------------------------------------------------------ parallel layout
+    def _layout(self, config: EngineConfig, devices) -> dict:
+        """Mesh, stage meshes and per-parameter shardings for TP x PP (None when on one device)."""
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        mc = self.model_config
+        if tp * pp == 1 and devices is None:
+            return dict(shardings=None, stage_meshes=[None], ranges=[(0, mc.num_layers)], rules=None)
+        from jax.sharding import NamedSharding
+
+        from jvllm.models import param_specs, stage_layers, stage_names
+        from jvllm.sharding import make_mesh, partition_spec, stage_mesh, tensor_parallel_rules
+
+        rules = tensor_parallel_rules(mc, tp)
+        mesh = make_mesh(tensor=tp, stage=pp, data=1, devices=devices)
+        ranges = stage_layers(mc.num_layers, pp)
+        meshes = [stage_mesh(mesh, 0, s) for s in range(pp)]
+        shardings = {}
+        for m, r in zip(meshes, ranges):
+            local = param_specs(mc, self.dtype, r)
+            for g, name in stage_names(mc, r).items():
+                shardings[g] = NamedSharding(m, partition_spec(local[name][2], rules))
+        self.mesh = mesh
+        return dict(shardings=shardings, stage_meshes=meshes, ranges=ranges, rules=rules)
+
+    def _build_stages(self, layout, params):
+        from jvllm.models import bind, stage_names
+        from jvllm.runner import Stage
+
+        mc = self.model_config
+        stages = []
+        n = len(layout["ranges"])
+        kv_spec = None
+        if layout["rules"] is not None:
+            from jvllm.sharding import partition_spec
+
+            kv_spec = partition_spec(("kv_blocks", "block", "kv_heads", "head_dim"),
+                                     dict(layout["rules"], kv_blocks=None, block=None))
+        for s, (m, r) in enumerate(zip(layout["stage_meshes"], layout["ranges"])):
+            names = stage_names(mc, r) if n > 1 else {k: k for k in params}
+            g, st = bind(mc, {local: params[glob] for glob, local in names.items()}, self.dtype, layers=r)
+            stages.append(Stage(g, st, mesh=m, kv_spec=kv_spec, first=s == 0, last=s == n - 1))
+        head_w = params["embed"] if mc.tie_word_embeddings else params["lm_head"]
+        if mc.tie_word_embeddings and n > 1:  # the last stage needs its own copy of the tied head
+            head_w = jax.device_put(head_w, jax.sharding.NamedSharding(layout["stage_meshes"][-1],
+                                                                       head_w.sharding.spec))
+        return stages, head_w
+
     # ------------------------------------------------------------------ memory sizing
     def kv_bytes_per_block(self, mc: ModelConfig | None = None) -> int:
+        """Bytes one block takes on the most loaded device (stage 0's layers, its share of KV heads)."""
         mc = mc or self.model_config
-        return 2 * mc.num_layers * self.cache_config.block_size * mc.num_kv_heads * mc.head_dim * jnp.dtype(self.dtype).itemsize
+        cfg = self.config
+        layers = -(-mc.num_layers // cfg.pipeline_parallel_size)
+        tp = cfg.tensor_parallel_size
+        heads = mc.num_kv_heads // tp if mc.num_kv_heads % tp == 0 else mc.num_kv_heads
+        return 2 * layers * self.cache_config.block_size * heads * mc.head_dim * jnp.dtype(self.dtype).itemsize
 
     def _num_blocks(self, mc: ModelConfig, max_model_len: int, max_num_seqs: int, make_runner) -> int:
         cc = self.cache_config
@@ -279,6 +338,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and post-process one batch."""
+        return self.step_collect(self.step_dispatch())
+
+    def step_dispatch(self):
+        """Schedule a batch and enqueue it on the device(s) without waiting (data-parallel replicas
+        dispatch all, then collect all, so they run at the same time)."""
         sched = self.scheduler.schedule()
         if sched.empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -286,17 +351,28 @@ class LLMEngine:
                 req = self.scheduler.waiting[0]
                 req.error = "request does not fit in the KV cache"
                 self.scheduler.finish(req, Status.FINISHED_ERROR)
-                return self._outputs({req.group_id})
-            return []
-        now = time.time()
+                return ("outputs", self._outputs({req.group_id}))
+            return ("outputs", [])
         try:
-            res = self.runner.execute(sched.scheduled)
+            return ("step", sched, self.runner.dispatch(sched.scheduled))
+        except Exception as e:
+            return ("error", sched, e)
+
+    def step_collect(self, handle) -> list[RequestOutput]:
+        if handle[0] == "outputs":
+            return handle[1]
+        sched = handle[1]
+        try:
+            if handle[0] == "error":
+                raise handle[2]
+            res = self.runner.collect(handle[2])
         except Exception as e:  # an engine error fails the requests of this step, not the engine
             log.exception("step failed")
             for s in sched.scheduled:
                 s.req.error = f"{type(e).__name__}: {e}"
                 self.scheduler.finish(s.req, Status.FINISHED_ERROR)
             return self._outputs({s.req.group_id for s in sched.scheduled})
+        now = time.time()
         self.scheduler.update_after_step(sched)
         self.stats["num_steps"] += 1
         touched = set()

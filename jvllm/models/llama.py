@@ -109,25 +109,30 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
-        self.config = cfg
-        self.embed = declare((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = _List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = declare((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+    """The whole model, or one pipeline stage of it: `layers=(start, end)` builds only those
+    decoder layers (named layers.0 .. layers.{end-start-1} here), the embedding when start == 0
+    and the final norm (+ untied LM head) when end == num_layers. A stage's input is token ids if
+    it is the first, else the previous stage's hidden states."""
 
-    def __call__(self, tokens, kv, md: AttentionMetadata, kv_chunk_blocks: int = 16):
-        x = self.embed[...][tokens]
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, layers: tuple[int, int] | None = None):
+        start, end = layers or (0, cfg.num_layers)
+        self.config = cfg
+        self.first, self.last = start == 0, end == cfg.num_layers
+        if self.first:
+            self.embed = declare((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = _List([DecoderLayer(cfg, i, dtype) for i in range(start, end)])
+        if self.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            if not cfg.tie_word_embeddings:
+                self.lm_head = declare((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+
+    def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks: int = 16):
+        if self.first:
+            x = self.embed[...][x]
         inv_np, rope_scale = rope_inv_freq(self.config)  # trace-time constants
         inv = jnp.asarray(inv_np, jnp.float32)
         new_kv = []
         for layer, layer_kv in zip(self.layers, kv):
             x, layer_kv = layer(x, layer_kv, md, inv, rope_scale, kv_chunk_blocks)
             new_kv.append(layer_kv)
-        return self.norm(x), new_kv
-
-    def logits(self, h):
-        """h [N, embed] -> float32 logits [N, vocab]."""
-        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+        return (self.norm(x) if self.last else x), new_kv

@@ -1,0 +1,65 @@
+"""Device meshes for tensor / pipeline / data parallelism, and multi-host start-up.
+
+A jvllm mesh has the named axes ("data", "stage", "tensor"). Data-parallel replicas are separate
+engines (each with its own scheduler and KV pool) on the sub-meshes `mesh.devices[d]`; pipeline
+stages are the sub-meshes `mesh.devices[d, s]` with the single axis "tensor".
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+AXES = ("data", "stage", "tensor")
+
+
+def make_mesh(tensor: int = 1, stage: int = 1, data: int = 1, devices=None) -> Mesh:
+    """A (data, stage, tensor) mesh over the first data*stage*tensor devices.
+
+    Raises ValueError naming the sizes when there are not enough devices."""
+    for name, v in (("tensor_parallel_size", tensor), ("pipeline_parallel_size", stage),
+                    ("data_parallel_size", data)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    devices = list(devices if devices is not None else jax.devices())
+    n = tensor * stage * data
+    if n > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size ({tensor}) x pipeline_parallel_size ({stage}) x data_parallel_size ({data}) "
+            f"= {n} devices, but only {len(devices)} are available ({devices[0].platform})")
+    return Mesh(np.asarray(devices[:n], dtype=object).reshape(data, stage, tensor), AXES)
+
+
+def stage_mesh(mesh: Mesh, data_index: int, stage_index: int) -> Mesh:
+    return Mesh(mesh.devices[data_index, stage_index], ("tensor",))
+
+
+def replica_mesh(mesh: Mesh, data_index: int) -> Mesh:
+    return Mesh(mesh.devices[data_index], ("stage", "tensor"))
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, local_device_count: int | None = None) -> bool:
+    """`jax.distributed.initialize` from arguments or the environment (JVLLM_COORDINATOR,
+    JVLLM_NUM_PROCESSES, JVLLM_PROCESS_ID). Returns True when a multi-process run was started.
+
+    Every process must then build the same LLM and submit the same requests in the same order:
+    the scheduler is deterministic, so all processes take the same decisions step by step (process
+    0's, which the others replay), and each reads sampled ids from its local replica."""
+    addr = coordinator_address or os.environ.get("JVLLM_COORDINATOR")
+    n = num_processes or (int(os.environ["JVLLM_NUM_PROCESSES"]) if "JVLLM_NUM_PROCESSES" in os.environ else None)
+    pid = process_id if process_id is not None else (
+        int(os.environ["JVLLM_PROCESS_ID"]) if "JVLLM_PROCESS_ID" in os.environ else None)
+    if not addr or not n or n <= 1:
+        return False
+    if pid is None:
+        raise ValueError("multi-process run: process_id (or JVLLM_PROCESS_ID) is required")
+    if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kw = {}
+    if local_device_count:
+        kw["local_device_ids"] = list(range(local_device_count))
+    jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid, **kw)
+    return True
