@@ -56,8 +56,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         return False
     if pid is None:
         raise ValueError("multi-process run: process_id (or JVLLM_PROCESS_ID) is required")
-    if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # CPU collectives across processes (affects only the CPU backend; must not touch the backend here)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kw = {}
     if local_device_count:
         kw["local_device_ids"] = list(range(local_device_count))

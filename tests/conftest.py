@@ -9,6 +9,9 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JVLLM_CACHE_DIR", "off")
+# 8 fake CPU devices for the sharding tests (single-device engines use device 0)
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
