@@ -168,14 +168,23 @@ class ModelRunner:
     def seq_bucket(self, t_bucket: int) -> int:
         return min(t_bucket, self.max_num_seqs)
 
-    def _abstract_inputs(self, T: int):
+    def tiling(self, T: int, decode: bool) -> tuple[int, int]:
+        """(query tile size, number of tiles) of a bucket. A decode-only step (every request one
+        token) uses tiles of one query, so attention does no padded-query work; a mixed step uses
+        `query_tile` (each tile reads its request's pages once)."""
         R = self.seq_bucket(T)
-        NT = R + cdiv(T, self.query_tile)
+        if decode:
+            return 1, R
+        return self.query_tile, R + cdiv(T, self.query_tile)
+
+    def _abstract_inputs(self, T: int, decode: bool = False):
+        R = self.seq_bucket(T)
+        Qt, NT = self.tiling(T, decode)
         i32 = jnp.int32
         sds = jax.ShapeDtypeStruct
         md = AttentionMetadata(positions=sds((T,), i32), slot_mapping=sds((T,), i32),
                                block_tables=sds((R, self.table_width), i32),
-                               tile_token_idx=sds((NT, self.query_tile), i32), tile_req=sds((NT,), i32),
+                               tile_token_idx=sds((NT, Qt), i32), tile_req=sds((NT,), i32),
                                logits_indices=sds((R,), i32))
         return sds((T,), i32), md, R
 
@@ -197,7 +206,9 @@ class ModelRunner:
         """Every (kind, key) this runner compiles at warm-up."""
         out = []
         for T in self.token_buckets:
-            out += [("step", (s, T)) for s in range(len(self.stages))]
+            out += [("step", (s, T, False)) for s in range(len(self.stages))]
+            if T <= self.max_num_seqs:  # decode-only variant: T tokens = T requests
+                out += [("step", (s, T, True)) for s in range(len(self.stages))]
             out.append(("prompt_lp", T))
         for R in sorted({self.seq_bucket(T) for T in self.token_buckets}):
             out += [("sample", (R, False)), ("sample", (R, True))]
@@ -218,9 +229,9 @@ class ModelRunner:
             return jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype, sharding=a.sharding), tree)
 
         if kind == "step":
-            s_idx, T = key
+            s_idx, T, decode = key
             st = self.stages[s_idx]
-            tokens, md, R = self._abstract_inputs(T)
+            tokens, md, R = self._abstract_inputs(T, decode)
             x = tokens if st.first else sds((T, hidden), self.dtype)
             exe = self._step_fns[s_idx].lower(like(st.state), like(st.kv), on(st, x), on(st, md)).compile()
         elif kind == "sample":
@@ -237,15 +248,17 @@ class ModelRunner:
         return exe
 
     # ------------------------------------------------------------------ host inputs
-    def prepare(self, scheduled):
-        """numpy inputs for one step from a list of ScheduledRequest."""
+    def prepare(self, scheduled, allow_decode: bool = True):
+        """numpy inputs for one step from a list of ScheduledRequest:
+        (T bucket, R bucket, decode-only?, tokens, AttentionMetadata)."""
         n_tok = sum(s.num_tokens for s in scheduled)
         T = self.bucket(n_tok)
         R = self.seq_bucket(T)
         if len(scheduled) > R:
             raise ValueError(f"{len(scheduled)} requests exceed the request bucket {R}")
-        Qt, bs = self.query_tile, self.block_size
-        NT = R + cdiv(T, Qt)
+        decode = allow_decode and n_tok == len(scheduled) and T <= self.max_num_seqs
+        bs = self.block_size
+        Qt, NT = self.tiling(T, decode)
         tokens = np.zeros(T, np.int32)
         positions = np.full(T, -1, np.int32)
         slots = np.full(T, self.num_blocks * bs, np.int32)  # out of range: dropped
@@ -271,7 +284,7 @@ class ModelRunner:
             off += n
         md = AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=tables,
                                tile_token_idx=tile_idx, tile_req=tile_req, logits_indices=logits_idx)
-        return T, R, tokens, md
+        return T, R, decode, tokens, md
 
     def _sampling_inputs(self, scheduled, R: int):
         V = self.cfg.vocab_size
@@ -347,14 +360,14 @@ class ModelRunner:
         pending = []
         for group in self._microbatches(scheduled):
             sched = [s for _, s in group]
-            T, R, tokens, md = self.prepare(sched)
+            T, R, decode, tokens, md = self.prepare(sched)
             x = tokens
             for s_idx, st in enumerate(self.stages):
                 shard = st.sharding()
                 md_s = jax.tree_util.tree_map(lambda a: _put(a, shard), md) if shard is not None else md
                 x = _put(x, shard) if isinstance(x, np.ndarray) else (
                     jax.device_put(x, shard) if shard is not None else x)
-                out = self.compile("step", (s_idx, T))(st.state, st.kv, x, md_s)
+                out = self.compile("step", (s_idx, T, decode))(st.state, st.kv, x, md_s)
                 st.kv = out[0]
                 x = out[-1]
             _, last_h, all_h = out
@@ -428,7 +441,7 @@ class ModelRunner:
         saved = self.token_buckets
         self.token_buckets = (n,)
         try:
-            T, R, tokens, md = self.prepare(sched)
+            T, R, _, tokens, md = self.prepare(sched, allow_decode=False)
         finally:
             self.token_buckets = saved
         if len(self.stages) != 1:
