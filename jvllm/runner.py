@@ -83,7 +83,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, graphdef=None, state=None, head_w=None, *, dtype, block_size: int,
                  num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
                  query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
-                 num_microbatches: int | None = None):
+                 num_microbatches: int | None = None, attention_backend: str = "auto"):
         self.cfg = cfg
         self.stages = stages or [Stage(graphdef, state)]
         self.head_w = head_w
@@ -95,13 +95,19 @@ class ModelRunner:
         self.token_buckets = tuple(sorted(token_buckets))
         self.query_tile = query_tile
         self.num_microbatches = num_microbatches or len(self.stages)
+        if attention_backend == "auto":
+            attention_backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+        if attention_backend not in ("xla", "pallas", "pallas_interpret"):
+            raise ValueError(f"attention_backend must be auto, xla, pallas or pallas_interpret, got {attention_backend!r}")
+        self.attention_backend = attention_backend
         max_blocks = cdiv(max_model_len, block_size)
         self.kv_chunk_blocks = min(kv_chunk_blocks, max_blocks)
         self.table_width = cdiv(max_blocks, self.kv_chunk_blocks) * self.kv_chunk_blocks
         for st in self.stages:
             st.kv = self._alloc_kv(st)
-        self._step_fns = [jax.jit(functools.partial(self._step_impl, st.graphdef, st.last), donate_argnums=(1,))
-                          for st in self.stages]
+        self._step_fns = {(i, dec): jax.jit(functools.partial(
+            self._step_impl, st.graphdef, st.last, self.attention_backend if dec else "xla"), donate_argnums=(1,))
+            for i, st in enumerate(self.stages) for dec in (False, True)}
         self._sample_fn = jax.jit(functools.partial(self._sample_impl, tied=cfg.tie_word_embeddings))
         self._plp_fn = jax.jit(functools.partial(self._plp_impl, tied=cfg.tie_word_embeddings))
         self._compiled: dict = {}
@@ -117,7 +123,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     def kv_shape(self):
-        return (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return (self.cfg.num_kv_heads, self.num_blocks, self.block_size, self.cfg.head_dim)
 
     def _alloc_kv(self, st: Stage):
         shape = self.kv_shape()
@@ -141,9 +147,9 @@ class ModelRunner:
         self._compiled.clear()
 
     # ------------------------------------------------------------------ programs
-    def _step_impl(self, graphdef, last, state, kv, x, md):
+    def _step_impl(self, graphdef, last, attention, state, kv, x, md):
         model = nnx.merge(graphdef, state)
-        h, kv = model(x, kv, md, self.kv_chunk_blocks)
+        h, kv = model(x, kv, md, self.kv_chunk_blocks, attention)
         if last:
             return kv, h[md.logits_indices], h
         return kv, h
@@ -233,7 +239,7 @@ class ModelRunner:
             st = self.stages[s_idx]
             tokens, md, R = self._abstract_inputs(T, decode)
             x = tokens if st.first else sds((T, hidden), self.dtype)
-            exe = self._step_fns[s_idx].lower(like(st.state), like(st.kv), on(st, x), on(st, md)).compile()
+            exe = self._step_fns[(s_idx, decode)].lower(like(st.state), like(st.kv), on(st, x), on(st, md)).compile()
         elif kind == "sample":
             R, extras = key
             sb, ex = self._abstract_sampling(R, extras)
@@ -447,7 +453,7 @@ class ModelRunner:
         if len(self.stages) != 1:
             raise ValueError("sequence_logits needs a single-stage runner")
         st = self.stages[0]
-        st.kv, _, h = self._step_fns[0](st.state, st.kv, tokens, md)
+        st.kv, _, h = self._step_fns[(0, False)](st.state, st.kv, tokens, md)
         return np.asarray(self._logits_fn(self.head_w, h))
 
     @functools.cached_property

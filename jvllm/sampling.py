@@ -54,13 +54,21 @@ def apply_extras(logits, ex: SamplingExtras):
     return logits.at[rows, bias_ids].add(ex.bias_vals, mode="drop")
 
 
-def _random_sample(x, sb: SamplingBatch):
+TOPK_CANDIDATES = 1024
+
+
+def _gumbel(sb: SamplingBatch, n: int):
+    def one(kd, c):
+        key = jax.random.fold_in(jax.random.wrap_key_data(kd, impl="threefry2x32"), c)
+        return jax.random.gumbel(key, (n,), jnp.float32)
+
+    return jax.vmap(one)(sb.key_data, sb.counter)
+
+
+def _sorted_sample(x, sb: SamplingBatch):
+    """Exact top_k / top_p over the whole vocabulary with one full sort (slow on CPUs: the
+    fallback when the candidates below cannot decide a row)."""
     R, V = x.shape
-    x = x / jnp.maximum(sb.temperature, 1e-5)[:, None]
-    # min_p on the full (temperature-scaled) distribution
-    probs = jax.nn.softmax(x, axis=-1)
-    x = jnp.where(probs < sb.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
-    # sort once (descending) for top_k and top_p
     iota = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (R, V))
     neg_sorted, idx = jax.lax.sort_key_val(-x, iota, dimension=-1)
     xs = -neg_sorted
@@ -69,14 +77,43 @@ def _random_sample(x, sb: SamplingBatch):
     ps = jax.nn.softmax(xs, axis=-1)
     before = jnp.cumsum(ps, axis=-1) - ps
     xs = jnp.where((before >= sb.top_p[:, None]) & (sb.top_p[:, None] < 1.0) & (rank > 0), -jnp.inf, xs)
-
-    def gumbel(kd, c):
-        key = jax.random.fold_in(jax.random.wrap_key_data(kd, impl="threefry2x32"), c)
-        return jax.random.gumbel(key, (V,), jnp.float32)
-
-    g = jax.vmap(gumbel)(sb.key_data, sb.counter)
-    choice = jnp.argmax(xs + g, axis=-1)
+    choice = jnp.argmax(xs + _gumbel(sb, V), axis=-1)
     return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+
+
+def _random_sample(x, sb: SamplingBatch):
+    """temperature -> min_p -> top_k -> top_p -> Gumbel-max draw, exactly.
+
+    Fast path: rows without top_k/top_p draw over the whole vocabulary (no sort); rows with them
+    draw among the `TOPK_CANDIDATES` best tokens (lax.top_k), which is exact when top_k fits and
+    the top_p nucleus lies inside them. If any row's does not, the step takes the full-sort path."""
+    R, V = x.shape
+    x = x / jnp.maximum(sb.temperature, 1e-5)[:, None]
+    probs = jax.nn.softmax(x, axis=-1)
+    x = jnp.where(probs < sb.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+    K = min(TOPK_CANDIDATES, V)
+    trunc = (sb.top_k < V) | (sb.top_p < 1.0)
+    cand, idx = jax.lax.top_k(x, K)
+    rank = jnp.arange(K, dtype=jnp.int32)[None, :]
+    cand = jnp.where(rank >= sb.top_k[:, None], -jnp.inf, cand)
+    # nucleus inside the candidates: mass relative to the full (top_k-filtered) distribution
+    lse_all = jnp.where((sb.top_k < V)[:, None], jax.nn.logsumexp(cand, axis=-1, keepdims=True),
+                        jax.nn.logsumexp(x, axis=-1, keepdims=True))
+    pc = jnp.exp(cand - lse_all)
+    cum = jnp.cumsum(pc, axis=-1)
+    before = cum - pc
+    cand = jnp.where((before >= sb.top_p[:, None]) & (sb.top_p[:, None] < 1.0) & (rank > 0), -jnp.inf, cand)
+    decided = ((sb.top_k <= K) | (sb.top_k >= V)) & ((sb.top_p >= 1.0) | (cum[:, -1] >= sb.top_p))
+    need_sort = jnp.any(trunc & ~decided)
+
+    def fast():
+        g = _gumbel(sb, V)
+        full = jnp.argmax(x + g, axis=-1)
+        gi = jnp.take_along_axis(g, idx, axis=-1)
+        part = jnp.take_along_axis(idx, jnp.argmax(cand + gi, axis=-1)[:, None], axis=-1)[:, 0]
+        return jnp.where(trunc, part, full).astype(jnp.int32)
+
+    return jax.lax.cond(need_sort, lambda: _sorted_sample(x, sb).astype(jnp.int32), fast)
 
 
 def logprob_outputs(logits, tokens):

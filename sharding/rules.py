@@ -63,8 +63,8 @@ def param_shardings(specs: dict, mesh, rules: dict) -> dict:
 
 
 def kv_sharding(mesh, rules: dict) -> NamedSharding:
-    """KV pages [num_blocks, block_size, kv_heads, head_dim]: sharded by KV heads."""
-    return NamedSharding(mesh, partition_spec(("kv_blocks", "block", "kv_heads", "head_dim"),
+    """KV pages [kv_heads, num_blocks, block_size, head_dim]: sharded by KV heads."""
+    return NamedSharding(mesh, partition_spec(("kv_heads", "kv_blocks", "block", "head_dim"),
                                               dict(rules, kv_blocks=None, block=None)))
 
 

@@ -98,3 +98,13 @@ def test_engine_modes_match_transformers(llama_ref, case):
 def test_request_that_can_never_fit_is_rejected_at_start(ckpt_dir):
     with pytest.raises(ValueError, match=r"max_model_len \(128\) needs 8 KV blocks of 16 tokens but the pool has 3"):
         _small_llm(ckpt_dir("llama"), num_gpu_blocks_override=4)
+
+
+def test_pallas_decode_kernel_matches_xla(llama_ref):
+    """Decode steps through JAX's Pallas paged-attention kernel (interpret mode on the CPU)."""
+    path, prompts, expected = llama_ref
+    llm = _small_llm(path, attention_backend="pallas_interpret", token_buckets=(8, 32), max_num_seqs=8)
+    try:
+        assert _greedy(llm, prompts[:3], 6) == [e[:6] for e in expected[:3]]
+    finally:
+        llm.shutdown()

@@ -231,3 +231,24 @@ def test_chat(smollm2_llm):
                            SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0]
     assert "4" in out.outputs[0].text
     assert "<|im_start|>assistant" in out.prompt
+
+
+def test_large_vocab_candidates_and_fallback():
+    """Over TOPK_CANDIDATES tokens: top_k / a narrow nucleus use the candidate path; a nucleus
+    wider than the candidates falls back to the exact full sort (draws beyond the candidates)."""
+    from jvllm.sampling import TOPK_CANDIDATES
+
+    Vl, R = 3000, 4000
+    rng = np.random.default_rng(1)
+    peaked = rng.normal(0, 4, Vl).astype(np.float32)
+    sb = lambda **kw: SamplingBatch(  # noqa: E731
+        temperature=jnp.ones((R,)), top_k=jnp.full((R,), kw.get("top_k", Vl), jnp.int32),
+        top_p=jnp.full((R,), kw.get("top_p", 1.0), jnp.float32), min_p=jnp.zeros((R,)),
+        key_data=jnp.asarray(np.stack([np.zeros(R), np.arange(R)], 1), jnp.uint32),
+        counter=jnp.zeros((R,), jnp.int32), want_logprobs=jnp.asarray(False))
+    tok, _ = _sample(jnp.broadcast_to(jnp.asarray(peaked), (R, Vl)), sb(top_k=5), None)
+    assert set(np.asarray(tok).tolist()) == set(np.argsort(-peaked)[:5].tolist())
+    flat = np.zeros(Vl, np.float32)
+    tok, _ = _sample(jnp.broadcast_to(jnp.asarray(flat), (R, Vl)), sb(top_p=0.9), None)
+    drawn = set(np.asarray(tok).tolist())
+    assert len(drawn) > TOPK_CANDIDATES  # the nucleus (2700 tokens) was not cut to the candidates

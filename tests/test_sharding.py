@@ -61,7 +61,7 @@ def test_stage_weights_and_kv_live_on_their_own_devices(base):
             for st in stages]
     assert devs == [{0, 1}, {2, 3}]
     k0 = stages[0].kv[0][0]
-    assert k0.sharding.spec[2] == "tensor" and k0.addressable_shards[0].data.shape[2] == 1  # 2 KV heads / TP 2
+    assert k0.sharding.spec[0] == "tensor" and k0.addressable_shards[0].data.shape[0] == 1  # 2 KV heads / TP 2
     llm.shutdown()
 
 

@@ -50,6 +50,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
+    attention_backend: str = "auto"  # decode steps: auto (Pallas kernel on GPU, XLA elsewhere) | xla | pallas
 
 
 def _on_accelerator() -> bool:
@@ -133,7 +134,8 @@ class LLMEngine:
                                token_buckets=buckets, query_tile=config.query_tile,
                                kv_chunk_blocks=config.kv_chunk_blocks,
                                stages=[dataclasses.replace(st, kv=None) for st in stages],
-                               num_microbatches=config.num_microbatches)
+                               num_microbatches=config.num_microbatches,
+                               attention_backend=config.attention_backend)
 
         num_blocks = self._num_blocks(mc, max_model_len, mns, make_runner)
         need = cdiv(max_model_len, bs)
@@ -189,7 +191,7 @@ class LLMEngine:
         if layout["rules"] is not None:
             from jvllm.sharding import partition_spec
 
-            kv_spec = partition_spec(("kv_blocks", "block", "kv_heads", "head_dim"),
+            kv_spec = partition_spec(("kv_heads", "kv_blocks", "block", "head_dim"),
                                      dict(layout["rules"], kv_blocks=None, block=None))
         for s, (m, r) in enumerate(zip(layout["stage_meshes"], layout["ranges"])):
             names = stage_names(mc, r) if n > 1 else {k: k for k in params}

@@ -1,7 +1,8 @@
 """Paged attention over a ragged batch, in plain XLA (the reference path and the test oracle).
 
 The batch is flat: T scheduled tokens from R requests, each token with its position in its own
-sequence. KV lives in per-layer page pools `[num_blocks, block_size, kv_heads, head_dim]`; block 0
+sequence. KV lives in per-layer page pools `[kv_heads, num_blocks, block_size, head_dim]` (KV-head
+major: the layout of JAX's Pallas paged-attention kernels, and the dimension TP shards); block 0
 is the null block (never handed to a request; padded writes land there and are never read
 unmasked).
 
@@ -36,17 +37,31 @@ class AttentionMetadata:
 def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter new K or V rows [T, kv_heads, head_dim] into `pages` at `slot_mapping` (in place
     when `pages` is donated). Out-of-range slots (padding) are dropped."""
-    nb, bs, kh, d = pages.shape
-    flat = pages.reshape(nb * bs, kh, d)
-    flat = flat.at[slot_mapping].set(new.astype(pages.dtype), mode="drop")
-    return flat.reshape(nb, bs, kh, d)
+    kh, nb, bs, d = pages.shape
+    flat = pages.reshape(kh, nb * bs, d)
+    flat = flat.at[:, slot_mapping].set(new.astype(pages.dtype).transpose(1, 0, 2), mode="drop")
+    return flat.reshape(kh, nb, bs, d)
+
+
+def pallas_decode_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float, interpret: bool = False):
+    """Decode-only steps (one query per request, row r = request r) through JAX's Pallas GPU
+    paged-attention kernel (reads each request's pages once, split over the sequence)."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_pa
+
+    R = md.block_tables.shape[0]
+    W = md.block_tables.shape[1]
+    lengths = jnp.maximum(md.positions[:R] + 1, 1).astype(jnp.int32)
+    k_splits = next(k for k in (16, 8, 4, 2, 1) if W % k == 0)
+    out = pallas_pa((q[:R] * scale).astype(q.dtype), k_pages, v_pages, md.block_tables, lengths,
+                    k_splits=k_splits, pages_per_compute_block=min(8, W // k_splits), interpret=interpret)
+    return jnp.zeros_like(q).at[:R].set(out.astype(q.dtype))
 
 
 def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
                     window: int | None = None, kv_chunk_blocks: int = 16):
     """q [T, H, D] -> [T, H, D]. Reads K/V (including this step's tokens) from the pages."""
     T, H, D = q.shape
-    _, bs, KH, _ = k_pages.shape
+    KH, _, bs, _ = k_pages.shape
     G = H // KH
     NT, Qt = md.tile_token_idx.shape
     W = md.block_tables.shape[1]
@@ -71,9 +86,9 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
     def body(c, carry):
         m, l, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(bt, c * cb, cb, axis=1)  # [NT, cb]
-        kc = k_pages[blocks].reshape(NT, chunk, KH, D)
-        vc = v_pages[blocks].reshape(NT, chunk, KH, D)
-        s = jnp.einsum("nqhgd,nkhd->nhgqk", qt, kc, preferred_element_type=jnp.float32) * scale
+        kc = k_pages[:, blocks].reshape(KH, NT, chunk, D)
+        vc = v_pages[:, blocks].reshape(KH, NT, chunk, D)
+        s = jnp.einsum("nqhgd,hnkd->nhgqk", qt, kc, preferred_element_type=jnp.float32) * scale
         kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         mask = kpos[None, None, :] <= qpos[:, :, None]
         if window is not None:
@@ -84,7 +99,7 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
         p = jnp.exp(s - m_safe[..., None])
         corr = jnp.exp(m - m_safe)
         l = l * corr + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("nhgqk,nkhd->nhgqd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("nhgqk,hnkd->nhgqd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
         acc = acc * corr[..., None] + pv
         return m_new, l, acc
 

@@ -7,14 +7,15 @@ Error contract: every error is `{"error": {"message", "type", "param", "code"}}`
 400 naming the field and the limit (FastAPI's 422 validation errors are rewritten to 400; bodies
 that are not JSON objects too), an unknown model 404, a missing/wrong API key 401 (only on /v1/*,
 /tokenize and /detokenize; compared in constant time; /health, /metrics and /version stay open),
-bodies over `max_body_bytes` 413, and a full admission queue, a draining server or a dead engine
-503 with Retry-After. No handler state survives a rejected request, so the next one is served.
+bodies over `max_body_bytes` 413, headers over `max_header_bytes` 431, and a full admission queue,
+a draining server or a dead engine 503 with Retry-After. No handler state survives a rejected
+request, so the next one is served.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
-import hmac
-import json
 import os
 import time
 
@@ -26,94 +27,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jvllm.server.async_engine import AsyncEngine, DrainingError, EngineDeadError, QueueFullError
 from jvllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from jvllm.server.middleware import GuardMiddleware, error_response, validation_message
 from jvllm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   TokenizeRequest, error_body)
+                                   TokenizeRequest)
 from jvllm.server.render import Limits, Renderer
 from jvllm.server.serving import CompletionServer, watch_disconnect
 
-OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/ping")
 RETRY_AFTER = "1"
 
 
-def _error_response(status: int, message: str, param=None, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
-
-
-class GuardMiddleware:
-    """Pure ASGI (keeps disconnect detection intact): API key check and body size cap. The body is
-    read here (at most `max_body_bytes`) and replayed to the app; Content-Length over the cap is
-    refused before reading anything."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app = app
-        self.key = api_key.encode() if api_key else None
-        self.max_body = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        headers = dict(scope.get("headers") or [])
-        if self.key is not None and not path.startswith(OPEN_PATHS):
-            auth = headers.get(b"authorization", b"")
-            given = auth[7:] if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(given, self.key):
-                resp = _error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
-                return await resp(scope, receive, send)
-        if scope.get("method") not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        too_big = _error_response(413, f"the request body is larger than this server's limit of "
-                                       f"{self.max_body} bytes (--max-body-bytes)")
-        try:
-            declared = int(headers.get(b"content-length", b"0") or 0)
-        except ValueError:
-            return await _error_response(400, "invalid Content-Length header")(scope, receive, send)
-        if declared > self.max_body:
-            return await too_big(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body = msg.get("body", b"")
-            size += len(body)
-            if size > self.max_body:
-                return await too_big(scope, receive, send)
-            chunks.append(body)
-            if not msg.get("more_body", False):
-                break
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-        async def replay_receive():
-            return replay.pop() if replay else await receive()
-
-        return await self.app(scope, replay_receive, send)
-
-
-def _validation_message(errors) -> tuple[str, str | None]:
-    if not errors:
-        return "invalid request", None
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    typ = e.get("type", "")
-    if typ == "json_invalid":
-        return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
-    if not loc:
-        if typ == "missing":
-            return "the request body must be a JSON object (got an empty body or null)", None
-        return f"the request body must be a JSON object: {e.get('msg')}", None
-    param = loc[0]
-    inp = e.get("input")
-    got = ""
-    if typ != "missing":
-        r = json.dumps(inp, default=str) if not isinstance(inp, (dict, list)) else type(inp).__name__
-        got = f" (got {r[:80]})"
-    more = f" (+{len(errors) - 1} more error(s))" if len(errors) > 1 else ""
-    return f"{'.'.join(loc)}: {e.get('msg')}{got}{more}", param
-
-
-def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len: int):
-    """Put the running server's limits into /openapi.json (n, stop count, max_tokens, model)."""
+def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len: int, vocab_size: int):
+    """Put the running server's limits into /openapi.json: model names, n, stop count, batch size,
+    max_tokens, token id ranges."""
 
     def first(schema):
         for alt in schema.get("anyOf", [schema]):
@@ -140,11 +65,22 @@ def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len
                 for alt in props["stop"].get("anyOf", []):
                     if alt.get("type") == "array":
                         alt["maxItems"] = limits.max_stop
+            if "stop_token_ids" in props:
+                first(props["stop_token_ids"])["items"].update(minimum=0, maximum=vocab_size - 1)
             if name == "CompletionRequest":
                 for alt in props["prompt"].get("anyOf", []):
-                    if alt.get("type") == "array":
-                        alt["maxItems"] = limits.max_prompts if alt["items"].get("type") != "integer" \
-                            else max_model_len - 1
+                    if alt.get("type") != "array":
+                        continue
+                    items = alt["items"]
+                    if items.get("type") == "integer":
+                        alt["maxItems"] = max_model_len - 1
+                        items.update(minimum=0, maximum=vocab_size - 1)
+                    else:
+                        alt["maxItems"] = limits.max_prompts
+                        if items.get("type") == "array":
+                            items["items"].update(minimum=0, maximum=vocab_size - 1)
+            if name == "DetokenizeRequest":
+                props["tokens"]["items"].update(minimum=0, maximum=vocab_size - 1)
         app.openapi_schema = s
         return s
 
@@ -153,7 +89,7 @@ def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len
 
 def build_app(engine, served_model_name: str | list[str], api_key: str | None = None, *,
               max_queue_len: int = 512, limits: Limits | None = None, max_body_bytes: int = 8 << 20,
-              model_path: str | None = None) -> FastAPI:
+              max_header_bytes: int = 32 << 10, model_path: str | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its interface). The engine thread
     starts with the app's lifespan and stops (aborting what is left) when it ends."""
     from jvllm import __version__
@@ -165,6 +101,14 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
     metrics.attach_engine(aengine)
     renderer = Renderer(engine, limits)
     L = renderer.max_model_len
+    version_info = {"version": __version__}
+    try:  # what the benchmarks record as "device"
+        import jax
+
+        version_info.update(jax=jax.__version__, backend=jax.default_backend(),
+                            devices=[getattr(d, "device_kind", str(d)) for d in jax.devices()])
+    except Exception:
+        pass
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -174,13 +118,15 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         finally:
             aengine.draining = True
             await aengine.shutdown()
+            render_pool.shutdown(wait=False)
 
     app = FastAPI(title="jvllm", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of jvllm (an LLM inference engine on JAX).")
     app.state.aengine = aengine
     app.state.metrics = metrics
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
-    _patch_openapi(app, names, limits, L)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
+                       max_header_bytes=max_header_bytes)
+    _patch_openapi(app, names, limits, L, renderer.vocab_size)
 
     # ---------------------------------------------------------------- errors
     @app.exception_handler(APIError)
@@ -189,22 +135,28 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e: RequestValidationError):
-        msg, param = _validation_message(e.errors())
-        return _error_response(400, msg, param)
+        msg, param = validation_message(e.errors())
+        return error_response(400, msg, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
         status = e.status_code if e.status_code != 422 else 400
-        return _error_response(status, str(e.detail), headers=getattr(e, "headers", None))
+        return error_response(status, str(e.detail), headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
-        return _error_response(500, f"internal error: {type(e).__name__}: {e}")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
     def check_model(model: str | None):
         if model is not None and model not in names:
             raise APIError(f"The model `{model}` does not exist; this server serves {names}", status=404,
                            param="model", type="not_found_error")
+
+    render_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jvllm-render")
+
+    async def render(fn, *args):
+        """Tokenize / apply the chat template off the event loop (one thread: see render.py)."""
+        return await asyncio.get_running_loop().run_in_executor(render_pool, fn, *args)
 
     async def submit(items):
         try:
@@ -225,20 +177,23 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
 
     async def run(raw: Request, cs: CompletionServer, items, stream: bool):
         sub = await submit(items)
-        if stream:
+        if stream:  # the response closes `sub` when it ends, however it ends
             return cs.streaming_response(sub)
-        return await watch_disconnect(raw, cs.full(sub))
+        try:
+            return await watch_disconnect(raw, cs.full(sub))
+        finally:
+            sub.close()  # idempotent; covers a cancel that lands before cs.full starts
 
     # ---------------------------------------------------------------- routes
     @app.get("/health")
     async def health():
         if not aengine.alive:
-            return _error_response(503, f"the engine is dead: {aengine.dead!r}")
+            return error_response(503, f"the engine is dead: {aengine.dead!r}")
         return Response(status_code=200)
 
     @app.get("/version")
     async def version():
-        return {"version": __version__}
+        return version_info
 
     @app.get("/metrics")
     async def prometheus():
@@ -255,7 +210,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
         renderer.check_common(req)
-        prompts = renderer.completion_prompts(req)
+        prompts = await render(renderer.completion_prompts, req)
         params = [renderer.completion_params(req, p) for p in prompts]
         base = "cmpl-" + os.urandom(8).hex()
         items = [(f"{base}-{i}", {"prompt_token_ids": p.token_ids, "prompt": p.text}, sp)
@@ -269,8 +224,8 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         renderer.check_common(req)
-        prompt = renderer.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                      req.add_special_tokens)
+        prompt = await render(renderer.chat_prompt, req.messages, req.add_generation_prompt,
+                              req.continue_final_message, req.add_special_tokens)
         sp = renderer.chat_params(req, prompt)
         items = [("chatcmpl-" + os.urandom(8).hex(), {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                   sp)]
@@ -287,10 +242,9 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         if req.messages is not None:
             if not req.messages:
                 raise APIError("messages is empty", param="messages")
-            ids = renderer.chat_prompt(req.messages, req.add_generation_prompt, False,
-                                       req.add_special_tokens and False).token_ids
+            ids = (await render(renderer.chat_prompt, req.messages, req.add_generation_prompt)).token_ids
         else:
-            ids = renderer.encode(req.prompt, req.add_special_tokens) if req.prompt else []
+            ids = await render(renderer.encode, req.prompt, req.add_special_tokens) if req.prompt else []
         return {"tokens": ids, "count": len(ids), "max_model_len": L}
 
     @app.post("/detokenize")
@@ -301,6 +255,6 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
             raise APIError(f"tokens {bad[:16]} outside the vocabulary [0, {renderer.vocab_size})", param="tokens")
         if renderer.tokenizer is None:
             raise APIError("this model was loaded without a tokenizer", param="tokens")
-        return {"prompt": renderer.tokenizer.decode(req.tokens)}
+        return {"prompt": await render(renderer.tokenizer.decode, req.tokens)}
 
     return app

@@ -54,7 +54,9 @@ class Submission:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(request_ids)
         self.arrival = time.time()
-        self.tokens0: dict[str, int] = {rid: 0 for rid in request_ids}  # tokens of choice 0, for TPOT
+        # per engine request: [first token time, last token time, tokens of choice 0] (server clock,
+        # taken right after the engine step that produced them)
+        self.timing: dict[str, list] = {rid: [None, None, 0] for rid in request_ids}
         self._closed = False
 
     def __aiter__(self) -> AsyncIterator:
@@ -76,6 +78,7 @@ class Submission:
         if self.unfinished:
             self._aengine.abort(list(self.unfinished))
         self._aengine._release(self)
+        self.unfinished.clear()
 
 
 class AsyncEngine:
@@ -103,7 +106,7 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self, timeout: float = 10.0):
-        """Stop the engine thread: aborts what is still running (its streams end with 'abort')."""
+        """Stop the engine thread: aborts what is still open; its consumers get DrainingError."""
         self._stop = True
         self._cmds.put(None)
         if self._thread is not None:
@@ -121,6 +124,9 @@ class AsyncEngine:
             raise DrainingError("the server is shutting down")
         if not self.alive:
             raise EngineDeadError(f"the engine is dead: {self.dead!r}")
+        if len(items) > self.capacity:
+            raise ValueError(f"prompt: a batch of {len(items)} prompts can never be admitted: this server admits at "
+                             f"most {self.capacity} requests at once (max_num_seqs + max_queue_len)")
         if self.num_admitted + len(items) > self.capacity:
             raise QueueFullError(f"the server is full: {self.num_admitted} requests admitted, the limit is "
                                  f"{self.capacity} (max_num_seqs {self.max_num_seqs} + max_queue_len "
@@ -148,6 +154,8 @@ class AsyncEngine:
 
     def _release(self, sub: Submission):
         self.num_admitted -= len(sub.request_ids)
+        if sub.unfinished and self.metrics is not None:  # aborted by the server (disconnect, error)
+            self.metrics.success.labels(self.metrics.model_name, "abort").inc(len(sub.unfinished))
 
     # ------------------------------------------------------------------ engine thread
     def _run(self):
@@ -217,7 +225,7 @@ class AsyncEngine:
                 del self._subs[out.request_id]
             batch.append((sub, out))
         if batch:
-            self._loop.call_soon_threadsafe(self._deliver, batch)
+            self._loop.call_soon_threadsafe(self._deliver, batch, time.time())
 
     def _die(self, e: BaseException):
         with self._lock:
@@ -246,13 +254,18 @@ class AsyncEngine:
             pass
 
     # ------------------------------------------------------------------ loop thread callbacks
-    def _deliver(self, batch):
+    def _deliver(self, batch, now: float):
         for sub, out in batch:
             sub.queue.put_nowait(out)
-            if sub.tokens0.get(out.request_id) is not None and out.outputs:
-                sub.tokens0[out.request_id] += len(out.outputs[0].token_ids)
+            t = sub.timing[out.request_id]
+            k = len(out.outputs[0].token_ids) if out.outputs else 0
+            if k:
+                t[0] = now if t[0] is None else t[0]
+                t[1] = now
+                t[2] += k
             if out.finished and self.metrics is not None:
-                self.metrics.observe_finished(out, sub.tokens0.get(out.request_id, 0))
+                reason = out.outputs[0].finish_reason if out.outputs else None
+                self.metrics.observe_finished(reason, sub.arrival, t[0], t[1], now, t[2])
 
     @staticmethod
     def _deliver_shutdown(subs):

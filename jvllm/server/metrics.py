@@ -89,20 +89,17 @@ class ServerMetrics:
     def attach_engine(self, aengine):
         self.registry.register(_EngineCollector(aengine, self.model_name))
 
-    def observe_finished(self, out, tokens0: int):
-        """Record one finished RequestOutput (engine timestamps; choice 0 carries the timing)."""
-        m = out.metrics
-        reason = out.outputs[0].finish_reason if out.outputs else None
+    def observe_finished(self, reason: str | None, arrival: float, first: float | None, last: float | None,
+                         end: float, tokens0: int):
+        """Record one finished engine request (server clock; choice 0 carries the timing). TPOT is
+        (last - first) / (tokens - 1); e2e only for requests that finished normally."""
         self.success.labels(self.model_name, reason or "unknown").inc()
-        if m is None:
-            return
-        if m.first_token_time is not None:
-            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
-            if tokens0 > 1 and m.last_token_time is not None:
-                self.tpot.observe(max(0.0, (m.last_token_time - m.first_token_time) / (tokens0 - 1)))
-        end = m.finished_time or m.last_token_time
-        if end is not None and reason in ("stop", "length"):
-            self.e2e.observe(max(0.0, end - m.arrival_time))
+        if first is not None:
+            self.ttft.observe(max(0.0, first - arrival))
+            if tokens0 > 1 and last is not None:
+                self.tpot.observe(max(0.0, (last - first) / (tokens0 - 1)))
+        if reason in ("stop", "length"):
+            self.e2e.observe(max(0.0, end - arrival))
 
     def reject(self, reason: str):
         self.rejected.labels(self.model_name, reason).inc()

@@ -20,9 +20,11 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # jvllm.sampling_params.MAX_LOGPROBS (not imported: keeps this module jax-free)
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_STR_LEN = 512  # the engine scans every stop string on every token: bound the work
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                431: "invalid_request_error",
                 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable_error"}
 
 
@@ -50,6 +52,7 @@ class _Strict(BaseModel):
 
 
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+StopStr = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STR_LEN)]
 
 
 class StreamOptions(_Strict):
@@ -65,12 +68,13 @@ class _SamplingFields(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(
-        None, description="stop strings (count capped by the server's --max-stop)")
+    stop: StopStr | list[StopStr] | None = Field(
+        None, description=f"stop strings of 1..{MAX_STOP_STR_LEN} characters (count capped by --max-stop)")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+    logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^-?[0-9]+$")],
+                     Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> bias in [-100, 100]")
     user: str | None = None
     # vLLM extras
@@ -86,13 +90,14 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: NonEmptyStr | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)] = Field(
         ..., description="text, token ids, or a batch of either (batch size capped by --max-prompts)")
     max_tokens: int | None = Field(16, ge=1, le=2**31 - 1,
                                    description="null: up to max_model_len; prompt + max_tokens <= max_model_len")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    suffix: str | None = Field(None, max_length=0, description="not supported: null or empty")
     best_of: int | None = Field(None, ge=1)
     add_special_tokens: bool = True
 

@@ -6,8 +6,10 @@ vocabulary (prompt ids, stop_token_ids, logit_bias keys: all bad ones named, wit
 empty prompts, and prompt + max_tokens <= max_model_len (a prompt of max_model_len - 1 tokens plus
 one generated token is accepted).
 
-Hazard: the tokenizer is shared with the engine thread (which only decodes). Encoding here never
-changes truncation/padding state, so the Rust tokenizer is never mutably borrowed concurrently.
+Hazard: the tokenizer is shared with the engine thread (which only decodes); the app runs these
+methods on ONE worker thread (so a long prompt never blocks the event loop). Encoding never changes
+truncation/padding state, so the Rust tokenizer is never mutably borrowed concurrently ("Already
+borrowed"): keep it that way (no truncation/padding arguments here).
 """
 from __future__ import annotations
 
@@ -136,7 +138,7 @@ class Renderer:
                                param="logit_bias")
 
     def sampling_params(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-                        length_param: str) -> SamplingParams:
+                        length_param: str, max_tokens_param: str = "max_tokens") -> SamplingParams:
         L = self.max_model_len
         if prompt_len >= L:
             raise APIError(f"This model's maximum context length is {L} tokens, but the prompt has {prompt_len} "
@@ -146,8 +148,8 @@ class Renderer:
         if prompt_len + max_tokens > L:
             raise APIError(f"This model's maximum context length is {L} tokens. However, you requested "
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                           f"completion). Reduce the prompt or max_tokens to at most {L - prompt_len}.",
-                           param="max_tokens")
+                           f"completion). Reduce the prompt or {max_tokens_param} to at most {L - prompt_len}.",
+                           param=max_tokens_param)
         try:
             return SamplingParams(
                 n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -174,5 +176,6 @@ class Renderer:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         lp = (req.top_logprobs or 0) if req.logprobs else None
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return self.sampling_params(req, len(prompt.token_ids), mt, lp, "messages")
+        return self.sampling_params(req, len(prompt.token_ids), mt, lp, "messages", name)

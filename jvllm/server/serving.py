@@ -61,6 +61,7 @@ class Collector:
         self.choices = [ChoiceState(i) for i in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.prompt_logprobs: list = [None] * num_prompts
+        self.prompt_logprobs_sent = [False] * num_prompts  # streaming: sent once, on the first chunk
         self.completion_tokens = 0
 
     def add(self, pidx: int, out):
@@ -170,6 +171,21 @@ def _error_event(e: BaseException) -> str:
     return _sse(error_body(str(e) or type(e).__name__, status))
 
 
+class _SubmissionStream(StreamingResponse):
+    """Closes its Submission however the response ends, even if the body generator never started
+    (a client that disconnects before the first byte: starlette then never iterates it)."""
+
+    def __init__(self, sub, *a, **kw):
+        super().__init__(*a, **kw)
+        self.sub = sub
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.sub.close()
+
+
 class CompletionServer:
     """Formats /v1/completions (chat=False) or /v1/chat/completions (chat=True) answers."""
 
@@ -225,7 +241,7 @@ class CompletionServer:
 
     # -------------------------------------------------------------- streamed
     def streaming_response(self, sub) -> StreamingResponse:
-        return StreamingResponse(self._events(sub), media_type="text/event-stream", headers=SSE_HEADERS)
+        return _SubmissionStream(sub, self._events(sub), media_type="text/event-stream", headers=SSE_HEADERS)
 
     def _chunk(self, choices) -> dict:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
@@ -266,9 +282,10 @@ class CompletionServer:
                     events = self._first_chunks(pidx, out)
                     deltas = self.col.add(pidx, out)
                     plp = self.col.prompt_logprobs[pidx]
-                    for k, d in enumerate(deltas):
+                    for d in deltas:
                         c = self._choice_delta(*d)
-                        if k == 0 and plp is not None and not self.chat and d[0].index % self.col.n == 0:
+                        if plp is not None and not self.chat and not self.col.prompt_logprobs_sent[pidx]:
+                            self.col.prompt_logprobs_sent[pidx] = True
                             c["prompt_logprobs"] = prompt_logprobs_json(plp)
                         events.append(_sse(self._chunk([c])))
                     for ch, *_ in deltas:

@@ -1,0 +1,99 @@
+"""`jvllm serve [MODEL] [--host H] [--port P] [--api-key KEY] [--served-model-name NAME ...]` plus
+every engine option of `LLM(...)` as a flag (shared with generate/chat through jvllm.cli).
+
+Importing this module is cheap (argparse only): `jvllm.cli` imports it on every invocation.
+
+Shutdown contract (SIGTERM or Ctrl-C): the server stops accepting connections and answers 503 to
+any new request on an open connection; in-flight requests keep streaming until they finish or
+`--drain-timeout` seconds pass, after which they are cancelled (their engine requests aborted);
+then the engine thread stops and the process exits with status 0. A second Ctrl-C forces exit.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+
+def register(sub):
+    from jvllm.cli import add_engine_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       description="Serve a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn).",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", nargs="?", default="smollm2", help="built-in name or checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize; "
+                        "None: $JVLLM_API_KEY if set, else no key")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API accepts and reports; None: MODEL")
+    p.add_argument("--max-queue-len", type=int, default=512,
+                   help="engine requests admitted beyond max_num_seqs; more get 503 + Retry-After")
+    p.add_argument("--max-n", type=int, default=16, help="largest n (choices per prompt) per request")
+    p.add_argument("--max-stop", type=int, default=16, help="most stop strings per request")
+    p.add_argument("--max-prompts", type=int, default=32, help="most prompts in one /v1/completions batch")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-header-bytes", type=int, default=32 << 10,
+                   help="request line + headers larger than this get 431 (or 400 from h11 when they "
+                        "arrive in pieces)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may keep running after SIGTERM")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="uvicorn: max open connections+tasks before answering 503")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--disable-access-log", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(a):
+    try:
+        import uvicorn
+
+        from jvllm.server.app import build_app
+        from jvllm.server.render import Limits
+    except ImportError as e:
+        sys.exit(f"jvllm serve needs the server extra ({e}): pip install 'jvllm[server]'")
+    from jvllm.cli import engine_kwargs
+    from jvllm.engine.engine import EngineConfig, LLMEngine
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for flag, v, lo in (("--max-queue-len", a.max_queue_len, 0), ("--max-n", a.max_n, 1), ("--max-stop", a.max_stop, 0),
+                        ("--max-prompts", a.max_prompts, 1), ("--max-body-bytes", a.max_body_bytes, 1)):
+        if v < lo:
+            sys.exit(f"{flag} must be >= {lo}, got {v}")
+    api_key = a.api_key if a.api_key is not None else os.environ.get("JVLLM_API_KEY") or None
+    engine = LLMEngine(EngineConfig(model=a.model, use_tqdm_on_load=sys.stderr.isatty(), **engine_kwargs(a)))
+    names = a.served_model_name or [a.model]
+    app = build_app(engine, names, api_key, max_queue_len=a.max_queue_len,
+                    limits=Limits(max_n=a.max_n, max_stop=a.max_stop, max_prompts=a.max_prompts),
+                    max_body_bytes=a.max_body_bytes, max_header_bytes=a.max_header_bytes, model_path=a.model)
+    config = uvicorn.Config(app, host=a.host, port=a.port, http="h11", lifespan="on",
+                            h11_max_incomplete_event_size=a.max_header_bytes,
+                            timeout_graceful_shutdown=a.drain_timeout, limit_concurrency=a.limit_concurrency,
+                            log_level=a.log_level, access_log=not a.disable_access_log)
+    server = _draining_server(config, app.state.aengine)
+    # uvicorn re-raises the captured signal after a graceful shutdown: make that a no-op so the
+    # process exits 0 after draining instead of dying by the default SIGTERM action.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    print(f"jvllm: serving {names} on http://{a.host}:{a.port} (engine ready in {engine.init_seconds:.1f}s)",
+          file=sys.stderr, flush=True)
+    server.run()
+
+
+def _draining_server(config, aengine):
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn.Server that flips the app into draining mode (new requests: 503) on SIGTERM/SIGINT."""
+
+        def handle_exit(self, sig, frame):
+            aengine.draining = True
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
