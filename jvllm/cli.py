@@ -143,6 +143,23 @@ def cmd_convert(a):
     print(json.dumps(r, indent=1))
 
 
+def cmd_compile_report(a):
+    from jvllm import LLM
+
+    llm = LLM(a.model, **engine_kwargs(a))
+    rows = llm.compile_report()
+    eng = llm.llm_engine
+    print(f"{'program':<28} {'GFLOP':>10} {'MB accessed':>12} {'temp MB':>9} {'fusions':>8}")
+    for r in rows:
+        print(f"{r['kind'] + ' ' + r['key']:<28} {r.get('flops', 0) / 1e9:>10.2f} "
+              f"{r.get('bytes_accessed', 0) / 1e6:>12.1f} {r.get('temp_bytes', 0) / 1e6:>9.1f} {r.get('fusions', 0):>8}")
+    print(f"{len(rows)} programs compiled in {eng.warmup_seconds:.1f}s")
+    if a.output_json:
+        with open(a.output_json, "w") as f:
+            json.dump(dict(programs=rows, warmup_s=eng.warmup_seconds), f, indent=1)
+    llm.shutdown()
+
+
 def main(argv=None):
     from jvllm.converters import DEFAULT_MODEL
 
@@ -173,6 +190,12 @@ def main(argv=None):
     cv.add_argument("dst")
     cv.add_argument("--dtype", default="float32")
     cv.set_defaults(func=cmd_convert)
+
+    cr = sub.add_parser("compile-report", help="compile every bucket and report what XLA produced")
+    cr.add_argument("--model", default=DEFAULT_MODEL)
+    cr.add_argument("--output-json", default=None)
+    add_engine_args(cr)
+    cr.set_defaults(func=cmd_compile_report)
 
     for mod in ("jvllm.server.cli", "jvllm.bench"):
         try:

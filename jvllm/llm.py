@@ -120,6 +120,18 @@ class LLM:
     def get_stats(self) -> dict:
         return self.llm_engine.get_stats()
 
+    def compile_report(self) -> list[dict]:
+        """What XLA produced for every compiled program (one row per bucket): kind, bucket,
+        FLOPs and bytes from XLA's cost analysis, argument / output / temp bytes, fusion count."""
+        from jvllm.compile import program_report
+
+        eng = self.llm_engine
+        eng = getattr(eng, "replicas", [eng])[0]
+        rows = []
+        for (kind, key), exe in sorted(eng.runner._compiled.items(), key=lambda kv: str(kv[0])):
+            rows.append(dict(kind=kind, key=str(key), **program_report(exe)))
+        return rows
+
     def shutdown(self):
         """Release the weights and KV pool device memory now (idempotent)."""
         eng = getattr(self, "llm_engine", None)

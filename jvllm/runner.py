@@ -174,6 +174,11 @@ class ModelRunner:
     def seq_bucket(self, t_bucket: int) -> int:
         return min(t_bucket, self.max_num_seqs)
 
+    def has_decode_variant(self, T: int) -> bool:
+        """Decode-only steps (T tokens = T requests <= max_num_seqs) land in buckets up to the first
+        one that holds max_num_seqs; those get a one-query-tile program too."""
+        return T <= self.bucket(min(self.max_num_seqs, self.token_buckets[-1]))
+
     def tiling(self, T: int, decode: bool) -> tuple[int, int]:
         """(query tile size, number of tiles) of a bucket. A decode-only step (every request one
         token) uses tiles of one query, so attention does no padded-query work; a mixed step uses
@@ -213,7 +218,7 @@ class ModelRunner:
         out = []
         for T in self.token_buckets:
             out += [("step", (s, T, False)) for s in range(len(self.stages))]
-            if T <= self.max_num_seqs:  # decode-only variant: T tokens = T requests
+            if self.has_decode_variant(T):
                 out += [("step", (s, T, True)) for s in range(len(self.stages))]
             out.append(("prompt_lp", T))
         for R in sorted({self.seq_bucket(T) for T in self.token_buckets}):
@@ -262,7 +267,7 @@ class ModelRunner:
         R = self.seq_bucket(T)
         if len(scheduled) > R:
             raise ValueError(f"{len(scheduled)} requests exceed the request bucket {R}")
-        decode = allow_decode and n_tok == len(scheduled) and T <= self.max_num_seqs
+        decode = allow_decode and n_tok == len(scheduled) and self.has_decode_variant(T)
         bs = self.block_size
         Qt, NT = self.tiling(T, decode)
         tokens = np.zeros(T, np.int32)

@@ -97,3 +97,17 @@ def test_streaming_engine_api_and_abort(ckpt_dir):
     stats = eng.get_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"] - 1
     llm.shutdown()
+
+
+def test_compile_report_cli(ckpt_dir, tmp_path):
+    import json
+
+    from jvllm.cli import main
+
+    out = tmp_path / "report.json"
+    main(["compile-report", "--model", ckpt_dir("llama"), "--max-model-len", "64", "--max-num-batched-tokens", "16",
+          "--max-num-seqs", "4", "--token-buckets", "8,16", "--dtype", "float32", "--output-json", str(out)])
+    rep = json.load(open(out))
+    steps = [r for r in rep["programs"] if r["kind"] == "step"]
+    assert sorted(r["key"] for r in steps) == ["(0, 16, False)", "(0, 8, False)", "(0, 8, True)"]
+    assert all(r["flops"] > 0 and r["fusions"] > 0 for r in steps)
