@@ -64,16 +64,22 @@ def _one_prompt(length: int, vocab: int, seed: int) -> list[int]:
 
 
 def git_commit() -> dict:
+    """The jvllm checkout's commit (None where there is no git metadata, e.g. a copied tree;
+    JVLLM_GIT_COMMIT overrides)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    out = {}
+    if os.environ.get("JVLLM_GIT_COMMIT"):
+        return dict(commit=os.environ["JVLLM_GIT_COMMIT"], dirty=None)
+    out = dict(commit=None, dirty=None)
     try:
-        out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                       timeout=10).stdout.strip() or None
-        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                            capture_output=True, text=True, timeout=10).stdout
-        out["dirty"] = bool(st.strip()) if out["commit"] else None
+        p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=False)
+        sha = p.stdout.strip()
+        if p.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", sha):
+            out["commit"] = sha
+            st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                capture_output=True, text=True, timeout=10, check=False)
+            out["dirty"] = bool(st.stdout.strip()) if st.returncode == 0 else None
     except Exception:
-        out["commit"] = None
+        pass
     return out
 
 
@@ -192,7 +198,7 @@ def _prog_name(kind, key) -> str:
     return f"{kind}[T={key}]" if isinstance(key, int) else f"{kind}{list(key) if isinstance(key, tuple) else [key]}"
 
 
-_FUSION_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\bfusion\(", re.M)
+_FUSION_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\bfusion\(", re.MULTILINE)
 
 
 def fusion_ops(exe) -> int | None:
@@ -338,7 +344,7 @@ def run_prefill(llm, input_len: int = 2048, num_iters: int = 3, num_iters_warmup
     vocab = llm.llm_engine.model_config.vocab_size
     iters = []
     for i in range(num_iters_warmup + num_iters):
-        times, ntok = _stepwise(llm, _one_prompt(input_len, vocab, seed=200 + i), 1, f"p1-{i}")
+        times, _ = _stepwise(llm, _one_prompt(input_len, vocab, seed=200 + i), 1, f"p1-{i}")
         if i >= num_iters_warmup:
             iters.append(dict(prefill_s=sum(times), steps=len(times), tok_s=input_len / sum(times)))
     best = sorted(iters, key=lambda d: d["tok_s"])[len(iters) // 2]
@@ -378,7 +384,8 @@ def run_cold_start(model: str, engine_kwargs: dict, cache_dir: str | None = None
     res = dict(cache_dir=cache_dir)
     for label in ("empty_cache", "warm_cache"):
         t = time.time()
-        p = subprocess.run([sys.executable, "-m", "jvllm.bench", "--cold-child", spec], capture_output=True, text=True)
+        p = subprocess.run([sys.executable, "-m", "jvllm.bench", "--cold-child", spec], capture_output=True, text=True,
+                           check=False)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("JVLLM_COLD_START ")]
         if p.returncode != 0 or not line:
             res[label] = dict(error=f"rc={p.returncode}", stderr_tail=p.stderr[-2000:])
@@ -506,8 +513,8 @@ def summary_lines(result: dict) -> list[str]:
     r = result.get("results", {})
     items = r.items() if result["benchmark"] == "all" else [(result["benchmark"], r)]
     dev = result.get("device", {})
-    lines = [f"jvllm bench {result['benchmark']}: {result['config']['model']} on {dev.get('device_kind')} "
-             f"x{dev.get('count')} ({dev.get('platform')})"]
+    lines = [(f"jvllm bench {result['benchmark']}: {result['config']['model']} on {dev.get('device_kind')} "
+              f"x{dev.get('count')} ({dev.get('platform')})")]
     st = result.get("startup", {})
     if st:
         lines.append(f"  startup: load {st['load_s']:.1f}s, compile {st['warmup_compile_s']:.1f}s, "

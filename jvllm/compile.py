@@ -71,8 +71,8 @@ def program_report(compiled) -> dict:
         pass
     try:
         text = compiled.as_text()
-        out["fusions"] = sum(1 for line in text.splitlines() if line.lstrip().startswith(("fused_", "%fused_"))
-                             and "fusion(" in line)
+        # instructions of the form "%name = type fusion(operands), kind=kLoop, calls=..."
+        out["fusions"] = sum(1 for line in text.splitlines() if " fusion(" in line and "kind=" in line)
         out["hlo_instructions"] = sum(1 for line in text.splitlines() if " = " in line)
     except Exception:
         pass

@@ -55,6 +55,12 @@ class Stage:
     kv: list | None = None
     first: bool = True
     last: bool = True
+    leaves: list | None = None        # the state's leaves, flattened once (a plain list flattens
+    treedef: object = None            # in C++ on every call; an nnx.State would in Python)
+
+    def __post_init__(self):
+        if self.state is not None and self.leaves is None:
+            self.leaves, self.treedef = jax.tree_util.tree_flatten(self.state)
 
     def sharding(self, spec=None):
         from jax.sharding import NamedSharding, PartitionSpec
@@ -106,8 +112,8 @@ class ModelRunner:
         for st in self.stages:
             st.kv = self._alloc_kv(st)
         self._step_fns = {(i, dec): jax.jit(functools.partial(
-            self._step_impl, st.graphdef, st.last, self.attention_backend if dec else "xla"), donate_argnums=(1,))
-            for i, st in enumerate(self.stages) for dec in (False, True)}
+            self._step_impl, st.graphdef, st.treedef, st.last, self.attention_backend if dec else "xla"),
+            donate_argnums=(1,)) for i, st in enumerate(self.stages) for dec in (False, True)}
         self._sample_fn = jax.jit(functools.partial(self._sample_impl, tied=cfg.tie_word_embeddings))
         self._plp_fn = jax.jit(functools.partial(self._plp_impl, tied=cfg.tie_word_embeddings))
         self._compiled: dict = {}
@@ -140,15 +146,15 @@ class ModelRunner:
             for arr in jax.tree_util.tree_leaves((st.kv, st.state)):
                 if isinstance(arr, jax.Array) and not arr.is_deleted():
                     arr.delete()
-            st.kv = st.state = None
+            st.kv = st.state = st.leaves = None
         if isinstance(self.head_w, jax.Array) and not self.head_w.is_deleted():
             self.head_w.delete()
         self.head_w = None
         self._compiled.clear()
 
     # ------------------------------------------------------------------ programs
-    def _step_impl(self, graphdef, last, attention, state, kv, x, md):
-        model = nnx.merge(graphdef, state)
+    def _step_impl(self, graphdef, treedef, last, attention, leaves, kv, x, md):
+        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
         h, kv = model(x, kv, md, self.kv_chunk_blocks, attention)
         if last:
             return kv, h[md.logits_indices], h
@@ -244,7 +250,7 @@ class ModelRunner:
             st = self.stages[s_idx]
             tokens, md, R = self._abstract_inputs(T, decode)
             x = tokens if st.first else sds((T, hidden), self.dtype)
-            exe = self._step_fns[(s_idx, decode)].lower(like(st.state), like(st.kv), on(st, x), on(st, md)).compile()
+            exe = self._step_fns[(s_idx, decode)].lower(like(st.leaves), like(st.kv), on(st, x), on(st, md)).compile()
         elif kind == "sample":
             R, extras = key
             sb, ex = self._abstract_sampling(R, extras)
@@ -378,7 +384,7 @@ class ModelRunner:
                 md_s = jax.tree_util.tree_map(lambda a: _put(a, shard), md) if shard is not None else md
                 x = _put(x, shard) if isinstance(x, np.ndarray) else (
                     jax.device_put(x, shard) if shard is not None else x)
-                out = self.compile("step", (s_idx, T, decode))(st.state, st.kv, x, md_s)
+                out = self.compile("step", (s_idx, T, decode))(st.leaves, st.kv, x, md_s)
                 st.kv = out[0]
                 x = out[-1]
             _, last_h, all_h = out
@@ -458,7 +464,7 @@ class ModelRunner:
         if len(self.stages) != 1:
             raise ValueError("sequence_logits needs a single-stage runner")
         st = self.stages[0]
-        st.kv, _, h = self._step_fns[(0, False)](st.state, st.kv, tokens, md)
+        st.kv, _, h = self._step_fns[(0, False)](st.leaves, st.kv, tokens, md)
         return np.asarray(self._logits_fn(self.head_w, h))
 
     @functools.cached_property

@@ -43,7 +43,7 @@ class EngineConfig:
     skip_tokenizer_init: bool | None = None  # None: auto (True when the checkpoint has no tokenizer)
     token_buckets: tuple[int, ...] | None = None
     query_tile: int = 8
-    kv_chunk_blocks: int = 16
+    kv_chunk_blocks: int | None = None  # KV blocks per attention chunk (None: 16 on accelerators, 4 on CPU)
     compilation_cache_dir: str | None = None
     use_tqdm_on_load: bool = True
     tensor_parallel_size: int = 1
@@ -132,8 +132,8 @@ class LLMEngine:
             return ModelRunner(mc, head_w=head_w, dtype=self.dtype, block_size=bs,
                                num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=mns,
                                token_buckets=buckets, query_tile=config.query_tile,
-                               kv_chunk_blocks=config.kv_chunk_blocks,
-                               stages=[dataclasses.replace(st, kv=None) for st in stages],
+                               kv_chunk_blocks=config.kv_chunk_blocks or (16 if acc else 4),
+                               stages=[dataclasses.replace(st, kv=None) for st in stages],  # shares weights
                                num_microbatches=config.num_microbatches,
                                attention_backend=config.attention_backend)
 

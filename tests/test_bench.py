@@ -1,0 +1,104 @@
+"""The benchmark harness (jvllm/bench.py) end to end through the CLI, on random:tiny, CPU.
+
+To stay fast, the four CLI runs share one engine: `build_llm` is wrapped so the first run constructs
+it and later runs with the same engine flags reuse it (its shutdown deferred to the end of the
+module). The compile counter's base is reset on reuse, since each run's probes (copy bandwidth,
+matmul) compile their own programs before the "construction" a real run would do at that point."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jvllm import bench
+from jvllm.cli import main as cli_main
+
+ENGINE = ["--model", "random:tiny", "--max-model-len", "256", "--max-num-batched-tokens", "64",
+          "--max-num-seqs", "8", "--token-buckets", "16,64", "--compilation-cache-dir", "off"]
+FAST = ["--num-iters", "2", "--num-iters-warmup", "1", "--copy-bytes", str(8 << 20), "--matmul-n", "256"]
+
+
+@pytest.fixture(scope="module")
+def shared_engine():
+    from jvllm.compile import compile_count
+
+    cache = {}
+    real = bench.build_llm
+
+    def build(model, kw):
+        key = (model, json.dumps(kw, sort_keys=True, default=str))
+        if key not in cache:
+            llm, st = real(model, kw)
+            cache[key] = (llm, st, llm.shutdown)
+            llm.shutdown = lambda: None
+        else:
+            llm, st, _ = cache[key]
+            llm.llm_engine.compiles_after_warmup_base = compile_count()
+        return llm, dict(st)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(bench, "build_llm", build)
+    yield cache
+    mp.undo()
+    for _, _, shutdown in cache.values():
+        shutdown()
+
+
+def run_cli(tmp_path, *args) -> dict:
+    out = tmp_path / "r.json"
+    cli_main(["bench", *args, *ENGINE, *FAST, "--output-json", str(out)])
+    d = json.loads(out.read_text())
+    for k in ("versions", "device", "config", "startup", "engine_stats", "xla_programs"):
+        assert k in d, k
+    assert d["versions"]["jax"] and d["versions"]["python"]
+    assert d["device"]["platform"] == "cpu" and d["device"]["count"] >= 1
+    assert d["compiles_after_warmup"] == 0
+    assert d["startup"]["construct_s"] > 0 and d["startup"]["first_token_s"] > 0
+    assert d["xla_programs"]["summary"]["step"]["programs"] >= 2  # token buckets 16, 64 (+ variants)
+    steps = [p for name, p in d["xla_programs"]["programs"].items() if name.startswith("step")]
+    assert steps and all(p["flops"] > 0 and p["fusion_ops"] > 0 for p in steps)
+    return d
+
+
+def test_w1_prompts_match_the_spec():
+    n = 5
+    rng = np.random.default_rng(0)
+    lens = rng.integers(64, 1025, n)
+    want = [rng.integers(100, 128000, l).tolist() for l in lens]
+    assert bench.w1_prompts(n) == want  # llama3 vocab: ids untouched
+    small = bench.w1_prompts(n, (8, 16), vocab=512)
+    assert all(8 <= len(p) <= 16 and max(p) < 512 for p in small)
+    assert len({tuple(p) for p in small}) == n
+
+
+def test_throughput_cli(tmp_path, shared_engine):
+    d = run_cli(tmp_path, "throughput", "--num-prompts", "6", "--input-len", "8,40", "--output-len", "5")
+    r = d["results"]
+    assert r["num_requests"] == 6 and r["output_tokens"] == 30 and r["all_finished_by_length"]
+    assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"]
+    assert r["compiles_after_warmup"] == 0 and r["compiles_in_window"] == 0 and r["num_preemptions"] == 0
+
+
+def test_latency_cli(tmp_path, shared_engine):
+    d = run_cli(tmp_path, "latency", "--input-len", "20", "--output-len", "6")
+    r = d["results"]
+    assert r["tok_s"] > 0 and r["step_ms"] > 0 and len(r["iterations"]) == 2
+    assert r["iterations"][0]["decode_steps"] == 5 and r["iterations"][0]["output_tokens"] == 6
+    assert r["weight_bytes"] > 0 and r["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # 2 layers, 2 kv heads, hd 16
+    assert 0 < r["mbu"] and d["ceilings"]["copy_bandwidth_Bps"] > 0
+
+
+def test_prefill_cli(tmp_path, shared_engine):
+    d = run_cli(tmp_path, "prefill", "--input-len", "60")
+    r = d["results"]
+    assert r["tok_s"] > 0 and r["steps"] == 1 and r["input_len"] == 60
+    assert 0 < r["mfu"] and d["ceilings"]["matmul_flops_per_s"] > 0 and d["ceilings"]["matmul_n"] == 256
+
+
+def test_all_cli_one_engine(tmp_path, shared_engine):
+    d = run_cli(tmp_path, "all", "--num-prompts", "3", "--w1-input-len", "8,20", "--output-len", "3",
+                "--b1-input-len", "10", "--b1-output-len", "4", "--prefill-len", "50")
+    assert set(d["results"]) == {"throughput", "latency", "prefill"}
+    assert d["results"]["throughput"]["output_tokens"] == 9
+    assert len(shared_engine) == 1  # every run above used one engine
