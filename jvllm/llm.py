@@ -6,12 +6,13 @@ weights and the KV pool, so another `LLM` can be built in the same Jupyter kerne
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
 from jvllm.engine.engine import EngineConfig, LLMEngine
 from jvllm.outputs import RequestOutput
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -59,6 +60,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # generate() returns only final outputs: skip building per-step outputs on the host
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                  if p.output_kind is RequestOutputKind.CUMULATIVE else p for p in params]
         eng = self.llm_engine
         ids = []
         try:
