@@ -246,10 +246,12 @@ class LLMEngine:
         T = probe.token_buckets[-1]
         peak = 0
         for kind, key in (("step", T), ("sample", (probe.seq_bucket(T), True))):
+            exe = probe.compile(kind, key)
             try:
-                peak = max(peak, probe.compile(kind, key).memory_analysis().temp_size_in_bytes)
-            except Exception:  # memory analysis unavailable: assume 10% of the budget below
-                peak = max(peak, 0)
+                peak = max(peak, exe.memory_analysis().temp_size_in_bytes)
+            except Exception:  # no memory analysis on this backend: keep a 5% margin of the device
+                limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+                peak = max(peak, int(0.05 * limit))
         for k, v in probe.kv:
             k.delete()
             v.delete()
