@@ -393,7 +393,7 @@ class ModelRunner:
             if shard is not None:
                 sb, ex = jax.tree_util.tree_map(lambda a: _put(np.asarray(a), shard), (sb, ex))
             tok, lp = self.compile("sample", (R, ex is not None))(self.head_w, last_h, sb, ex)
-            plp = {}
+            plp = None
             if any(s.req.needs_prompt_logprobs for s in sched):
                 plp = self._prompt_logprobs(sched, T, all_h)
             pending.append((group, tok, lp if want_lp else None, plp))
@@ -414,8 +414,11 @@ class ModelRunner:
                            np.zeros((n, NUM_TOP_LOGPROBS), np.int32), np.zeros((n, NUM_TOP_LOGPROBS), np.float32))
                 for dst, src in zip(lps, lp):
                     dst[rows] = _to_host(src)[: len(rows)]
-            for local, v in plp.items():
-                plp_all[rows[local]] = (v[0], *(_to_host(a) for a in v[1:]))
+            if plp:
+                spans, dev = plp
+                host = [_to_host(a) for a in dev]
+                for local, (o, pos) in spans.items():
+                    plp_all[rows[local]] = (pos, *(a[o:o + len(pos)] for a in host))
         return StepResult(token_ids, lps, plp_all)
 
     def execute(self, scheduled) -> StepResult:
@@ -438,8 +441,8 @@ class ModelRunner:
         if not spans:
             return {}
         shard = self.stages[-1].sharding()
-        out = [_to_host(a) for a in self.compile("prompt_lp", T)(self.head_w, all_h, _put(targets, shard))]
-        return {r: (pos, *(a[o:o + len(pos)] for a in out)) for r, (o, pos) in spans.items()}
+        out = self.compile("prompt_lp", T)(self.head_w, all_h, _put(targets, shard))
+        return (spans, out)  # device arrays: brought to the host in `collect`, not here
 
     # ------------------------------------------------------------------ one-off forward
     def sequence_logits(self, token_ids) -> np.ndarray:

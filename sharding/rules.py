@@ -62,10 +62,13 @@ def param_shardings(specs: dict, mesh, rules: dict) -> dict:
     return {name: NamedSharding(mesh, partition_spec(axes, rules)) for name, (_, _, axes) in specs.items()}
 
 
-def kv_sharding(mesh, rules: dict) -> NamedSharding:
+def kv_partition_spec(rules: dict) -> PartitionSpec:
     """KV pages [kv_heads, num_blocks, block_size, head_dim]: sharded by KV heads."""
-    return NamedSharding(mesh, partition_spec(("kv_heads", "kv_blocks", "block", "head_dim"),
-                                              dict(rules, kv_blocks=None, block=None)))
+    return partition_spec(("kv_heads", "kv_blocks", "block", "head_dim"), dict(rules, kv_blocks=None, block=None))
+
+
+def kv_sharding(mesh, rules: dict) -> NamedSharding:
+    return NamedSharding(mesh, kv_partition_spec(rules))
 
 
 def replicated(mesh) -> NamedSharding:

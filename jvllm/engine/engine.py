@@ -189,10 +189,9 @@ class LLMEngine:
         n = len(layout["ranges"])
         kv_spec = None
         if layout["rules"] is not None:
-            from jvllm.sharding import partition_spec
+            from jvllm.sharding import kv_partition_spec
 
-            kv_spec = partition_spec(("kv_heads", "kv_blocks", "block", "head_dim"),
-                                     dict(layout["rules"], kv_blocks=None, block=None))
+            kv_spec = kv_partition_spec(layout["rules"])
         for s, (m, r) in enumerate(zip(layout["stage_meshes"], layout["ranges"])):
             names = stage_names(mc, r) if n > 1 else {k: k for k in params}
             g, st = bind(mc, {local: params[glob] for glob, local in names.items()}, self.dtype, layers=r)

@@ -42,18 +42,6 @@ def _flat_vars(state):
         yield ".".join(str(p) for p in path), var
 
 
-def random_params(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0, std: float = 0.02) -> dict[str, np.ndarray]:
-    """Random weights by name (normal(0, std), norms = 1): for tests and shape-only benchmarks."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, (shape, _, _) in param_specs(cfg, dtype).items():
-        if name.endswith("norm.weight"):
-            out[name] = np.ones(shape, np.float32)
-        else:
-            out[name] = (rng.standard_normal(shape, dtype=np.float32) * std)
-    return out
-
-
 def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Contiguous layer ranges, as even as possible (earlier stages take the remainder)."""
     if num_stages > num_layers:

@@ -4,7 +4,7 @@ Every parameter is declared once, through `declare`, with its shape, dtype and *
 (`("embed", "heads", "head_dim")`...). Nothing else in jvllm states a parameter's shape: the
 converters check checkpoints against these declarations and `jvllm.sharding` maps the logical axes
 onto a mesh. Params are created as zeros/ones; real values come from a converter or from
-`jvllm.models.random_params` (model construction runs under `nnx.eval_shape`, so it allocates
+`jvllm.converters.random_device_params` (model construction runs under `nnx.eval_shape`, so it allocates
 nothing).
 """
 from __future__ import annotations
