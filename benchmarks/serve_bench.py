@@ -202,12 +202,15 @@ def main(argv=None):
         ap.error("give exactly one of MODEL (start a server) or --base-url")
     proc = None
     base = a.base_url.rstrip("/") if a.base_url else None
+    startup = {}
+    t_launch = time.perf_counter()
     try:
         if base is None:
             out_dir = os.path.dirname(os.path.abspath(a.output_json))
             os.makedirs(out_dir, exist_ok=True)
             proc, base = start_server(a.model, a.serve_args, os.path.join(out_dir, "serve_bench_server.log"))
             wait_health(base, proc)
+            startup["process_start_to_health_s"] = time.perf_counter() - t_launch
         else:
             wait_health(base, timeout=60)
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
@@ -220,6 +223,10 @@ def main(argv=None):
                      f"server's max_model_len {max_len}: shorten them")
         prompts, outs = build_workload(a.num_prompts, tuple(a.input_len), tuple(a.output_len), vocab, a.seed)
         asyncio.run(run_rate(base, model, prompts[:1], [4], math.inf, a.seed, headers, None))  # warm-up
+        if proc is not None:
+            startup["process_start_to_first_request_done_s"] = time.perf_counter() - t_launch
+            print(f"server: healthy {startup['process_start_to_health_s']:.1f}s, first request done "
+                  f"{startup['process_start_to_first_request_done_s']:.1f}s after launch", flush=True)
         c0 = compiles(sync, base)
         rows = []
         for tok in a.request_rates.split(","):
@@ -250,7 +257,7 @@ def main(argv=None):
         versions=dict(python=platform.python_version(), numpy=numpy.__version__, httpx=httpx.__version__,
                       server=server_version),
         device=server_version.get("devices"), host=platform.node(),
-        compiles_after_warmup=dict(before=c0, after=c1), results=rows,
+        compiles_after_warmup=dict(before=c0, after=c1), server_startup=startup, results=rows,
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     os.makedirs(os.path.dirname(os.path.abspath(a.output_json)), exist_ok=True)
     png = a.plot or os.path.splitext(a.output_json)[0] + ".png"

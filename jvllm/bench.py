@@ -268,6 +268,16 @@ def _stepwise(llm, prompt: list[int], max_tokens: int, rid: str) -> tuple[list[f
     return times, ntok
 
 
+def _host_share(s0: dict, s1: dict) -> dict:
+    """Engine time split between host work (schedule, inputs, dispatch, post-processing: the
+    device idles unless a step is queued) and waiting for the device, between two get_stats()."""
+    host = s1["host_seconds"] - s0["host_seconds"]
+    wait = s1["device_wait_seconds"] - s0["device_wait_seconds"]
+    steps = max(1, s1["num_steps"] - s0["num_steps"])
+    return dict(host_ms_per_step=1e3 * host / steps, device_wait_ms_per_step=1e3 * wait / steps,
+                host_share=host / (host + wait) if host + wait > 0 else None)
+
+
 def _pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
@@ -298,7 +308,7 @@ def run_throughput(llm, num_prompts: int = 256, input_len=W1_INPUT_LEN, output_l
     return dict(num_requests=num_prompts, input_len=list(input_len), output_len=output_len,
                 prompt_tokens=n_in, output_tokens=n_out, elapsed_s=dt,
                 output_tok_s=n_out / dt, total_tok_s=(n_in + n_out) / dt, requests_per_s=num_prompts / dt,
-                num_steps=steps, mean_step_ms=1e3 * dt / max(steps, 1),
+                num_steps=steps, mean_step_ms=1e3 * dt / max(steps, 1), **_host_share(s0, s1),
                 num_preemptions=s1["num_preemptions"] - s0["num_preemptions"],
                 compiles_in_window=c1 - c0, compiles_after_warmup=s1["compiles_after_warmup"],
                 all_finished_by_length=all(o.outputs[0].finish_reason == "length" for o in outs))
@@ -309,7 +319,9 @@ def run_latency(llm, input_len: int = 512, output_len: int = 256, num_iters: int
     vocab = llm.llm_engine.model_config.vocab_size
     iters = []
     for i in range(num_iters_warmup + num_iters):
+        s0 = llm.get_stats()
         times, ntok = _stepwise(llm, _one_prompt(input_len, vocab, seed=100 + i), output_len, f"b1-{i}")
+        share = _host_share(s0, llm.get_stats())
         k = ntok.index(1)  # the step that produced the first token (after any prefill chunks)
         dec = times[k + 1:]
         it = dict(ttft_s=sum(times[:k + 1]), prefill_steps=k + 1, decode_steps=len(dec),
@@ -319,6 +331,7 @@ def run_latency(llm, input_len: int = 512, output_len: int = 256, num_iters: int
                       step_ms_median=1e3 * statistics.median(dec), step_ms_p90=1e3 * _pct(dec, 0.9),
                       step_ms_min=1e3 * min(dec), decode_tok_s=len(dec) / sum(dec))
         it["e2e_tok_s"] = ntok[-1] / sum(times)
+        it.update(share)
         if i >= num_iters_warmup:
             iters.append(it)
     best = sorted(iters, key=lambda d: d.get("decode_tok_s", 0))[len(iters) // 2]  # median iteration
@@ -329,7 +342,8 @@ def run_latency(llm, input_len: int = 512, output_len: int = 256, num_iters: int
     step_bytes = ps["weight_bytes"] + kvpt * mean_ctx
     out = dict(input_len=input_len, output_len=output_len, num_iters=num_iters, iterations=iters,
                tok_s=best.get("decode_tok_s"), e2e_tok_s=best["e2e_tok_s"], step_ms=best.get("step_ms_mean"),
-               step_ms_median=best.get("step_ms_median"), ttft_s=best["ttft_s"], **ps,
+               step_ms_median=best.get("step_ms_median"), ttft_s=best["ttft_s"], host_share=best["host_share"],
+               host_ms_per_step=best["host_ms_per_step"], **ps,
                kv_bytes_per_token=kvpt, mean_context=mean_ctx, bytes_per_step=step_bytes,
                mbu_definition="(weight_bytes + kv_bytes_per_token x mean_context) / mean decode step / copy bandwidth")
     if copy_bandwidth_Bps and best.get("step_ms_mean"):
@@ -523,10 +537,12 @@ def summary_lines(result: dict) -> list[str]:
         if k == "throughput":
             lines.append(f"  W1: {v['output_tok_s']:.1f} output tok/s, {v['total_tok_s']:.1f} total tok/s, "
                          f"{v['num_requests']} req in {v['elapsed_s']:.2f}s, preemptions {v['num_preemptions']}, "
-                         f"compiles_after_warmup {v['compiles_after_warmup']}")
+                         f"compiles_after_warmup {v['compiles_after_warmup']}, {v['num_steps']} steps of "
+                         f"{v['mean_step_ms']:.1f} ms, host {v['host_ms_per_step']:.2f} ms/step ({v['host_share']:.0%})")
         elif k == "latency":
             mbu = f", MBU {v['mbu']:.1%}" if "mbu" in v else ""
-            lines.append(f"  B1: {v['tok_s']:.1f} tok/s, {v['step_ms']:.2f} ms/step, TTFT {v['ttft_s'] * 1e3:.1f} ms{mbu}")
+            lines.append(f"  B1: {v['tok_s']:.1f} tok/s, {v['step_ms']:.2f} ms/step, TTFT {v['ttft_s'] * 1e3:.1f} ms{mbu}, "
+                         f"host {v['host_ms_per_step']:.2f} ms/step ({v['host_share']:.0%})")
         elif k == "prefill":
             mfu = f", MFU {v['mfu']:.1%}" if "mfu" in v else ""
             lines.append(f"  P1: {v['tok_s']:.1f} tok/s ({v['input_len']} tokens in {v['prefill_s'] * 1e3:.1f} ms){mfu}")

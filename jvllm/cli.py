@@ -23,7 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="comma-separated token-count buckets compiled at start-up")
     p.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache ('off' to disable)")
-    p.add_argument("--attention-backend", default="auto", help="decode attention: auto | xla | pallas")
+    p.add_argument("--attention-backend", default="auto", help="auto | xla | pallas (Pallas decode kernel + ragged mixed-batch kernel) | pallas_decode | ragged")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)

@@ -34,6 +34,13 @@ from jvllm.ops.attention import AttentionMetadata
 from jvllm.sampling import NUM_TOP_LOGPROBS, SamplingBatch, SamplingExtras, logprob_outputs, sample
 
 
+# attention_backend -> (attention of decode-only steps, attention of mixed/prefill steps); see
+# LlamaForCausalLM.__call__. Measured on an H200 (benchmarks/results): JAX's Pallas decode kernel
+# beats the XLA tiles on decode steps; jvllm's ragged kernel replaces the XLA tiles on mixed steps.
+ATTENTION_MODES = {"xla": ("xla", "xla"), "pallas": ("pallas", "ragged"), "pallas_decode": ("pallas", "xla"),
+                   "ragged": ("ragged", "ragged")}
+
+
 def _key_data(seed: int) -> tuple[int, int]:
     s = seed & (2**64 - 1)
     return (s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF
@@ -103,8 +110,13 @@ class ModelRunner:
         self.num_microbatches = num_microbatches or len(self.stages)
         if attention_backend == "auto":
             attention_backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-        if attention_backend not in ("xla", "pallas", "pallas_interpret"):
-            raise ValueError(f"attention_backend must be auto, xla, pallas or pallas_interpret, got {attention_backend!r}")
+        base = attention_backend.removesuffix("_interpret")
+        if base not in ATTENTION_MODES:
+            raise ValueError(f"attention_backend must be auto or one of {', '.join(ATTENTION_MODES)} (optionally "
+                             f"with _interpret), got {attention_backend!r}")
+        suffix = "_interpret" if attention_backend.endswith("_interpret") else ""
+        self.attention_modes = {dec: (m if m == "xla" else m + suffix)
+                                for dec, m in zip((True, False), ATTENTION_MODES[base])}
         self.attention_backend = attention_backend
         max_blocks = cdiv(max_model_len, block_size)
         self.kv_chunk_blocks = min(kv_chunk_blocks, max_blocks)
@@ -112,7 +124,7 @@ class ModelRunner:
         for st in self.stages:
             st.kv = self._alloc_kv(st)
         self._step_fns = {(i, dec): jax.jit(functools.partial(
-            self._step_impl, st.graphdef, st.treedef, st.last, self.attention_backend if dec else "xla"),
+            self._step_impl, st.graphdef, st.treedef, st.last, self.attention_modes[dec]),
             donate_argnums=(1,)) for i, st in enumerate(self.stages) for dec in (False, True)}
         self._sample_fn = jax.jit(functools.partial(self._sample_impl, tied=cfg.tie_word_embeddings))
         self._plp_fn = jax.jit(functools.partial(self._plp_impl, tied=cfg.tie_word_embeddings))

@@ -42,7 +42,7 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool | None = None  # None: auto (True when the checkpoint has no tokenizer)
     token_buckets: tuple[int, ...] | None = None
-    query_tile: int = 8
+    query_tile: int | None = None  # tokens per attention query tile of mixed steps (None: 16 on accelerators, 8 on CPU)
     kv_chunk_blocks: int | None = None  # KV blocks per attention chunk (None: 16 on accelerators, 4 on CPU)
     compilation_cache_dir: str | None = None
     use_tqdm_on_load: bool = True
@@ -50,7 +50,10 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
-    attention_backend: str = "auto"  # decode steps: auto (Pallas kernel on GPU, XLA elsewhere) | xla | pallas
+    # auto (GPU: pallas, elsewhere xla) | xla | pallas (decode steps: JAX's Pallas paged-attention
+    # kernel; mixed steps: jvllm's ragged kernel) | pallas_decode (mixed steps on XLA) | ragged (all
+    # steps on the ragged kernel); "_interpret" runs the Pallas kernels in interpret mode (CPU tests)
+    attention_backend: str = "auto"
 
 
 def _on_accelerator() -> bool:
@@ -131,7 +134,7 @@ class LLMEngine:
         def make_runner(num_blocks):
             return ModelRunner(mc, head_w=head_w, dtype=self.dtype, block_size=bs,
                                num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=mns,
-                               token_buckets=buckets, query_tile=config.query_tile,
+                               token_buckets=buckets, query_tile=config.query_tile or (16 if acc else 8),
                                kv_chunk_blocks=config.kv_chunk_blocks or (16 if acc else 4),
                                stages=[dataclasses.replace(st, kv=None) for st in stages],  # shares weights
                                num_microbatches=config.num_microbatches,
@@ -151,7 +154,10 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
-        self.stats = dict(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0, num_requests=0)
+        # host_seconds: scheduling, input building, dispatch and post-processing (the device idles
+        # through these unless a step is already queued); device_wait_seconds: blocked on results
+        self.stats = dict(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0, num_requests=0,
+                          host_seconds=0.0, device_wait_seconds=0.0)
         self.warmup_seconds = self.warmup(use_tqdm=config.use_tqdm_on_load)
         self.compiles_after_warmup_base = jcompile.compile_count()
         self.init_seconds = time.perf_counter() - t0
@@ -347,6 +353,13 @@ class LLMEngine:
     def step_dispatch(self):
         """Schedule a batch and enqueue it on the device(s) without waiting (data-parallel replicas
         dispatch all, then collect all, so they run at the same time)."""
+        t0 = time.perf_counter()
+        try:
+            return self._step_dispatch()
+        finally:
+            self.stats["host_seconds"] += time.perf_counter() - t0
+
+    def _step_dispatch(self):
         sched = self.scheduler.schedule()
         if sched.empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -368,7 +381,10 @@ class LLMEngine:
         try:
             if handle[0] == "error":
                 raise handle[2]
+            t0 = time.perf_counter()
             res = self.runner.collect(handle[2])
+            t1 = time.perf_counter()
+            self.stats["device_wait_seconds"] += t1 - t0
         except Exception as e:  # an engine error fails the requests of this step, not the engine
             log.exception("step failed")
             for s in sched.scheduled:
@@ -403,7 +419,9 @@ class LLMEngine:
             if req.is_finished:
                 req.metrics.finished_time = now
                 self.scheduler.finish(req, req.status)
-        return self._outputs(touched)
+        outs = self._outputs(touched)
+        self.stats["host_seconds"] += time.perf_counter() - t1
+        return outs
 
     def _decode_one(self, tid: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([int(tid)])

@@ -25,6 +25,7 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.models.layers import RMSNorm, apply_rope, declare, rope_inv_freq
 from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, write_kv
+from jvllm.ops.pallas_attention import ragged_paged_attention
 
 _List = getattr(nnx, "List", list)
 
@@ -65,9 +66,12 @@ class Attention(nnx.Module):
         k_pages, v_pages = kv
         k_pages = write_kv(k_pages, k, md.slot_mapping)
         v_pages = write_kv(v_pages, v, md.slot_mapping)
+        interpret = attention.endswith("_interpret")
         if attention.startswith("pallas") and self.window is None:  # decode-only steps
-            o = pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale,
-                                        interpret=attention == "pallas_interpret")
+            o = pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale, interpret=interpret)
+        elif attention.startswith(("pallas", "ragged")):
+            o = ragged_paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
+                                       interpret=interpret)
         else:
             o = paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
                                 kv_chunk_blocks=kv_chunk_blocks)
@@ -131,8 +135,10 @@ class LlamaForCausalLM(nnx.Module):
                 self.lm_head = declare((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
     def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks: int = 16, attention: str = "xla"):
-        """attention: "xla" (any batch), or for decode-only batches "pallas" / "pallas_interpret"
-        (JAX's Pallas GPU paged-attention kernel; sliding-window layers stay on the XLA path)."""
+        """attention: "xla" (the reference, any batch); "ragged" (jvllm's Pallas ragged paged-attention
+        kernel, any batch); "pallas" (decode-only batches: JAX's Pallas GPU paged-attention kernel,
+        sliding-window layers on the ragged kernel). A "_interpret" suffix runs the Pallas kernels
+        in interpret mode (CPU tests)."""
         if self.first:
             x = self.embed[...][x]
         inv_np, rope_scale = rope_inv_freq(self.config)  # trace-time constants

@@ -111,3 +111,44 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
     out = out.transpose(0, 3, 1, 2, 4).reshape(NT, Qt, H, D).astype(q.dtype)
     flat = jnp.zeros((T + 1, H, D), q.dtype).at[md.tile_token_idx].set(out)
     return flat[:T]
+
+
+def example_metadata(spans, *, T: int, R: int, query_tile: int, block_size: int, table_width: int,
+                     num_blocks: int, seed: int = 0) -> AttentionMetadata:
+    """Metadata of a synthetic ragged batch for kernel tests and benchmarks (the runner builds the
+    real thing in `ModelRunner.prepare`). `spans` lists (start, n) per request: n new tokens at
+    positions start .. start+n-1, so the request's context is start + n tokens. Blocks are drawn
+    at random from 1 .. num_blocks-1 (0 is the null block), so the pages of a request are not
+    contiguous."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    positions = np.full(T, -1, np.int32)
+    slots = np.full(T, num_blocks * block_size, np.int32)
+    tables = np.zeros((R, table_width), np.int32)
+    NT = R + -(-T // query_tile)
+    tidx = np.full((NT, query_tile), T, np.int32)
+    treq = np.zeros(NT, np.int32)
+    logits_idx = np.zeros(R, np.int32)
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    off = tile = 0
+    if len(spans) > R or sum(n for _, n in spans) > T:
+        raise ValueError(f"{len(spans)} requests / {sum(n for _, n in spans)} tokens exceed R={R} / T={T}")
+    for r, (start, n) in enumerate(spans):
+        nblk = -(-(start + n) // block_size)
+        if nblk > table_width or nblk > len(free):
+            raise ValueError(f"request {r} needs {nblk} blocks (table width {table_width}, {len(free)} free)")
+        bt = np.array([free.pop() for _ in range(nblk)], np.int32)
+        tables[r, :nblk] = bt
+        pos = np.arange(start, start + n, dtype=np.int32)
+        positions[off:off + n] = pos
+        slots[off:off + n] = bt[pos // block_size] * block_size + pos % block_size
+        for q0 in range(0, n, query_tile):
+            q1 = min(n, q0 + query_tile)
+            tidx[tile, :q1 - q0] = np.arange(off + q0, off + q1)
+            treq[tile] = r
+            tile += 1
+        logits_idx[r] = off + n - 1
+        off += n
+    return AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=tables,
+                             tile_token_idx=tidx, tile_req=treq, logits_indices=logits_idx)

@@ -1,0 +1,54 @@
+"""Pallas kernels against the XLA reference (`paged_attention`), in interpret mode on the CPU.
+The same comparisons run compiled on a GPU in benchmarks/gpu_kernels.py (device tool)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jvllm.ops.attention import example_metadata, paged_attention, pallas_decode_attention
+from jvllm.ops.pallas_attention import ragged_paged_attention
+
+CASES = [
+    # H, KH, D, block, Qt, window, spans (start, n)
+    (8, 2, 32, 4, 8, None, [(0, 13), (5, 1), (20, 7), (0, 1)]),        # mixed: prefill, decode, continuation
+    (9, 3, 16, 4, 8, None, [(3, 17), (40, 1)]),                       # SmolLM2-like G=3 (rows padded to 32)
+    (4, 4, 16, 8, 4, 6, [(0, 30), (17, 1), (9, 5)]),                  # sliding window, MHA
+    (8, 1, 16, 4, 16, None, [(0, 40)]),                               # MQA, one long prefill, several chunks
+    (8, 2, 32, 4, 1, None, [(0, 1), (7, 1), (33, 1), (60, 1)]),       # decode-only tiles (Qt=1)
+]
+
+
+def _inputs(H, KH, D, bs, Qt, spans, T=48, R=8, W=16, NB=80, seed=0):
+    rng = np.random.default_rng(seed)
+    md = example_metadata(spans, T=T, R=R, query_tile=Qt, block_size=bs, table_width=W, num_blocks=NB, seed=seed)
+    q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.float32)
+    kp = jnp.asarray(rng.standard_normal((KH, NB, bs, D)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((KH, NB, bs, D)), jnp.float32)
+    return md, q, kp, vp
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_ragged_kernel_matches_reference(case):
+    H, KH, D, bs, Qt, window, spans = case
+    md, q, kp, vp = _inputs(H, KH, D, bs, Qt, spans)
+    ref = paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, kv_chunk_blocks=4)
+    out = ragged_paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, pages_per_block=2, interpret=True)
+    valid = np.asarray(md.positions) >= 0
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-5, rtol=2e-5)
+    assert not np.asarray(out)[~valid].any(), "padding tokens must come back as zeros"
+
+
+def test_ragged_kernel_bf16():
+    md, q, kp, vp = _inputs(8, 2, 32, 4, 8, [(0, 20), (11, 1), (30, 9)])
+    q, kp, vp = (a.astype(jnp.bfloat16) for a in (q, kp, vp))
+    ref = paged_attention(q, kp, vp, md, scale=32 ** -0.5, kv_chunk_blocks=4).astype(jnp.float32)
+    out = ragged_paged_attention(q, kp, vp, md, scale=32 ** -0.5, interpret=True).astype(jnp.float32)
+    valid = np.asarray(md.positions) >= 0
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=3e-2)
+
+
+def test_decode_kernel_matches_reference():
+    spans = [(0, 1), (9, 1), (40, 1), (63, 1)]
+    md, q, kp, vp = _inputs(8, 2, 32, 4, 1, spans, T=8, R=8)
+    ref = paged_attention(q, kp, vp, md, scale=32 ** -0.5, kv_chunk_blocks=4)
+    out = pallas_decode_attention(q, kp, vp, md, scale=32 ** -0.5, interpret=True)
+    np.testing.assert_allclose(np.asarray(out)[:4], np.asarray(ref)[:4], atol=2e-5, rtol=2e-5)
