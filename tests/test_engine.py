@@ -125,3 +125,21 @@ def test_ragged_kernel_engine_matches_transformers(ckpt_dir, arch):
     ref = hf_model(path)
     for p, o in zip(prompts, ours):
         assert o == hf_greedy(ref, p, 6), (arch, p)
+
+
+def test_memory_sizing_from_device_stats(ckpt_dir, monkeypatch):
+    """The accelerator sizing rule (utilization x limit - weights - XLA's activation peak of the
+    largest step), exercised on the CPU with fake allocator stats."""
+    from jvllm.engine import engine as eng_mod
+
+    limit, used = 64 * 2**20, 4 * 2**20
+    monkeypatch.setattr(eng_mod, "device_memory_stats", lambda: dict(bytes_limit=limit, bytes_in_use=used))
+    llm = _small_llm(ckpt_dir("llama"), max_num_seqs=32, max_model_len=512, gpu_memory_utilization=0.5)
+    try:
+        eng = llm.llm_engine
+        per_block = eng.kv_bytes_per_block()
+        n = eng.runner.num_blocks
+        assert 2 < n < (0.5 * limit - used) // per_block + 1, (n, per_block)
+        assert _greedy(llm, [[5, 6, 7]], 3)[0] and len(_greedy(llm, [[5, 6, 7]], 3)[0]) == 3
+    finally:
+        llm.shutdown()

@@ -50,7 +50,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
-    # auto (GPU: pallas, elsewhere xla) | xla | pallas (decode steps: JAX's Pallas paged-attention
+    # auto (GPU: ragged, elsewhere xla) | xla | pallas (decode steps: JAX's Pallas paged-attention
     # kernel; mixed steps: jvllm's ragged kernel) | pallas_decode (mixed steps on XLA) | ragged (all
     # steps on the ragged kernel); "_interpret" runs the Pallas kernels in interpret mode (CPU tests)
     attention_backend: str = "auto"
@@ -58,6 +58,15 @@ class EngineConfig:
 
 def _on_accelerator() -> bool:
     return jax.default_backend() not in ("cpu",)
+
+
+def device_memory_stats() -> dict | None:
+    """The first device's allocator stats (bytes_limit, bytes_in_use, ...); None where the backend
+    has none (CPU), which selects the CPU sizing rule."""
+    try:
+        return jax.devices()[0].memory_stats()
+    except Exception:
+        return None
 
 
 def resolve_dtype(dtype: str):
@@ -226,11 +235,7 @@ class LLMEngine:
         cap = max_num_seqs * cdiv(max_model_len, cc.block_size) + 1  # never more than all slots could use
         if cc.kv_cache_memory_bytes is not None:
             return max(2, min(cap, cc.kv_cache_memory_bytes // per_block + 1))
-        stats = None
-        try:
-            stats = jax.devices()[0].memory_stats()
-        except Exception:
-            pass
+        stats = device_memory_stats()
         if stats and stats.get("bytes_limit"):
             # vLLM's rule: utilization x device memory - weights (in use now) - activation peak, with
             # the peak taken from XLA's memory analysis of the largest step program.
@@ -250,12 +255,13 @@ class LLMEngine:
         probe = make_runner(2)
         T = probe.token_buckets[-1]
         peak = 0
-        for kind, key in (("step", T), ("sample", (probe.seq_bucket(T), True))):
+        keys = [("step", (s, T, False)) for s in range(len(probe.stages))] + [("sample", (probe.seq_bucket(T), True))]
+        for kind, key in keys:
             exe = probe.compile(kind, key)
             try:
                 peak = max(peak, exe.memory_analysis().temp_size_in_bytes)
             except Exception:  # no memory analysis on this backend: keep a 5% margin of the device
-                limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+                limit = (device_memory_stats() or {}).get("bytes_limit", 0)
                 peak = max(peak, int(0.05 * limit))
         for k, v in probe.kv:
             k.delete()

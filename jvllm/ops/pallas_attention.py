@@ -86,10 +86,12 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, pages_per_block: int
 
 
 def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int | None = None,
-                           pages_per_block: int = 8, num_warps: int = 4, num_stages: int = 2,
+                           pages_per_block: int = 4, num_warps: int = 4, num_stages: int = 2,
                            interpret: bool = False):
     """q [T, H, D] -> [T, H, D]; same contract and result as `attention.paged_attention` (which is
-    the test oracle). K/V for this step's tokens must already be in the pages."""
+    the test oracle). K/V for this step's tokens must already be in the pages. Launch defaults
+    (4 pages of 16 tokens per inner step, 4 warps, 2 stages) are the best of the configurations
+    measured on an H200 for prefill and mixed steps (benchmarks/gpu_kernels.py)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
