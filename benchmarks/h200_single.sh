@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Single-GPU figures on one nvidia-h200, in sequence (one device call each when a call's 600 s
+# cannot hold them all). STAGES (default "bench hf"): any of
+#   bench   `jvllm bench all` (W1, B1, P1, XLA report) on random:llama3-8b bf16 -> jvllm_all.json
+#   hf      the HF transformers peer (benchmarks/peers/hf_baseline.py) -> hf_baseline.json
+#   s1      S1 (benchmarks/serve_bench.py against `jvllm serve`) -> s1.json (+ PNG)
+#   kernels benchmarks/gpu_kernels.py -> gpu_kernels.json
+# Env: JVLLM_GIT_COMMIT (the copy has no .git), BACKEND (attention backend, default auto),
+# S1_RATES (2,4,8,16,inf), S1_N (64).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail "$OUT/pip.log"; }
+if ls .whl/*.whl > /dev/null 2>&1; then  # the device image lacks fastapi, starlette, uvicorn, pydantic
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >> "$OUT/pip.log" 2>&1
+  export PYTHONPATH=/tmp/site
+fi
+export JVLLM_CACHE_DIR=/tmp/jvllm_xla_cache
+BACKEND=${BACKEND:-auto}
+for stage in ${STAGES:-bench hf}; do
+  echo "[$(el)s] $stage"
+  case $stage in
+    bench) timeout 330 python -m jvllm.cli bench all --model random:llama3-8b --dtype bfloat16 --max-model-len 4096 \
+             --attention-backend $BACKEND --output-json "$OUT/jvllm_all.json" > "$OUT/jvllm_all.log" 2>&1
+           echo "rc=$?"; tail -9 "$OUT/jvllm_all.log" ;;
+    hf) NREQ=256 OUTN=256 timeout $(( 590 - $(el) )) python benchmarks/peers/hf_baseline.py > "$OUT/hf_baseline.log" 2>&1
+        echo "rc=$?"; tail -1 "$OUT/hf_baseline.log" ;;
+    s1) timeout $(( 590 - $(el) )) python benchmarks/serve_bench.py random:llama3-8b --num-prompts ${S1_N:-64} \
+          --request-rates ${S1_RATES:-2,4,8,16,inf} \
+          --serve-args="--max-model-len 4096 --dtype bfloat16 --attention-backend $BACKEND" \
+          --output-json "$OUT/s1.json" > "$OUT/s1.log" 2>&1
+        echo "rc=$?"; tail -9 "$OUT/s1.log" ;;
+    kernels) timeout 200 python benchmarks/gpu_kernels.py --out "$OUT/gpu_kernels.json" > "$OUT/gpu_kernels.log" 2>&1
+             echo "rc=$?"; tail -2 "$OUT/gpu_kernels.log" ;;
+  esac
+done
+echo "[total $(el)s]"
