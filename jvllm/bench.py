@@ -192,9 +192,10 @@ def kv_bytes_per_token(llm) -> int:
 
 def _prog_name(kind, key) -> str:
     if kind == "sample" and isinstance(key, tuple) and len(key) == 2:
-        return f"sample[R={key[0]}{',extras' if key[1] else ''}]"
-    if kind == "step" and isinstance(key, tuple) and len(key) == 2:  # (pipeline stage, T)
-        return f"step[stage={key[0]},T={key[1]}]"
+        tag = {True: ",extras", False: "", "greedy": ",greedy"}[key[1]]
+        return f"sample[R={key[0]}{tag}]"
+    if kind == "step" and isinstance(key, tuple) and len(key) == 3:  # (pipeline stage, T, decode-only)
+        return f"step[stage={key[0]},T={key[1]}{',decode' if key[2] else ''}]"
     return f"{kind}[T={key}]" if isinstance(key, int) else f"{kind}{list(key) if isinstance(key, tuple) else [key]}"
 
 
@@ -272,10 +273,12 @@ def _host_share(s0: dict, s1: dict) -> dict:
     """Engine time split between host work (schedule, inputs, dispatch, post-processing: the
     device idles unless a step is queued) and waiting for the device, between two get_stats()."""
     host = s1["host_seconds"] - s0["host_seconds"]
+    parts = {f"host_{k.removesuffix('_s')}_ms_per_step": 1e3 * (s1[k] - s0[k]) / max(1, s1["num_steps"] - s0["num_steps"])
+             for k in ("prepare_s", "step_call_s", "sample_inputs_s", "sample_call_s") if k in s1}
     wait = s1["device_wait_seconds"] - s0["device_wait_seconds"]
     steps = max(1, s1["num_steps"] - s0["num_steps"])
     return dict(host_ms_per_step=1e3 * host / steps, device_wait_ms_per_step=1e3 * wait / steps,
-                host_share=host / (host + wait) if host + wait > 0 else None)
+                host_share=host / (host + wait) if host + wait > 0 else None, **parts)
 
 
 def _pct(xs, q):
@@ -343,7 +346,8 @@ def run_latency(llm, input_len: int = 512, output_len: int = 256, num_iters: int
     out = dict(input_len=input_len, output_len=output_len, num_iters=num_iters, iterations=iters,
                tok_s=best.get("decode_tok_s"), e2e_tok_s=best["e2e_tok_s"], step_ms=best.get("step_ms_mean"),
                step_ms_median=best.get("step_ms_median"), ttft_s=best["ttft_s"], host_share=best["host_share"],
-               host_ms_per_step=best["host_ms_per_step"], **ps,
+               host_ms_per_step=best["host_ms_per_step"],
+               host_parts={k: v for k, v in best.items() if k.startswith("host_") and k != "host_share"}, **ps,
                kv_bytes_per_token=kvpt, mean_context=mean_ctx, bytes_per_step=step_bytes,
                mbu_definition="(weight_bytes + kv_bytes_per_token x mean_context) / mean decode step / copy bandwidth")
     if copy_bandwidth_Bps and best.get("step_ms_mean"):
@@ -523,6 +527,11 @@ def run_benchmark(name: str, a) -> dict:
     return result
 
 
+def _parts(v: dict) -> str:
+    return ", ".join(f"{k.removeprefix('host_').removesuffix('_ms_per_step')} {x:.2f}" for k, x in v.items()
+                     if k.startswith("host_") and k.endswith("_ms_per_step") and k != "host_ms_per_step")
+
+
 def summary_lines(result: dict) -> list[str]:
     r = result.get("results", {})
     items = r.items() if result["benchmark"] == "all" else [(result["benchmark"], r)]
@@ -538,11 +547,11 @@ def summary_lines(result: dict) -> list[str]:
             lines.append(f"  W1: {v['output_tok_s']:.1f} output tok/s, {v['total_tok_s']:.1f} total tok/s, "
                          f"{v['num_requests']} req in {v['elapsed_s']:.2f}s, preemptions {v['num_preemptions']}, "
                          f"compiles_after_warmup {v['compiles_after_warmup']}, {v['num_steps']} steps of "
-                         f"{v['mean_step_ms']:.1f} ms, host {v['host_ms_per_step']:.2f} ms/step ({v['host_share']:.0%})")
+                         f"{v['mean_step_ms']:.1f} ms, host {v['host_ms_per_step']:.2f} ms/step ({v['host_share']:.0%}: {_parts(v)})")
         elif k == "latency":
             mbu = f", MBU {v['mbu']:.1%}" if "mbu" in v else ""
             lines.append(f"  B1: {v['tok_s']:.1f} tok/s, {v['step_ms']:.2f} ms/step, TTFT {v['ttft_s'] * 1e3:.1f} ms{mbu}, "
-                         f"host {v['host_ms_per_step']:.2f} ms/step ({v['host_share']:.0%})")
+                         f"host {v['host_ms_per_step']:.2f} ms/step ({v['host_share']:.0%}: {_parts(v.get('host_parts', {}))})")
         elif k == "prefill":
             mfu = f", MFU {v['mfu']:.1%}" if "mfu" in v else ""
             lines.append(f"  P1: {v['tok_s']:.1f} tok/s ({v['input_len']} tokens in {v['prefill_s'] * 1e3:.1f} ms){mfu}")

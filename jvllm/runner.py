@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,8 @@ class ModelRunner:
             self._step_impl, st.graphdef, st.treedef, st.last, self.attention_modes[dec]),
             donate_argnums=(1,)) for i, st in enumerate(self.stages) for dec in (False, True)}
         self._sample_fn = jax.jit(functools.partial(self._sample_impl, tied=cfg.tie_word_embeddings))
+        self._greedy_fn = jax.jit(functools.partial(self._greedy_impl, tied=cfg.tie_word_embeddings))
+        self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0)
         self._plp_fn = jax.jit(functools.partial(self._plp_impl, tied=cfg.tie_word_embeddings))
         self._compiled: dict = {}
 
@@ -180,6 +183,12 @@ class ModelRunner:
 
     def _sample_impl(self, w, h, sb, ex, *, tied):
         return sample(self._logits(w, h, tied), sb, ex)
+
+    def _greedy_impl(self, w, h, *, tied):
+        """All rows greedy, no penalties, no logprobs: argmax only. A program of its own because
+        XLA on GPUs runs `lax.cond` by copying the predicate to the host and blocking on it, which
+        would make every dispatch wait for the step before it (the general sampler has conds)."""
+        return jnp.argmax(self._logits(w, h, tied), axis=-1).astype(jnp.int32)
 
     def _plp_impl(self, w, h, targets, *, tied):
         return logprob_outputs(self._logits(w, h, tied), targets)
@@ -242,7 +251,7 @@ class ModelRunner:
                 out += [("step", (s, T, True)) for s in range(len(self.stages))]
             out.append(("prompt_lp", T))
         for R in sorted({self.seq_bucket(T) for T in self.token_buckets}):
-            out += [("sample", (R, False)), ("sample", (R, True))]
+            out += [("sample", (R, False)), ("sample", (R, True)), ("sample", (R, "greedy"))]
         return out
 
     def compile(self, kind, key):
@@ -265,6 +274,8 @@ class ModelRunner:
             tokens, md, R = self._abstract_inputs(T, decode)
             x = tokens if st.first else sds((T, hidden), self.dtype)
             exe = self._step_fns[(s_idx, decode)].lower(like(st.leaves), like(st.kv), on(st, x), on(st, md)).compile()
+        elif kind == "sample" and key[1] == "greedy":
+            exe = self._greedy_fn.lower(like(self.head_w), on(last, sds((key[0], hidden), self.dtype))).compile()
         elif kind == "sample":
             R, extras = key
             sb, ex = self._abstract_sampling(R, extras)
@@ -389,9 +400,13 @@ class ModelRunner:
     def dispatch(self, scheduled):
         """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`."""
         pending = []
+        tm = self.timers
         for group in self._microbatches(scheduled):
             sched = [s for _, s in group]
+            t0 = time.perf_counter()
             T, R, decode, tokens, md = self.prepare(sched)
+            t1 = time.perf_counter()
+            tm["prepare_s"] += t1 - t0
             x = tokens
             for s_idx, st in enumerate(self.stages):
                 shard = st.sharding()
@@ -402,11 +417,20 @@ class ModelRunner:
                 st.kv = out[0]
                 x = out[-1]
             _, last_h, all_h = out
+            t2 = time.perf_counter()
+            tm["step_call_s"] += t2 - t1
             sb, ex, want_lp = self._sampling_inputs(sched, R)
-            shard = self.stages[-1].sharding()
-            if shard is not None:
-                sb, ex = jax.tree_util.tree_map(lambda a: _put(np.asarray(a), shard), (sb, ex))
-            tok, lp = self.compile("sample", (R, ex is not None))(self.head_w, last_h, sb, ex)
+            greedy = ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
+            t3 = time.perf_counter()
+            tm["sample_inputs_s"] += t3 - t2
+            if greedy:
+                tok, lp = self.compile("sample", (R, "greedy"))(self.head_w, last_h), None
+            else:
+                shard = self.stages[-1].sharding()
+                if shard is not None:
+                    sb, ex = jax.tree_util.tree_map(lambda a: _put(np.asarray(a), shard), (sb, ex))
+                tok, lp = self.compile("sample", (R, ex is not None))(self.head_w, last_h, sb, ex)
+            tm["sample_call_s"] += time.perf_counter() - t3
             plp = None
             if any(s.req.needs_prompt_logprobs for s in sched):
                 plp = self._prompt_logprobs(sched, T, all_h)

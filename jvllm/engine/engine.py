@@ -494,7 +494,7 @@ class LLMEngine:
             kv_usage=pool.usage(), num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
             prefix_cache_hit_rate=self.kv_manager.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
             compiles_after_warmup=jcompile.compile_count() - self.compiles_after_warmup_base,
-            **self.stats)
+            **self.stats, **(self.runner.timers if self.runner is not None else {}))
 
     def shutdown(self):
         """Free the weights and the KV pool on the device. The engine is unusable afterwards."""

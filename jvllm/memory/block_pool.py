@@ -164,6 +164,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[str, list[Block]] = {}
+        self.num_cached: dict[str, int] = {}  # leading blocks of a table already registered
 
     # -- prefix cache ----------------------------------------------------------------------
     def _hashes(self, req, upto_blocks: int) -> list[bytes]:
@@ -219,11 +220,17 @@ class KVCacheManager:
             return
         table = self.tables.get(req.request_id, [])
         n_full = min(num_tokens // self.block_size, len(table))
-        for b, h in zip(table[:n_full], self._hashes(req, n_full)):
-            self.pool.register(b, h)
+        done = self.num_cached.get(req.request_id, 0)
+        if n_full <= done:  # incremental: a table only grows while its request holds it
+            return
+        hashes = self._hashes(req, n_full)
+        for i in range(done, n_full):
+            self.pool.register(table[i], hashes[i])
+        self.num_cached[req.request_id] = n_full
 
     def free(self, req):
         table = self.tables.pop(req.request_id, None)
+        self.num_cached.pop(req.request_id, None)
         if table:
             self.pool.release(reversed(table))
 
