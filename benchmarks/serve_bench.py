@@ -72,7 +72,9 @@ async def one_request(client, url, model, prompt, max_tokens, t_start, delay, he
                         err = ev["error"].get("message")
                     if ev.get("usage"):
                         ntok = ev["usage"]["completion_tokens"]
-                    if any(c.get("text") for c in ev.get("choices", [])):
+                    # a content chunk carries text, or (a model without a tokenizer, e.g. random
+                    # weights) token ids with empty text; the final chunk has a finish_reason
+                    if any(c.get("text") or c.get("finish_reason") is None for c in ev.get("choices", [])):
                         chunks.append(time.perf_counter())
     except Exception as e:  # network failure counts as a failed request
         err = f"{type(e).__name__}: {e}"
