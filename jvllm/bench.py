@@ -517,6 +517,7 @@ def run_benchmark(name: str, a) -> dict:
                     a.num_iters_warmup, ceil.get("matmul_flops_per_s"))
         result["engine_stats"] = llm.get_stats()
         result["compiles_after_warmup"] = result["engine_stats"]["compiles_after_warmup"]
+        result["memory"] = memory_report(llm)
         result["results"] = res if name == "all" else res[name]
         if errors:
             result["errors"] = errors
@@ -525,6 +526,19 @@ def run_benchmark(name: str, a) -> dict:
     finally:
         llm.shutdown()
     return result
+
+
+def memory_report(llm) -> dict:
+    """Device memory after the runs: the allocator's peak and current use (None on backends
+    without allocator stats, e.g. CPU), the weights and the KV pool."""
+    from jvllm.engine.engine import device_memory_stats
+
+    eng = llm.llm_engine
+    stats = device_memory_stats() or {}
+    kv = sum(a.nbytes for pair in eng.runner.kv for a in pair)
+    return dict(peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_in_use=stats.get("bytes_in_use"),
+                bytes_limit=stats.get("bytes_limit"), weight_bytes=param_stats(llm)["weight_bytes"],
+                kv_pool_bytes=kv, kv_blocks=eng.runner.num_blocks, block_size=eng.runner.block_size)
 
 
 def _parts(v: dict) -> str:
@@ -555,6 +569,10 @@ def summary_lines(result: dict) -> list[str]:
         elif k == "prefill":
             mfu = f", MFU {v['mfu']:.1%}" if "mfu" in v else ""
             lines.append(f"  P1: {v['tok_s']:.1f} tok/s ({v['input_len']} tokens in {v['prefill_s'] * 1e3:.1f} ms){mfu}")
+    mem = result.get("memory") or {}
+    if mem.get("peak_bytes_in_use"):
+        lines.append(f"  memory: peak {mem['peak_bytes_in_use'] / 2**30:.1f} GiB of {mem['bytes_limit'] / 2**30:.1f} GiB "
+                     f"(weights {mem['weight_bytes'] / 2**30:.1f} GiB, KV pool {mem['kv_pool_bytes'] / 2**30:.1f} GiB)")
     for lab, c in result.get("cold_start", {}).items():
         if isinstance(c, dict) and "process_start_to_first_token_s" in c:
             lines.append(f"  cold start ({lab}): {c['process_start_to_first_token_s']:.1f}s process start -> first token "

@@ -23,7 +23,11 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="comma-separated token-count buckets compiled at start-up")
     p.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache ('off' to disable)")
-    p.add_argument("--attention-backend", default="auto", help="auto | xla | pallas (Pallas decode kernel + ragged mixed-batch kernel) | pallas_decode | ragged")
+    p.add_argument("--attention-backend", default="auto",
+                   help="auto (GPU: ragged, else xla) | ragged | pallas (JAX decode kernel + ragged) | pallas_decode | xla")
+    p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="dispatch step N+1 before reading step N (default: on where supported: one device, one stage)")
+    p.add_argument("--query-tile", type=int, default=None, help="tokens per attention query tile of mixed steps")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -37,8 +41,9 @@ def engine_kwargs(a) -> dict:
     from jvllm.sharding import initialize_distributed
 
     initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
-    return dict(attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
-                data_parallel_size=a.data_parallel_size,dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
+    return dict(attention_backend=a.attention_backend, async_scheduling=a.async_scheduling, query_tile=a.query_tile,
+                tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+                data_parallel_size=a.data_parallel_size, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                 block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,

@@ -127,8 +127,16 @@ class ModelRunner:
         for st in self.stages:
             st.kv = self._alloc_kv(st)
         self._step_fns = {(i, dec): jax.jit(functools.partial(
-            self._step_impl, st.graphdef, st.treedef, st.last, self.attention_modes[dec]),
+            self._step_impl, st.graphdef, st.treedef, st.first, st.last, self.attention_modes[dec]),
             donate_argnums=(1,)) for i, st in enumerate(self.stages) for dec in (False, True)}
+        # first-stage programs also take (prev_tok [max_num_seqs], src [T]): token t of the batch is
+        # prev_tok[src[t]] where src[t] >= 0, the id sampled on the device by the step before,
+        # not yet seen by the host (async scheduling); with nothing pending src is all -1 and
+        # prev_tok this zero array
+        self._no_prev = {}
+        for st in self.stages:
+            if st.first:
+                self._zero_prev(st)
         self._sample_fn = jax.jit(functools.partial(self._sample_impl, tied=cfg.tie_word_embeddings))
         self._greedy_fn = jax.jit(functools.partial(self._greedy_impl, tied=cfg.tie_word_embeddings))
         self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0)
@@ -170,7 +178,9 @@ class ModelRunner:
         self._compiled.clear()
 
     # ------------------------------------------------------------------ programs
-    def _step_impl(self, graphdef, treedef, last, attention, leaves, kv, x, md):
+    def _step_impl(self, graphdef, treedef, first, last, attention, leaves, kv, x, md, prev_tok=None, src=None):
+        if first:
+            x = jnp.where(src >= 0, prev_tok[jnp.maximum(src, 0)], x)
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
         h, kv = model(x, kv, md, self.kv_chunk_blocks, attention)
         if last:
@@ -182,13 +192,20 @@ class ModelRunner:
         return jnp.dot(h, w.T if tied else w, preferred_element_type=jnp.float32)
 
     def _sample_impl(self, w, h, sb, ex, *, tied):
-        return sample(self._logits(w, h, tied), sb, ex)
+        tok, lp = sample(self._logits(w, h, tied), sb, ex)
+        return tok, lp, self._pad_tok(tok)
 
     def _greedy_impl(self, w, h, *, tied):
         """All rows greedy, no penalties, no logprobs: argmax only. A program of its own because
         XLA on GPUs runs `lax.cond` by copying the predicate to the host and blocking on it, which
         would make every dispatch wait for the step before it (the general sampler has conds)."""
-        return jnp.argmax(self._logits(w, h, tied), axis=-1).astype(jnp.int32)
+        tok = jnp.argmax(self._logits(w, h, tied), axis=-1).astype(jnp.int32)
+        return tok, self._pad_tok(tok)
+
+    def _pad_tok(self, tok):
+        """Sampled ids [R] padded to [max_num_seqs]: the next step's `prev_tok` (fixed shape, so
+        the step programs need no variant per request bucket)."""
+        return jnp.zeros((self.max_num_seqs,), jnp.int32).at[:tok.shape[0]].set(tok)
 
     def _plp_impl(self, w, h, targets, *, tied):
         return logprob_outputs(self._logits(w, h, tied), targets)
@@ -273,7 +290,9 @@ class ModelRunner:
             st = self.stages[s_idx]
             tokens, md, R = self._abstract_inputs(T, decode)
             x = tokens if st.first else sds((T, hidden), self.dtype)
-            exe = self._step_fns[(s_idx, decode)].lower(like(st.leaves), like(st.kv), on(st, x), on(st, md)).compile()
+            extra = (on(st, sds((self.max_num_seqs,), jnp.int32)), on(st, sds((T,), jnp.int32))) if st.first else ()
+            exe = self._step_fns[(s_idx, decode)].lower(like(st.leaves), like(st.kv), on(st, x), on(st, md),
+                                                        *extra).compile()
         elif kind == "sample" and key[1] == "greedy":
             exe = self._greedy_fn.lower(like(self.head_w), on(last, sds((key[0], hidden), self.dtype))).compile()
         elif kind == "sample":
@@ -290,9 +309,11 @@ class ModelRunner:
         return exe
 
     # ------------------------------------------------------------------ host inputs
-    def prepare(self, scheduled, allow_decode: bool = True):
+    def prepare(self, scheduled, allow_decode: bool = True, prev_rows: dict | None = None):
         """numpy inputs for one step from a list of ScheduledRequest:
-        (T bucket, R bucket, decode-only?, tokens, AttentionMetadata)."""
+        (T bucket, R bucket, decode-only?, tokens, AttentionMetadata, src). A request whose last
+        token is still on the device (sampled by the step in flight, async scheduling) has it taken
+        from that step's output: src[t] = its row there (`prev_rows[request_id]`), else -1."""
         n_tok = sum(s.num_tokens for s in scheduled)
         T = self.bucket(n_tok)
         R = self.seq_bucket(T)
@@ -302,31 +323,50 @@ class ModelRunner:
         bs = self.block_size
         Qt, NT = self.tiling(T, decode)
         tokens = np.zeros(T, np.int32)
+        src = np.full(T, -1, np.int32)
         positions = np.full(T, -1, np.int32)
         slots = np.full(T, self.num_blocks * bs, np.int32)  # out of range: dropped
         tables = np.zeros((R, self.table_width), np.int32)
         tile_idx = np.full((NT, Qt), T, np.int32)
         tile_req = np.zeros(NT, np.int32)
         logits_idx = np.zeros(R, np.int32)
-        off = tile = 0
+        nr = len(scheduled)
+        # host lists -> arrays: one pass over the requests (token ids and block tables live in
+        # Python lists); everything per token or per tile below is vectorized numpy
+        ns = np.empty(nr, np.int64)
+        starts = np.empty(nr, np.int64)
+        off = 0
         for r, s in enumerate(scheduled):
             n, start = s.num_tokens, s.start
-            pos = np.arange(start, start + n, dtype=np.int32)
-            tokens[off:off + n] = s.req.all_token_ids[start:start + n]
-            positions[off:off + n] = pos
-            bt = np.asarray(s.block_ids, np.int32)
+            ns[r], starts[r] = n, start
+            known = s.req.all_token_ids[start:start + n]
+            tokens[off:off + len(known)] = known
+            if len(known) < n:  # the one pending token (async scheduling)
+                if len(known) != n - 1 or prev_rows is None or s.req.request_id not in prev_rows:
+                    raise RuntimeError(f"request {s.req.request_id}: {n - len(known)} input tokens are not known")
+                src[off + n - 1] = prev_rows[s.req.request_id]
+            bt = s.block_ids
             tables[r, :len(bt)] = bt
-            slots[off:off + n] = bt[pos // bs] * bs + pos % bs
-            for q0 in range(0, n, Qt):
-                q1 = min(n, q0 + Qt)
-                tile_idx[tile, :q1 - q0] = np.arange(off + q0, off + q1)
-                tile_req[tile] = r
-                tile += 1
-            logits_idx[r] = off + n - 1
             off += n
+        if nr:
+            offs = np.concatenate([[0], np.cumsum(ns)[:-1]])
+            req_of_tok = np.repeat(np.arange(nr), ns)
+            pos = (np.arange(off) - offs[req_of_tok] + starts[req_of_tok]).astype(np.int32)
+            positions[:off] = pos
+            slots[:off] = tables[req_of_tok, pos // bs] * bs + pos % bs
+            logits_idx[:nr] = offs + ns - 1
+            nt = -(-ns // Qt)                                   # tiles per request
+            n_tiles = int(nt.sum())
+            tile_req[:n_tiles] = np.repeat(np.arange(nr), nt)
+            tile_first = np.concatenate([[0], np.cumsum(nt)[:-1]])
+            k = np.arange(n_tiles) - tile_first[tile_req[:n_tiles]]  # tile index within its request
+            t0 = offs[tile_req[:n_tiles]] + k * Qt                  # first token of each tile
+            t_end = (offs + ns)[tile_req[:n_tiles]]
+            cols = t0[:, None] + np.arange(Qt)[None, :]
+            tile_idx[:n_tiles] = np.where(cols < t_end[:, None], cols, T)
         md = AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=tables,
                                tile_token_idx=tile_idx, tile_req=tile_req, logits_indices=logits_idx)
-        return T, R, decode, tokens, md
+        return T, R, decode, tokens, md, src
 
     def _sampling_inputs(self, scheduled, R: int):
         V = self.cfg.vocab_size
@@ -344,7 +384,7 @@ class ModelRunner:
             top_k[r] = V if p.top_k <= 0 else min(p.top_k, V)
             top_p[r], min_p[r] = p.top_p, p.min_p
             keys[r] = _key_data(s.req.seed)
-            counter[r] = s.req.num_output_tokens
+            counter[r] = s.req.num_output_tokens + s.req.num_pending  # index of the token drawn now
             want_lp |= p.logprobs is not None
         sb = SamplingBatch(temp, top_k, top_p, min_p, keys, counter, np.bool_(want_lp))
         ex = None
@@ -397,14 +437,26 @@ class ModelRunner:
             groups.append(cur)
         return groups
 
-    def dispatch(self, scheduled):
-        """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`."""
+    def _zero_prev(self, st):
+        if id(st) not in self._no_prev:  # built once per stage (at start-up): nothing to do while serving
+            z = np.zeros(self.max_num_seqs, np.int32)
+            self._no_prev[id(st)] = _put(z, st.sharding()) if st.sharding() is not None else jnp.asarray(z)
+        return self._no_prev[id(st)]
+
+    def dispatch(self, scheduled, prev=None):
+        """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`.
+        `prev`: the handle of the step still in flight whose sampled ids some of these requests
+        need as input (async scheduling; single stage, one micro-batch), else None."""
         pending = []
         tm = self.timers
+        prev_tok, prev_rows = None, None
+        if prev is not None:
+            (p_group, _, _, _, prev_tok), = prev[1]
+            prev_rows = {s.req.request_id: i for i, s in p_group}
         for group in self._microbatches(scheduled):
             sched = [s for _, s in group]
             t0 = time.perf_counter()
-            T, R, decode, tokens, md = self.prepare(sched)
+            T, R, decode, tokens, md, src = self.prepare(sched, prev_rows=prev_rows)
             t1 = time.perf_counter()
             tm["prepare_s"] += t1 - t0
             x = tokens
@@ -413,7 +465,11 @@ class ModelRunner:
                 md_s = jax.tree_util.tree_map(lambda a: _put(a, shard), md) if shard is not None else md
                 x = _put(x, shard) if isinstance(x, np.ndarray) else (
                     jax.device_put(x, shard) if shard is not None else x)
-                out = self.compile("step", (s_idx, T, decode))(st.leaves, st.kv, x, md_s)
+                extra = ()
+                if st.first:
+                    has_prev = prev_tok is not None and bool((src >= 0).any())
+                    extra = (prev_tok if has_prev else self._zero_prev(st), _put(src, shard))
+                out = self.compile("step", (s_idx, T, decode))(st.leaves, st.kv, x, md_s, *extra)
                 st.kv = out[0]
                 x = out[-1]
             _, last_h, all_h = out
@@ -424,17 +480,18 @@ class ModelRunner:
             t3 = time.perf_counter()
             tm["sample_inputs_s"] += t3 - t2
             if greedy:
-                tok, lp = self.compile("sample", (R, "greedy"))(self.head_w, last_h), None
+                tok, tok_pad = self.compile("sample", (R, "greedy"))(self.head_w, last_h)
+                lp = None
             else:
                 shard = self.stages[-1].sharding()
                 if shard is not None:
                     sb, ex = jax.tree_util.tree_map(lambda a: _put(np.asarray(a), shard), (sb, ex))
-                tok, lp = self.compile("sample", (R, ex is not None))(self.head_w, last_h, sb, ex)
+                tok, lp, tok_pad = self.compile("sample", (R, ex is not None))(self.head_w, last_h, sb, ex)
             tm["sample_call_s"] += time.perf_counter() - t3
             plp = None
             if any(s.req.needs_prompt_logprobs for s in sched):
                 plp = self._prompt_logprobs(sched, T, all_h)
-            pending.append((group, tok, lp if want_lp else None, plp))
+            pending.append((group, tok, lp if want_lp else None, plp, tok_pad))
         return len(scheduled), pending
 
     def collect(self, handle) -> StepResult:
@@ -443,7 +500,7 @@ class ModelRunner:
         token_ids = np.zeros(n, np.int32)
         lps = None
         plp_all = {}
-        for group, tok, lp, plp in pending:
+        for group, tok, lp, plp, _ in pending:
             rows = [i for i, _ in group]
             token_ids[rows] = _to_host(tok)[: len(rows)]
             if lp is not None:
@@ -499,13 +556,13 @@ class ModelRunner:
         saved = self.token_buckets
         self.token_buckets = (n,)
         try:
-            T, R, _, tokens, md = self.prepare(sched, allow_decode=False)
+            T, R, _, tokens, md, src = self.prepare(sched, allow_decode=False)
         finally:
             self.token_buckets = saved
         if len(self.stages) != 1:
             raise ValueError("sequence_logits needs a single-stage runner")
         st = self.stages[0]
-        st.kv, _, h = self._step_fns[(0, False)](st.leaves, st.kv, tokens, md)
+        st.kv, _, h = self._step_fns[(0, False)](st.leaves, st.kv, tokens, md, np.zeros(self.max_num_seqs, np.int32), src)
         return np.asarray(self._logits_fn(self.head_w, h))
 
     @functools.cached_property

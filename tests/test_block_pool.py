@@ -149,7 +149,34 @@ def test_n_siblings_share_prompt_blocks():
     first = sched.schedule()
     assert [s.req.request_id for s in first.scheduled] == ["0_x"]  # siblings wait for the prompt's blocks
     sched.update_after_step(first)
+    sib[0].append_token(5, None, None)  # the engine appends the sampled token before the next step
     second = sched.schedule()
     tables = {s.req.request_id: s.block_ids for s in second.scheduled}
     assert tables["1_x"][:2] == tables["0_x"][:2] == tables["2_x"][:2]
     assert [s.num_tokens for s in second.scheduled[1:]] == [1, 1]  # only the last prompt token computed
+
+
+def test_schedule_ahead_counts_pending_tokens_skips_and_never_preempts():
+    """Scheduling while a step is in flight (async scheduling): a pending token counts as a token
+    to compute, `skip` leaves requests out, and without preemption the step ends where blocks run out."""
+    kv = KVCacheManager(num_blocks=6, block_size=4)  # 5 usable blocks
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64), kv)
+    a = Request("a", list(range(8)), SamplingParams(max_tokens=8), seed=0)
+    b = Request("b", list(range(10, 18)), SamplingParams(max_tokens=8), seed=1)
+    for r in (a, b):
+        sched.add(r)
+    first = sched.schedule()
+    assert [(s.req.request_id, s.num_tokens, s.samples) for s in first.scheduled] == [("a", 8, True), ("b", 8, True)]
+    assert kv.pool.num_free == 1
+    sched.update_after_step(first)
+    a.num_pending = b.num_pending = 1          # step 1 dispatched, its tokens still on the device
+    nxt = sched.schedule(skip=frozenset({b}), allow_preempt=False)
+    assert [(s.req.request_id, s.start, s.num_tokens, s.samples) for s in nxt.scheduled] == [("a", 8, 1, True)]
+    assert kv.pool.num_free == 0 and not nxt.preempted
+    sched.update_after_step(nxt)
+    a.num_pending = 2                          # a samples in both steps in flight
+    ahead = sched.schedule(allow_preempt=False)  # a fits in its 3rd block; b needs one more: none left
+    assert [(s.req.request_id, s.start) for s in ahead.scheduled] == [("a", 9)]
+    assert not ahead.preempted and sched.num_preemptions == 0 and b.status is Status.RUNNING
+    sync = sched.schedule()                    # the synchronous path preempts the newest instead
+    assert [r.request_id for r in sync.preempted] == ["b"] and b.status is Status.PREEMPTED

@@ -143,3 +143,48 @@ def test_memory_sizing_from_device_stats(ckpt_dir, monkeypatch):
         assert _greedy(llm, [[5, 6, 7]], 3)[0] and len(_greedy(llm, [[5, 6, 7]], 3)[0]) == 3
     finally:
         llm.shutdown()
+
+
+def test_async_scheduling_matches_sync(ckpt_dir):
+    """Dispatching step N+1 before reading step N (pending tokens fed on the device) gives exactly
+    the outputs of the synchronous loop: greedy and seeded sampling, n > 1, logprobs, EOS-like stop
+    ids and stop strings hit mid-flight, max_tokens of 1, and a pool too small for all requests."""
+    from jvllm.runner import ModelRunner
+
+    path = ckpt_dir("llama", tokenizer=True)
+    rng = np.random.default_rng(5)
+    prompts = _prompts(rng, 2000, n=6, lo=5, hi=40)
+
+    def run(async_on, params_list):
+        llm = _small_llm(path, async_scheduling=async_on, num_gpu_blocks_override=20, block_size=8, max_model_len=96)
+        ahead = []
+        orig = ModelRunner.dispatch
+        llm.llm_engine.runner.dispatch = lambda sched, prev=None: (ahead.append(prev is not None), orig(llm.llm_engine.runner, sched, prev))[1]
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params_list, use_tqdm=False)
+            st = llm.get_stats()
+        finally:
+            llm.shutdown()
+        assert st["num_free_blocks"] == st["num_blocks"] - 1
+        return [[(c.token_ids, c.text, c.finish_reason,
+                  [sorted((k, round(v.logprob, 4)) for k, v in e.items()) for e in (c.logprobs or [])])
+                 for c in o.outputs] for o in outs], sum(ahead), st
+
+    greedy = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    base, _, _ = run(False, greedy)
+    stop_id = base[0][0][0][5]           # a token request 0 produces mid-way
+    stop_str = base[1][0][1][4:7]        # a piece of request 1's text
+    params = [
+        SamplingParams(max_tokens=14, temperature=0.0, stop_token_ids=[stop_id]),
+        SamplingParams(max_tokens=14, temperature=0.0, stop=[stop_str] if stop_str.strip() else None, logprobs=3),
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11),
+        SamplingParams(max_tokens=9, temperature=1.0, top_k=20, seed=3, n=2),
+        SamplingParams(max_tokens=1, temperature=0.0),
+        SamplingParams(max_tokens=13, temperature=0.7, seed=5, logprobs=2),
+    ]
+    sync_out, sync_ahead, _ = run(False, params)
+    async_out, async_ahead, st = run(True, params)
+    assert sync_ahead == 0 and async_ahead > 5, (sync_ahead, async_ahead)
+    assert async_out == sync_out
+    assert async_out[0][0][2] == "stop" and async_out[0][0][0][-1] == stop_id
+    assert st["compiles_after_warmup"] == 0

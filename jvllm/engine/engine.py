@@ -54,6 +54,10 @@ class EngineConfig:
     # kernel; mixed steps: jvllm's ragged kernel) | pallas_decode (mixed steps on XLA) | ragged (all
     # steps on the ragged kernel); "_interpret" runs the Pallas kernels in interpret mode (CPU tests)
     attention_backend: str = "auto"
+    # dispatch step N+1 before reading step N's results, so the host's scheduling and input
+    # building overlap the device's work (None: on wherever supported: one pipeline stage on one
+    # device in one process; True there, False anywhere)
+    async_scheduling: bool | None = None
 
 
 def _on_accelerator() -> bool:
@@ -158,6 +162,13 @@ class LLMEngine:
                 f"the KV cache more memory (gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)")
         self.runner = make_runner(num_blocks)
         del ckpt
+        supported = self.num_stages == 1 and stages[0].mesh is None and jax.process_count() == 1
+        if config.async_scheduling and not supported:
+            raise ValueError("async_scheduling needs one pipeline stage on one device in one process (got "
+                             f"tensor_parallel_size={config.tensor_parallel_size}, pipeline_parallel_size="
+                             f"{config.pipeline_parallel_size}, {jax.process_count()} processes)")
+        self.async_scheduling = supported if config.async_scheduling is None else bool(config.async_scheduling)
+        self._inflight = None
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.kv_manager)
         self.groups: dict[str, RequestGroup] = {}
@@ -353,8 +364,62 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and post-process one batch."""
-        return self.step_collect(self.step_dispatch())
+        """Schedule, run and post-process one batch; returns the outputs of the batch that
+        completed. With async scheduling the next batch is dispatched before this one's results
+        are read (`_dispatch_ahead`), so the device never waits for the host between steps."""
+        if not self.async_scheduling:
+            return self.step_collect(self.step_dispatch())
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            prev = self.step_dispatch()
+        if prev[0] == "step":
+            t0 = time.perf_counter()
+            self._inflight = self._dispatch_ahead(prev)
+            self.stats["host_seconds"] += time.perf_counter() - t0
+        return self.step_collect(prev)
+
+    def _dispatch_ahead(self, prev):
+        """Schedule and dispatch the step after `prev` while `prev` runs. Each request that samples
+        in `prev` has one pending token: its id stays on the device and feeds this step's input
+        (ModelRunner.prepare's `src`). Returns the new handle, or None to fall back to a
+        synchronous step (a request needs its tokens on the host: penalties, logit bias,
+        min_tokens), or when nothing is left to run. Requests whose pending token is their last
+        (max_tokens, max_model_len) are left out; one that stops on EOS / a stop string costs
+        one wasted row, discarded when its results come. Never preempts (the step ends where
+        blocks run out)."""
+        sched_prev = prev[1]
+        last = set()
+        for s in sched_prev.scheduled:
+            r = s.req
+            if not s.samples or r.status is not Status.RUNNING:
+                continue
+            if r.params.needs_extras:
+                return None
+            n_out = r.num_output_tokens + r.num_pending
+            if n_out >= r.max_tokens or n_out >= r.length_cap:
+                last.add(r)
+        # counts as if `prev` were done (step_collect repeats this; it is idempotent)
+        self.scheduler.update_after_step(sched_prev)
+        sched = self.scheduler.schedule(skip=frozenset(last), allow_preempt=False)
+        if sched.empty:
+            return None
+        try:
+            handle = self.runner.dispatch(sched.scheduled, prev=prev[2])
+        except Exception as e:
+            return ("error", sched, e)
+        self._mark_pending(sched)
+        return ("step", sched, handle)
+
+    @staticmethod
+    def _mark_pending(sched):
+        for s in sched.scheduled:
+            if s.samples:
+                s.req.num_pending += 1
+
+    def drain(self) -> list[RequestOutput]:
+        """Collect the step in flight, if any (async scheduling)."""
+        prev, self._inflight = self._inflight, None
+        return self.step_collect(prev) if prev is not None else []
 
     def step_dispatch(self):
         """Schedule a batch and enqueue it on the device(s) without waiting (data-parallel replicas
@@ -376,9 +441,11 @@ class LLMEngine:
                 return ("outputs", self._outputs({req.group_id}))
             return ("outputs", [])
         try:
-            return ("step", sched, self.runner.dispatch(sched.scheduled))
+            handle = self.runner.dispatch(sched.scheduled)
         except Exception as e:
             return ("error", sched, e)
+        self._mark_pending(sched)
+        return ("step", sched, handle)
 
     def step_collect(self, handle) -> list[RequestOutput]:
         if handle[0] == "outputs":
@@ -394,6 +461,10 @@ class LLMEngine:
         except Exception as e:  # an engine error fails the requests of this step, not the engine
             log.exception("step failed")
             for s in sched.scheduled:
+                if s.samples:
+                    s.req.num_pending = max(0, s.req.num_pending - 1)
+                if s.req.is_finished:
+                    continue
                 s.req.error = f"{type(e).__name__}: {e}"
                 self.scheduler.finish(s.req, Status.FINISHED_ERROR)
             return self._outputs({s.req.group_id for s in sched.scheduled})
@@ -408,7 +479,10 @@ class LLMEngine:
                 self.stats["num_prompt_tokens"] += min(s.num_tokens, req.num_prompt_tokens - s.start)
             if r in res.prompt_logprobs:
                 self._add_prompt_logprobs(req, *res.prompt_logprobs[r])
-            if not s.samples or req.is_finished:
+            if not s.samples:
+                continue
+            req.num_pending = max(0, req.num_pending - 1)
+            if req.is_finished:  # stopped (or aborted) while this step was in flight: a wasted row
                 continue
             tok = int(res.token_ids[r])
             entry, lp = None, None
@@ -498,6 +572,10 @@ class LLMEngine:
 
     def shutdown(self):
         """Free the weights and the KV pool on the device. The engine is unusable afterwards."""
+        try:
+            self.drain()
+        except Exception:
+            pass
         for g in list(self.groups):
             self.abort_request(g)
         if getattr(self, "runner", None) is not None:

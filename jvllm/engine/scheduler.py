@@ -25,11 +25,7 @@ class ScheduledRequest:
     num_tokens: int          # tokens computed this step
     start: int               # position of the first of them
     block_ids: list[int]     # the request's whole block table
-
-    @property
-    def samples(self) -> bool:
-        """The step's last token is the request's last known token: its logits give a new token."""
-        return self.start + self.num_tokens == self.req.num_tokens
+    samples: bool = False    # the step's last token is the request's last token: its logits give a new one
 
 
 @dataclasses.dataclass
@@ -80,17 +76,32 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
+    def _entry(self, req: Request, n: int, start: int) -> ScheduledRequest:
+        return ScheduledRequest(req, n, start, self.kv.block_ids(req),
+                                samples=start + n == req.num_tokens + req.num_pending)
+
+    def schedule(self, skip: frozenset = frozenset(), allow_preempt: bool = True) -> SchedulerOutput:
+        """`skip`: running requests to leave out of this step (async scheduling: their token in
+        flight is their last). A request's length counts its pending token (`num_pending`).
+        `allow_preempt=False` (scheduling ahead of a step in flight): when blocks run out the step
+        ends there instead of preempting; the requests left out run in a later step."""
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         now = time.time()
 
         i = 0
+        starved = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            if req in skip or n <= 0:
+                i += 1
+                continue
+            if not allow_preempt and not self.kv.allocate_slots(req, n):
+                starved = True
+                break
+            while allow_preempt and not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -98,7 +109,7 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break  # req itself was preempted: nothing after it can run either
-            scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, self.kv.block_ids(req)))
+            scheduled.append(self._entry(req, n, req.num_computed_tokens))
             budget -= n
             i += 1
 
@@ -111,7 +122,8 @@ class Scheduler:
             return r.num_prompt_tokens // bs * bs
 
         in_flight_groups = {s.req.group_id for s in scheduled if s.start < full_prompt(s.req)}
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted
+               and not starved):
             req = self.waiting[0]
             if share and req.group_id in in_flight_groups:
                 break
@@ -126,7 +138,7 @@ class Scheduler:
                 req.metrics.num_cached_tokens = n_hit
             req.status = Status.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, n, n_hit, self.kv.block_ids(req)))
+            scheduled.append(self._entry(req, n, n_hit))
             if n_hit < full_prompt(req):
                 in_flight_groups.add(req.group_id)
             budget -= n
