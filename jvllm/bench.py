@@ -533,12 +533,24 @@ def memory_report(llm) -> dict:
     without allocator stats, e.g. CPU), the weights and the KV pool."""
     from jvllm.engine.engine import device_memory_stats
 
-    eng = llm.llm_engine
+    import jax
+
+    eng = getattr(llm.llm_engine, "replicas", [llm.llm_engine])[0]
     stats = device_memory_stats() or {}
+    per_device = []
+    for d in jax.local_devices():
+        try:
+            ms = d.memory_stats() or {}
+        except Exception:
+            ms = {}
+        if ms:
+            per_device.append(dict(device=str(d), peak_bytes_in_use=ms.get("peak_bytes_in_use"),
+                                   bytes_in_use=ms.get("bytes_in_use"), bytes_limit=ms.get("bytes_limit")))
     kv = sum(a.nbytes for pair in eng.runner.kv for a in pair)
     return dict(peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_in_use=stats.get("bytes_in_use"),
-                bytes_limit=stats.get("bytes_limit"), weight_bytes=param_stats(llm)["weight_bytes"],
-                kv_pool_bytes=kv, kv_blocks=eng.runner.num_blocks, block_size=eng.runner.block_size)
+                bytes_limit=stats.get("bytes_limit"), per_device=per_device,
+                weight_bytes=param_stats(llm)["weight_bytes"], kv_pool_bytes_global=kv,
+                kv_blocks=eng.runner.num_blocks, block_size=eng.runner.block_size)
 
 
 def _parts(v: dict) -> str:
@@ -572,7 +584,10 @@ def summary_lines(result: dict) -> list[str]:
     mem = result.get("memory") or {}
     if mem.get("peak_bytes_in_use"):
         lines.append(f"  memory: peak {mem['peak_bytes_in_use'] / 2**30:.1f} GiB of {mem['bytes_limit'] / 2**30:.1f} GiB "
-                     f"(weights {mem['weight_bytes'] / 2**30:.1f} GiB, KV pool {mem['kv_pool_bytes'] / 2**30:.1f} GiB)")
+                     f"(weights {mem['weight_bytes'] / 2**30:.1f} GiB, KV pool {mem['kv_pool_bytes_global'] / 2**30:.1f} GiB, "
+                     f"all devices together); per device peak: "
+                     + ", ".join(f"{d['peak_bytes_in_use'] / 2**30:.1f}" for d in mem.get("per_device", [])
+                                 if d.get("peak_bytes_in_use")) + " GiB")
     for lab, c in result.get("cold_start", {}).items():
         if isinstance(c, dict) and "process_start_to_first_token_s" in c:
             lines.append(f"  cold start ({lab}): {c['process_start_to_first_token_s']:.1f}s process start -> first token "

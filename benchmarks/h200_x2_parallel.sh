@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Sharding figures (issue 5) in one device call on nvidia-h200-x2: `jvllm bench all` (W1, B1, P1)
+# on random:llama3-8b bf16 for each configuration in CONFIGS, one after the other, JSON per config
+# in $OUT (per-GPU peak memory in its "memory.per_device"), then a table of the speed-ups against
+# the first configuration. Env: CONFIGS (default "tp1 tp2 pp2"; tpN = tensor parallel N, ppN =
+# pipeline parallel N, dpN = data parallel N; tp1 runs on GPU 0 alone), BUCKETS (token buckets,
+# default 16,64,256,1024,2048: fewer programs to compile per configuration; the same for every
+# configuration), EXTRA (more bench flags), JVLLM_GIT_COMMIT (the copy has no .git); MODEL, DTYPE,
+# MAXLEN for dry runs elsewhere (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail "$OUT/pip.log"; }
+export JVLLM_CACHE_DIR=/tmp/jvllm_xla_cache
+BUCKETS=${BUCKETS:-16,64,256,1024,2048}
+for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
+  n=${cfg:2}
+  case $cfg in
+    tp*) flags="--tensor-parallel-size $n" ;;
+    pp*) flags="--pipeline-parallel-size $n" ;;
+    dp*) flags="--data-parallel-size $n" ;;
+    *) echo "unknown config $cfg"; continue ;;
+  esac
+  vis=0; [ "$n" -ge 2 ] && vis=$(seq -s, 0 $(( n - 1 )))
+  echo "[$(el)s] $cfg ($flags, CUDA_VISIBLE_DEVICES=$vis)"
+  CUDA_VISIBLE_DEVICES=$vis timeout $(( 585 - $(el) )) python -m jvllm.cli bench all --model ${MODEL:-random:llama3-8b} --dtype ${DTYPE:-bfloat16} \
+    --max-model-len ${MAXLEN:-4096} --token-buckets "$BUCKETS" --no-xla-report $flags ${EXTRA:-} \
+    --output-json "$OUT/bench_$cfg.json" > "$OUT/bench_$cfg.log" 2>&1
+  echo "rc=$?"; tail -6 "$OUT/bench_$cfg.log"
+done
+python - "$OUT" ${CONFIGS:-tp1 tp2 pp2} <<'PY'
+import json, os, sys
+out, cfgs = sys.argv[1], sys.argv[2:]
+rows = {}
+for c in cfgs:
+    p = os.path.join(out, f"bench_{c}.json")
+    if os.path.isfile(p):
+        d = json.load(open(p)); r = d.get("results", {})
+        rows[c] = dict(w1=r.get("throughput", {}).get("output_tok_s"), b1=r.get("latency", {}).get("tok_s"),
+                       p1=r.get("prefill", {}).get("tok_s"),
+                       peak_gib=[round((x.get("peak_bytes_in_use") or 0) / 2**30, 1) for x in d.get("memory", {}).get("per_device", [])])
+base = rows.get(cfgs[0], {})
+print(f"{'config':<8}{'W1 tok/s':>12}{'x':>7}{'B1 tok/s':>11}{'x':>7}{'P1 tok/s':>11}  per-GPU peak GiB")
+for c, r in rows.items():
+    f = lambda k: (r[k] / base[k]) if r.get(k) and base.get(k) else float("nan")
+    print(f"{c:<8}{r['w1'] or 0:>12.1f}{f('w1'):>7.2f}{r['b1'] or 0:>11.1f}{f('b1'):>7.2f}{r['p1'] or 0:>11.1f}  {r['peak_gib']}")
+json.dump(rows, open(os.path.join(out, "parallel_summary.json"), "w"), indent=1)
+PY
+echo "[total $(el)s]"
