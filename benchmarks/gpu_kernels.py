@@ -107,6 +107,8 @@ def main():
                        (lambda cf: lambda q, kp, vp, md: ragged_paged_attention(q, kp, vp, md, scale=scale, **cf, **interp))(cf)
                        for cf in configs}
             if c["decode"]:
+                kernels["ragged_split_auto"] = lambda q, kp, vp, md: ragged_paged_attention(
+                    q, kp, vp, md, scale=scale, num_splits="auto", **interp)
                 kernels["jax_pallas_decode"] = lambda q, kp, vp, md: pallas_decode_attention(q, kp, vp, md, scale=scale, **interp)
             for kname, f in kernels.items():
                 try:

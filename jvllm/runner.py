@@ -41,7 +41,7 @@ from jvllm.sampling import NUM_TOP_LOGPROBS, SamplingBatch, SamplingExtras, logp
 # for a W1-like mixed step (XLA 4.2 ms), 0.58 ms for 256 decodes at context 800 (JAX's Pallas decode
 # kernel 0.76 ms, XLA 1.76 ms) and ties JAX's kernel at batch 1, so "auto" is "ragged" on GPUs.
 ATTENTION_MODES = {"xla": ("xla", "xla"), "pallas": ("pallas", "ragged"), "pallas_decode": ("pallas", "xla"),
-                   "ragged": ("ragged", "ragged")}
+                   "ragged": ("ragged", "ragged"), "ragged_split": ("ragged_split", "ragged")}
 
 
 def _key_data(seed: int) -> tuple[int, int]:

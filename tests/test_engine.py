@@ -111,13 +111,14 @@ def test_pallas_kernels_match_xla(llama_ref):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
-def test_ragged_kernel_engine_matches_transformers(ckpt_dir, arch):
+@pytest.mark.parametrize("arch,backend", [("mistral", "ragged_interpret"), ("qwen3", "ragged_split_interpret")])
+def test_ragged_kernel_engine_matches_transformers(ckpt_dir, arch, backend):
     """Every step (decode-only too) through the ragged kernel: sliding windows (mistral), qk-norm
-    (qwen3), chunked prefill with a 16-token budget so continuations attend to cached pages."""
+    (qwen3, decode steps split-K), chunked prefill with a 16-token budget so continuations attend
+    to cached pages."""
     path = ckpt_dir(arch)
     prompts = _prompts(np.random.default_rng(3), 256, n=3, lo=10, hi=40)
-    llm = _small_llm(path, attention_backend="ragged_interpret", max_num_batched_tokens=16, token_buckets=(8, 16))
+    llm = _small_llm(path, attention_backend=backend, max_num_batched_tokens=16, token_buckets=(8, 16))
     try:
         ours = _greedy(llm, prompts, 6)
     finally:

@@ -52,7 +52,7 @@ class EngineConfig:
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
     # auto (GPU: ragged, elsewhere xla) | xla | pallas (decode steps: JAX's Pallas paged-attention
     # kernel; mixed steps: jvllm's ragged kernel) | pallas_decode (mixed steps on XLA) | ragged (all
-    # steps on the ragged kernel); "_interpret" runs the Pallas kernels in interpret mode (CPU tests)
+    # steps on the ragged kernel) | ragged_split (decode steps split-K, not yet measured on a GPU); "_interpret" runs the Pallas kernels in interpret mode (CPU tests)
     attention_backend: str = "auto"
     # dispatch step N+1 before reading step N's results, so the host's scheduling and input
     # building overlap the device's work (None: on wherever supported: one pipeline stage on one

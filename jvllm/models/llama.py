@@ -71,6 +71,7 @@ class Attention(nnx.Module):
             o = pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale, interpret=interpret)
         elif attention.startswith(("pallas", "ragged")):
             o = ragged_paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
+                                       num_splits="auto" if attention.startswith("ragged_split") else 1,
                                        interpret=interpret)
         else:
             o = paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
@@ -136,7 +137,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks: int = 16, attention: str = "xla"):
         """attention: "xla" (the reference, any batch); "ragged" (jvllm's Pallas ragged paged-attention
-        kernel, any batch); "pallas" (decode-only batches: JAX's Pallas GPU paged-attention kernel,
+        kernel, any batch; "ragged_split": split-K over programs for small decode batches); "pallas" (decode-only batches: JAX's Pallas GPU paged-attention kernel,
         sliding-window layers on the ragged kernel). A "_interpret" suffix runs the Pallas kernels
         in interpret mode (CPU tests)."""
         if self.first:

@@ -37,8 +37,8 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, pages_per_block: int, scale: float,
-            window: int | None):
+def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_block: int, scale: float,
+            window: int | None, num_splits: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -57,6 +57,11 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, pages_per_block: int
         first = jnp.minimum(first, n_chunks)
     else:
         first = jnp.int32(0)
+    if num_splits > 1:  # this program walks its share of the tile's chunks (split-K, flash-decoding)
+        split = pl.program_id(2)
+        per = lax.div(n_chunks - first + num_splits - 1, num_splits)
+        first = jnp.minimum(first + split * per, n_chunks)
+        n_chunks = jnp.minimum(first + per, n_chunks)
     log2e = math.log2(math.e)
     qk_scale = scale * log2e
 
@@ -82,16 +87,36 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, pages_per_block: int
     m = jnp.full((M,), MASK_VALUE, jnp.float32)
     l = jnp.zeros((M,), jnp.float32)
     o, m, l = lax.fori_loop(first, n_chunks, body, (o, m, l))
-    o_ref[...] = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    if num_splits > 1:  # unnormalized partials; the caller merges the splits
+        m_ref, l_ref = split_refs
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        o_ref[...] = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+
+def decode_splits(num_tiles: int, kv_heads: int, target_programs: int = 2048, max_splits: int = 16) -> int:
+    """Splits per tile so that a small decode batch still launches about `target_programs`
+    programs (batch 1 with 8 KV heads: 8 programs unsplit, 128 with 16 splits); 1 for big batches."""
+    s = 1
+    while s < max_splits and num_tiles * kv_heads * s * 2 <= target_programs:
+        s *= 2
+    return s
 
 
 def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int | None = None,
                            pages_per_block: int = 4, num_warps: int = 4, num_stages: int = 2,
-                           interpret: bool = False):
+                           num_splits: int | str = 1, interpret: bool = False):
     """q [T, H, D] -> [T, H, D]; same contract and result as `attention.paged_attention` (which is
     the test oracle). K/V for this step's tokens must already be in the pages. Launch defaults
     (4 pages of 16 tokens per inner step, 4 warps, 2 stages) are the best of the configurations
-    measured on an H200 for prefill and mixed steps (benchmarks/gpu_kernels.py)."""
+    measured on an H200 for prefill and mixed steps (benchmarks/gpu_kernels.py).
+
+    `num_splits` > 1 (or "auto": `decode_splits` for one-query tiles, else 1) splits each tile's
+    keys over that many programs and merges their partial softmax states afterwards
+    (flash-decoding): for small decode batches, where one program per (tile, KV head) leaves most
+    of the GPU idle."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -113,23 +138,48 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
         qpos = jnp.pad(qpos, ((0, 0), (0, Mp - M)), constant_values=-1)
     bt = md.block_tables[md.tile_req]                           # [NT, W]
 
-    kernel = functools.partial(_kernel, pages_per_block=P, scale=scale, window=window)
+    if num_splits == "auto":
+        num_splits = decode_splits(NT, KH) if Qt == 1 else 1
+    S = int(num_splits)
+    kernel = functools.partial(_kernel, pages_per_block=P, scale=scale, window=window, num_splits=S)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if S == 1:
+        grid = (NT, KH)
+        idx = lambda f: f  # noqa: E731
+        out_specs = pl.BlockSpec((None, None, Mp, D), lambda n, h: (n, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((NT, KH, Mp, D), q.dtype)
+    else:
+        grid = (NT, KH, S)
+        idx = lambda f: (lambda n, h, s_: f(n, h))  # noqa: E731
+        out_specs = [pl.BlockSpec((None, None, None, Mp, D), lambda n, h, s_: (s_, n, h, 0, 0)),
+                     pl.BlockSpec((None, None, None, Mp), lambda n, h, s_: (s_, n, h, 0)),
+                     pl.BlockSpec((None, None, None, Mp), lambda n, h, s_: (s_, n, h, 0))]
+        out_shape = [jax.ShapeDtypeStruct((S, NT, KH, Mp, D), jnp.float32),
+                     jax.ShapeDtypeStruct((S, NT, KH, Mp), jnp.float32),
+                     jax.ShapeDtypeStruct((S, NT, KH, Mp), jnp.float32)]
     out = pl.pallas_call(
         kernel,
-        grid=(NT, KH),
+        grid=grid,
         in_specs=[
-            pl.BlockSpec((None, None, Mp, D), lambda n, h: (n, h, 0, 0)),
-            pl.BlockSpec((None, Mp), lambda n, h: (n, 0)),
-            pl.BlockSpec((None, W), lambda n, h: (n, 0)),
-            pl.BlockSpec((None, NB, bs, D), lambda n, h: (h, 0, 0, 0)),
-            pl.BlockSpec((None, NB, bs, D), lambda n, h: (h, 0, 0, 0)),
+            pl.BlockSpec((None, None, Mp, D), idx(lambda n, h: (n, h, 0, 0))),
+            pl.BlockSpec((None, Mp), idx(lambda n, h: (n, 0))),
+            pl.BlockSpec((None, W), idx(lambda n, h: (n, 0))),
+            pl.BlockSpec((None, NB, bs, D), idx(lambda n, h: (h, 0, 0, 0))),
+            pl.BlockSpec((None, NB, bs, D), idx(lambda n, h: (h, 0, 0, 0))),
         ],
-        out_specs=pl.BlockSpec((None, None, Mp, D), lambda n, h: (n, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((NT, KH, Mp, D), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"jvllm_ragged_paged_attention_M{Mp}_P{P}",
+        compiler_params=params,
+        name=f"jvllm_ragged_paged_attention_M{Mp}_P{P}_S{S}",
     )(qt, qpos.astype(jnp.int32), bt, k_pages, v_pages)
+    if S > 1:  # merge the splits' partial softmax states (base-2 logits, as in the kernel)
+        o_s, m_s, l_s = out
+        m = jnp.max(m_s, axis=0)
+        w = jnp.exp2(m_s - m[None])
+        l = jnp.sum(w * l_s, axis=0)
+        o = jnp.sum(w[..., None] * o_s, axis=0)
+        out = (o / jnp.where(l == 0.0, 1.0, l)[..., None]).astype(q.dtype)
     out = out[:, :, :M].reshape(NT, KH, Qt, G, D).transpose(0, 2, 1, 3, 4).reshape(NT, Qt, H, D)
     flat = jnp.zeros((T + 1, H, D), q.dtype).at[md.tile_token_idx].set(out)
     return flat[:T]
