@@ -243,10 +243,15 @@ def build_llm(model: str, engine_kwargs: dict):
     return llm, dict(construct_s=construct, init_s=e.init_seconds, load_s=e.load_seconds, warmup_compile_s=e.warmup_seconds)
 
 
+# W1 / B1 are greedy by definition; --temperature / --top-p / --top-k run the same workloads with
+# sampling (the general sampler program instead of the argmax-only one)
+_SAMPLING = dict(temperature=0.0, top_p=1.0, top_k=-1)
+
+
 def _sp(max_tokens: int):
     from jvllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **_SAMPLING)
 
 
 def first_token(llm, vocab: int, t_construct_start: float, length: int = 16) -> float:
@@ -449,6 +454,7 @@ def run_benchmark(name: str, a) -> dict:
     from jvllm.cli import engine_kwargs
 
     ekw = engine_kwargs(a)
+    _SAMPLING.update(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     ekw = {k: v for k, v in ekw.items() if v is not None}
     ekw["use_tqdm_on_load"] = bool(getattr(a, "progress", False))
     workloads = ("throughput", "latency", "prefill") if name == "all" else (name,)
@@ -459,7 +465,7 @@ def run_benchmark(name: str, a) -> dict:
     if "prefill" in workloads and a.max_num_batched_tokens is None:
         ekw["max_num_batched_tokens"] = a.prefill_len if name == "all" else a.input_len  # P1 in one step
     result = dict(benchmark=name, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"), versions=versions(),
-                  config=dict(model=a.model, engine=ekw, argv=sys.argv[1:]))
+                  config=dict(model=a.model, engine=ekw, sampling=dict(_SAMPLING), argv=sys.argv[1:]))
     if a.cold_start:  # before this process touches the accelerator
         result["cold_start"] = run_cold_start(a.model, ekw)
     import jax
@@ -633,6 +639,9 @@ def _add_common(p, *, input_len_default, output_len_default, input_len_type=int)
     p.add_argument("--matmul-n", type=int, default=None, help="matmul probe size (default 8192 GPU, 2048 CPU)")
     p.add_argument("--num-prompts", type=int, default=256, help="W1 requests (throughput)")
     p.add_argument("--warmup-requests", type=int, default=4, help="short untimed requests before W1")
+    p.add_argument("--temperature", type=float, default=0.0, help="W1/B1 sampling (default greedy, as defined)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
     p.set_defaults(func=cmd_bench)
 
 
