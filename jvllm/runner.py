@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 
 import jax
@@ -142,6 +143,7 @@ class ModelRunner:
         self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0)
         self._plp_fn = jax.jit(functools.partial(self._plp_impl, tied=cfg.tie_word_embeddings))
         self._compiled: dict = {}
+        self.use_executable_cache = os.environ.get("JVLLM_EXECUTABLE_CACHE", "1") != "0"
 
     # single-stage conveniences (verify, tests)
     @property
@@ -291,22 +293,52 @@ class ModelRunner:
             tokens, md, R = self._abstract_inputs(T, decode)
             x = tokens if st.first else sds((T, hidden), self.dtype)
             extra = (on(st, sds((self.max_num_seqs,), jnp.int32)), on(st, sds((T,), jnp.int32))) if st.first else ()
-            exe = self._step_fns[(s_idx, decode)].lower(like(st.leaves), like(st.kv), on(st, x), on(st, md),
-                                                        *extra).compile()
+            fn, args = self._step_fns[(s_idx, decode)], (like(st.leaves), like(st.kv), on(st, x), on(st, md), *extra)
+            static = (self.attention_modes[decode], st.first, st.last, repr(st.treedef))
         elif kind == "sample" and key[1] == "greedy":
-            exe = self._greedy_fn.lower(like(self.head_w), on(last, sds((key[0], hidden), self.dtype))).compile()
+            fn, args = self._greedy_fn, (like(self.head_w), on(last, sds((key[0], hidden), self.dtype)))
+            static = ()
         elif kind == "sample":
             R, extras = key
             sb, ex = self._abstract_sampling(R, extras)
-            exe = self._sample_fn.lower(like(self.head_w), on(last, sds((R, hidden), self.dtype)),
-                                        on(last, sb), on(last, ex)).compile()
+            fn, args = self._sample_fn, (like(self.head_w), on(last, sds((R, hidden), self.dtype)), on(last, sb), on(last, ex))
+            static = ()
         elif kind == "prompt_lp":
-            exe = self._plp_fn.lower(like(self.head_w), on(last, sds((key, hidden), self.dtype)),
-                                     on(last, sds((key,), jnp.int32))).compile()
+            fn, args = self._plp_fn, (like(self.head_w), on(last, sds((key, hidden), self.dtype)),
+                                      on(last, sds((key,), jnp.int32)))
+            static = ()
         else:
             raise KeyError(kind)
+        exe = None
+        cache_key = None
+        if self._executable_cache_ok():
+            from jvllm import compile as jcompile
+
+            sig = [(a.shape, str(a.dtype), repr(a.sharding)) for a in jax.tree_util.tree_leaves(args)]
+            cache_key = jcompile.executable_key(
+                "jvllm-exe-v1", kind, key, static, sig, jax.tree_util.tree_structure(args), repr(self.cfg),
+                str(self.dtype), self.kv_chunk_blocks, self.max_num_seqs, self.cfg.tie_word_embeddings)
+            devs = {d for a in jax.tree_util.tree_leaves(args) if a.sharding is not None for d in a.sharding.device_set}
+            if len(devs) > 1:  # single-device programs only
+                cache_key = None
+            else:
+                exe = jcompile.load_executable(cache_key, devices=list(devs) or [jax.devices()[0]])
+        if exe is None:
+            exe = fn.lower(*args).compile()
+            if cache_key is not None:
+                from jvllm import compile as jcompile
+
+                jcompile.store_executable(cache_key, exe)
         self._compiled[(kind, key)] = exe
         return exe
+
+    def _executable_cache_ok(self) -> bool:
+        """jvllm's executable cache (jvllm.compile) serves single-device, single-process runners
+        while JAX's persistent cache directory is set."""
+        from jvllm import compile as jcompile
+
+        return (self.use_executable_cache and jax.process_count() == 1
+                and all(st.mesh is None for st in self.stages) and jcompile.executable_cache_dir() is not None)
 
     # ------------------------------------------------------------------ host inputs
     def prepare(self, scheduled, allow_decode: bool = True, prev_rows: dict | None = None):

@@ -111,3 +111,39 @@ def test_compile_report_cli(ckpt_dir, tmp_path):
     steps = [r for r in rep["programs"] if r["kind"] == "step"]
     assert sorted(r["key"] for r in steps) == ["(0, 16, False)", "(0, 8, False)", "(0, 8, True)"]
     assert all(r["flops"] > 0 and r["fusions"] > 0 for r in steps)
+
+
+def test_executable_cache_warm_start(ckpt_dir, tmp_path):
+    """jvllm's executable cache: the second engine loads every program instead of tracing and
+    compiling it, and generates the same tokens; a corrupt entry falls back to compiling."""
+    import glob
+
+    import jax
+
+    from jvllm import compile as jc
+
+    path = ckpt_dir("llama")
+    kw = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, token_buckets=(8, 16),
+              use_tqdm_on_load=False, compilation_cache_dir=str(tmp_path / "xla"))
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12]}]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    try:
+        outs, stats = [], []
+        for i in range(3):
+            s0 = jc.executable_cache_stats()
+            llm = LLM(path, **kw)
+            n_programs = len(llm.llm_engine.runner.programs())
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+            llm.shutdown()
+            s1 = jc.executable_cache_stats()
+            stats.append({k: s1[k] - s0[k] for k in s1})
+            if i == 1:  # damage one entry: the next start must compile that program again
+                victim = sorted(glob.glob(str(tmp_path / "xla" / "executables" / "*.exe")))[0]
+                with open(victim, "wb") as f:
+                    f.write(b"not an executable")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+    assert stats[0] == dict(loaded=0, stored=n_programs, failed=0)
+    assert stats[1] == dict(loaded=n_programs, stored=0, failed=0)
+    assert stats[2] == dict(loaded=n_programs - 1, stored=1, failed=1)
+    assert outs[0] == outs[1] == outs[2]

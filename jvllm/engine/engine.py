@@ -263,15 +263,18 @@ class LLMEngine:
     def _activation_peak_bytes(self, make_runner) -> int:
         """XLA's temp allocation for the largest step and sampler programs, compiled against a
         2-block pool (the peak does not depend on the pool size: the pool is donated)."""
+        from jvllm import compile as jcompile
+
         probe = make_runner(2)
         T = probe.token_buckets[-1]
         peak = 0
         keys = [("step", (s, T, False)) for s in range(len(probe.stages))] + [("sample", (probe.seq_bucket(T), True))]
         for kind, key in keys:
             exe = probe.compile(kind, key)
-            try:
-                peak = max(peak, exe.memory_analysis().temp_size_in_bytes)
-            except Exception:  # no memory analysis on this backend: keep a 5% margin of the device
+            temp = jcompile.temp_bytes(exe)
+            if temp is not None:
+                peak = max(peak, temp)
+            else:  # no memory analysis on this backend: keep a 5% margin of the device
                 limit = (device_memory_stats() or {}).get("bytes_limit", 0)
                 peak = max(peak, int(0.05 * limit))
         for k, v in probe.kv:
