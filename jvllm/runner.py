@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jvllm import compile as jcompile
 from jvllm.config import ModelConfig, cdiv
-from jvllm.ops.attention import AttentionMetadata
+from jvllm.ops.attention import AttentionMetadata, build_metadata
 from jvllm.sampling import NUM_TOP_LOGPROBS, SamplingBatch, SamplingExtras, logprob_outputs, sample
 
 
@@ -43,6 +44,19 @@ from jvllm.sampling import NUM_TOP_LOGPROBS, SamplingBatch, SamplingExtras, logp
 # kernel 0.76 ms, XLA 1.76 ms) and ties JAX's kernel at batch 1, so "auto" is "ragged" on GPUs.
 ATTENTION_MODES = {"xla": ("xla", "xla"), "pallas": ("pallas", "ragged"), "pallas_decode": ("pallas", "xla"),
                    "ragged": ("ragged", "ragged"), "ragged_split": ("ragged_split", "ragged")}
+
+
+def attention_modes(backend: str) -> tuple[str, dict[bool, str]]:
+    """attention_backend -> (the backend, {decode-only step?: attention mode}); "auto" is ragged on
+    GPUs, xla elsewhere. Raises ValueError naming the accepted values."""
+    if backend == "auto":
+        backend = "ragged" if jax.default_backend() == "gpu" else "xla"
+    base = backend.removesuffix("_interpret")
+    if base not in ATTENTION_MODES:
+        raise ValueError(f"attention_backend must be auto or one of {', '.join(ATTENTION_MODES)} (optionally "
+                         f"with _interpret), got {backend!r}")
+    suffix = "_interpret" if backend.endswith("_interpret") else ""
+    return backend, {dec: (m if m == "xla" else m + suffix) for dec, m in zip((True, False), ATTENTION_MODES[base])}
 
 
 def _key_data(seed: int) -> tuple[int, int]:
@@ -112,15 +126,7 @@ class ModelRunner:
         self.token_buckets = tuple(sorted(token_buckets))
         self.query_tile = query_tile
         self.num_microbatches = num_microbatches or len(self.stages)
-        if attention_backend == "auto":
-            attention_backend = "ragged" if jax.default_backend() == "gpu" else "xla"
-        base = attention_backend.removesuffix("_interpret")
-        if base not in ATTENTION_MODES:
-            raise ValueError(f"attention_backend must be auto or one of {', '.join(ATTENTION_MODES)} (optionally "
-                             f"with _interpret), got {attention_backend!r}")
-        suffix = "_interpret" if attention_backend.endswith("_interpret") else ""
-        self.attention_modes = {dec: (m if m == "xla" else m + suffix)
-                                for dec, m in zip((True, False), ATTENTION_MODES[base])}
+        attention_backend, self.attention_modes = attention_modes(attention_backend)
         self.attention_backend = attention_backend
         max_blocks = cdiv(max_model_len, block_size)
         self.kv_chunk_blocks = min(kv_chunk_blocks, max_blocks)
@@ -134,10 +140,9 @@ class ModelRunner:
         # prev_tok[src[t]] where src[t] >= 0, the id sampled on the device by the step before,
         # not yet seen by the host (async scheduling); with nothing pending src is all -1 and
         # prev_tok this zero array
-        self._no_prev = {}
-        for st in self.stages:
-            if st.first:
-                self._zero_prev(st)
+        first = self.stages[0]
+        z = np.zeros(self.max_num_seqs, np.int32)
+        self._no_prev = _put(z, first.sharding()) if first.sharding() is not None else jnp.asarray(z)
         self._sample_fn = jax.jit(functools.partial(self._sample_impl, tied=cfg.tie_word_embeddings))
         self._greedy_fn = jax.jit(functools.partial(self._greedy_impl, tied=cfg.tie_word_embeddings))
         self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0)
@@ -312,8 +317,6 @@ class ModelRunner:
         exe = None
         cache_key = None
         if self._executable_cache_ok():
-            from jvllm import compile as jcompile
-
             sig = [(a.shape, str(a.dtype), repr(a.sharding)) for a in jax.tree_util.tree_leaves(args)]
             cache_key = jcompile.executable_key(
                 "jvllm-exe-v1", kind, key, static, sig, jax.tree_util.tree_structure(args), repr(self.cfg),
@@ -326,8 +329,6 @@ class ModelRunner:
         if exe is None:
             exe = fn.lower(*args).compile()
             if cache_key is not None:
-                from jvllm import compile as jcompile
-
                 jcompile.store_executable(cache_key, exe)
         self._compiled[(kind, key)] = exe
         return exe
@@ -335,8 +336,6 @@ class ModelRunner:
     def _executable_cache_ok(self) -> bool:
         """jvllm's executable cache (jvllm.compile) serves single-device, single-process runners
         while JAX's persistent cache directory is set."""
-        from jvllm import compile as jcompile
-
         return (self.use_executable_cache and jax.process_count() == 1
                 and all(st.mesh is None for st in self.stages) and jcompile.executable_cache_dir() is not None)
 
@@ -352,21 +351,14 @@ class ModelRunner:
         if len(scheduled) > R:
             raise ValueError(f"{len(scheduled)} requests exceed the request bucket {R}")
         decode = allow_decode and n_tok == len(scheduled) and self.has_decode_variant(T)
-        bs = self.block_size
         Qt, NT = self.tiling(T, decode)
         tokens = np.zeros(T, np.int32)
         src = np.full(T, -1, np.int32)
-        positions = np.full(T, -1, np.int32)
-        slots = np.full(T, self.num_blocks * bs, np.int32)  # out of range: dropped
         tables = np.zeros((R, self.table_width), np.int32)
-        tile_idx = np.full((NT, Qt), T, np.int32)
-        tile_req = np.zeros(NT, np.int32)
-        logits_idx = np.zeros(R, np.int32)
-        nr = len(scheduled)
-        # host lists -> arrays: one pass over the requests (token ids and block tables live in
-        # Python lists); everything per token or per tile below is vectorized numpy
-        ns = np.empty(nr, np.int64)
-        starts = np.empty(nr, np.int64)
+        # one pass over the requests (token ids and block tables live in Python lists); the
+        # per-token and per-tile arrays are built vectorized by build_metadata
+        ns = np.empty(len(scheduled), np.int64)
+        starts = np.empty(len(scheduled), np.int64)
         off = 0
         for r, s in enumerate(scheduled):
             n, start = s.num_tokens, s.start
@@ -377,27 +369,10 @@ class ModelRunner:
                 if len(known) != n - 1 or prev_rows is None or s.req.request_id not in prev_rows:
                     raise RuntimeError(f"request {s.req.request_id}: {n - len(known)} input tokens are not known")
                 src[off + n - 1] = prev_rows[s.req.request_id]
-            bt = s.block_ids
-            tables[r, :len(bt)] = bt
+            tables[r, :len(s.block_ids)] = s.block_ids
             off += n
-        if nr:
-            offs = np.concatenate([[0], np.cumsum(ns)[:-1]])
-            req_of_tok = np.repeat(np.arange(nr), ns)
-            pos = (np.arange(off) - offs[req_of_tok] + starts[req_of_tok]).astype(np.int32)
-            positions[:off] = pos
-            slots[:off] = tables[req_of_tok, pos // bs] * bs + pos % bs
-            logits_idx[:nr] = offs + ns - 1
-            nt = -(-ns // Qt)                                   # tiles per request
-            n_tiles = int(nt.sum())
-            tile_req[:n_tiles] = np.repeat(np.arange(nr), nt)
-            tile_first = np.concatenate([[0], np.cumsum(nt)[:-1]])
-            k = np.arange(n_tiles) - tile_first[tile_req[:n_tiles]]  # tile index within its request
-            t0 = offs[tile_req[:n_tiles]] + k * Qt                  # first token of each tile
-            t_end = (offs + ns)[tile_req[:n_tiles]]
-            cols = t0[:, None] + np.arange(Qt)[None, :]
-            tile_idx[:n_tiles] = np.where(cols < t_end[:, None], cols, T)
-        md = AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=tables,
-                               tile_token_idx=tile_idx, tile_req=tile_req, logits_indices=logits_idx)
+        md = build_metadata(starts, ns, tables, T=T, query_tile=Qt, num_tiles=NT, block_size=self.block_size,
+                            num_blocks=self.num_blocks)
         return T, R, decode, tokens, md, src
 
     def _sampling_inputs(self, scheduled, R: int):
@@ -469,12 +444,6 @@ class ModelRunner:
             groups.append(cur)
         return groups
 
-    def _zero_prev(self, st):
-        if id(st) not in self._no_prev:  # built once per stage (at start-up): nothing to do while serving
-            z = np.zeros(self.max_num_seqs, np.int32)
-            self._no_prev[id(st)] = _put(z, st.sharding()) if st.sharding() is not None else jnp.asarray(z)
-        return self._no_prev[id(st)]
-
     def dispatch(self, scheduled, prev=None):
         """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`.
         `prev`: the handle of the step still in flight whose sampled ids some of these requests
@@ -500,7 +469,7 @@ class ModelRunner:
                 extra = ()
                 if st.first:
                     has_prev = prev_tok is not None and bool((src >= 0).any())
-                    extra = (prev_tok if has_prev else self._zero_prev(st), _put(src, shard))
+                    extra = (prev_tok if has_prev else self._no_prev, _put(src, shard))
                 out = self.compile("step", (s_idx, T, decode))(st.leaves, st.kv, x, md_s, *extra)
                 st.kv = out[0]
                 x = out[-1]

@@ -78,6 +78,18 @@ def test_throughput_cli(tmp_path, shared_engine):
     assert r["num_requests"] == 6 and r["output_tokens"] == 30 and r["all_finished_by_length"]
     assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"]
     assert r["compiles_after_warmup"] == 0 and r["compiles_in_window"] == 0 and r["num_preemptions"] == 0
+    assert r["host_ms_per_step"] > 0 and 0 < r["host_share"] < 1 and r["host_prepare_ms_per_step"] > 0
+    assert d["memory"]["weight_bytes"] > 0 and d["memory"]["kv_pool_bytes_global"] > 0
+    assert d["config"]["sampling"] == dict(temperature=0.0, top_p=1.0, top_k=-1)
+
+
+def test_throughput_cli_sampled(tmp_path, shared_engine):
+    """--temperature / --top-p: the same workload through the general sampler."""
+    d = run_cli(tmp_path, "throughput", "--num-prompts", "4", "--input-len", "8,20", "--output-len", "4",
+                "--temperature", "0.8", "--top-p", "0.9")
+    assert d["config"]["sampling"] == dict(temperature=0.8, top_p=0.9, top_k=-1)
+    assert d["results"]["output_tokens"] == 16 and d["results"]["compiles_after_warmup"] == 0
+    assert d["results"]["host_sample_call_ms_per_step"] > 0
 
 
 def test_latency_cli(tmp_path, shared_engine):

@@ -95,6 +95,17 @@ def test_engine_modes_match_transformers(llama_ref, case):
     assert stats["compiles_after_warmup"] == 0
 
 
+def test_bad_engine_options_fail_before_loading(ckpt_dir, monkeypatch):
+    from jvllm import converters
+
+    path = ckpt_dir("llama")
+    monkeypatch.setattr(converters, "load_checkpoint", lambda *a, **k: pytest.fail("loaded the weights first"))
+    with pytest.raises(ValueError, match=r"async_scheduling needs one pipeline stage .*tensor_parallel_size=2"):
+        _small_llm(path, async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"attention_backend must be auto or one of xla, .* got 'flash'"):
+        _small_llm(path, attention_backend="flash")
+
+
 def test_request_that_can_never_fit_is_rejected_at_start(ckpt_dir):
     with pytest.raises(ValueError, match=r"max_model_len \(128\) needs 8 KV blocks of 16 tokens but the pool has 3"):
         _small_llm(ckpt_dir("llama"), num_gpu_blocks_override=4)

@@ -103,13 +103,23 @@ class LLMEngine:
         """`devices`: the devices of this engine (a data-parallel replica gets a slice); default all."""
         from jvllm import compile as jcompile
         from jvllm.converters import load_checkpoint, load_tokenizer, model_config, resolve_model
-        from jvllm.runner import ModelRunner
+        from jvllm.runner import ModelRunner, attention_modes
 
         jcompile.install_counter()
         if config.compilation_cache_dir != "off":
             jcompile.enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         t0 = time.perf_counter()
+        # option checks that need no weights come first: a bad value fails before minutes of loading
+        attention_modes(config.attention_backend)
+        supported = (config.tensor_parallel_size * config.pipeline_parallel_size == 1 and devices is None
+                     and jax.process_count() == 1)
+        if config.async_scheduling and not supported:
+            raise ValueError("async_scheduling needs one pipeline stage on one device in one process (got "
+                             f"tensor_parallel_size={config.tensor_parallel_size}, pipeline_parallel_size="
+                             f"{config.pipeline_parallel_size}, {jax.process_count()} processes"
+                             f"{', a device slice' if devices is not None else ''})")
+        self.async_scheduling = supported if config.async_scheduling is None else bool(config.async_scheduling)
         spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
         self.model_config: ModelConfig = model_config(spec)
@@ -162,12 +172,6 @@ class LLMEngine:
                 f"the KV cache more memory (gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)")
         self.runner = make_runner(num_blocks)
         del ckpt
-        supported = self.num_stages == 1 and stages[0].mesh is None and jax.process_count() == 1
-        if config.async_scheduling and not supported:
-            raise ValueError("async_scheduling needs one pipeline stage on one device in one process (got "
-                             f"tensor_parallel_size={config.tensor_parallel_size}, pipeline_parallel_size="
-                             f"{config.pipeline_parallel_size}, {jax.process_count()} processes)")
-        self.async_scheduling = supported if config.async_scheduling is None else bool(config.async_scheduling)
         self._inflight = None
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.kv_manager)

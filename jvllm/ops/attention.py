@@ -113,42 +113,61 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
     return flat[:T]
 
 
-def example_metadata(spans, *, T: int, R: int, query_tile: int, block_size: int, table_width: int,
-                     num_blocks: int, seed: int = 0) -> AttentionMetadata:
-    """Metadata of a synthetic ragged batch for kernel tests and benchmarks (the runner builds the
-    real thing in `ModelRunner.prepare`). `spans` lists (start, n) per request: n new tokens at
-    positions start .. start+n-1, so the request's context is start + n tokens. Blocks are drawn
-    at random from 1 .. num_blocks-1 (0 is the null block), so the pages of a request are not
-    contiguous."""
+def build_metadata(starts, ns, tables, *, T: int, query_tile: int, num_tiles: int, block_size: int,
+                   num_blocks: int) -> AttentionMetadata:
+    """AttentionMetadata (numpy) of a ragged batch: request r computes ns[r] tokens at positions
+    starts[r] .. starts[r]+ns[r]-1, laid out one request after another in the flat batch of T
+    slots; `tables` [R, W] holds each request's block table. Query tiles hold up to `query_tile`
+    consecutive tokens of one request (`num_tiles` rows, padded with T). Vectorized: the runner
+    builds every step's metadata here."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
+    starts, ns = np.asarray(starts, np.int64), np.asarray(ns, np.int64)
+    R = tables.shape[0]
+    nr, Qt, bs = len(ns), query_tile, block_size
     positions = np.full(T, -1, np.int32)
-    slots = np.full(T, num_blocks * block_size, np.int32)
-    tables = np.zeros((R, table_width), np.int32)
-    NT = R + -(-T // query_tile)
-    tidx = np.full((NT, query_tile), T, np.int32)
-    treq = np.zeros(NT, np.int32)
+    slots = np.full(T, num_blocks * bs, np.int32)  # out of range: dropped
+    tile_idx = np.full((num_tiles, Qt), T, np.int32)
+    tile_req = np.zeros(num_tiles, np.int32)
     logits_idx = np.zeros(R, np.int32)
-    free = list(rng.permutation(np.arange(1, num_blocks)))
-    off = tile = 0
+    if nr:
+        off = int(ns.sum())
+        offs = np.concatenate([[0], np.cumsum(ns)[:-1]])
+        req_of_tok = np.repeat(np.arange(nr), ns)
+        pos = (np.arange(off) - offs[req_of_tok] + starts[req_of_tok]).astype(np.int32)
+        positions[:off] = pos
+        slots[:off] = tables[req_of_tok, pos // bs] * bs + pos % bs
+        logits_idx[:nr] = offs + ns - 1
+        nt = -(-ns // Qt)                                        # tiles per request
+        n_tiles = int(nt.sum())
+        tile_req[:n_tiles] = np.repeat(np.arange(nr), nt)
+        tile_first = np.concatenate([[0], np.cumsum(nt)[:-1]])
+        k = np.arange(n_tiles) - tile_first[tile_req[:n_tiles]]  # tile index within its request
+        t0 = offs[tile_req[:n_tiles]] + k * Qt                   # first token of each tile
+        t_end = (offs + ns)[tile_req[:n_tiles]]
+        cols = t0[:, None] + np.arange(Qt)[None, :]
+        tile_idx[:n_tiles] = np.where(cols < t_end[:, None], cols, T)
+    return AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=tables,
+                             tile_token_idx=tile_idx, tile_req=tile_req, logits_indices=logits_idx)
+
+
+def example_metadata(spans, *, T: int, R: int, query_tile: int, block_size: int, table_width: int,
+                     num_blocks: int, seed: int = 0) -> AttentionMetadata:
+    """Metadata of a synthetic ragged batch for kernel tests and benchmarks, through the runner's
+    own `build_metadata`. `spans` lists (start, n) per request: n new tokens at positions
+    start .. start+n-1, so the request's context is start + n tokens. Blocks are drawn at random
+    from 1 .. num_blocks-1 (0 is the null block), so the pages of a request are not contiguous."""
+    import numpy as np
+
     if len(spans) > R or sum(n for _, n in spans) > T:
         raise ValueError(f"{len(spans)} requests / {sum(n for _, n in spans)} tokens exceed R={R} / T={T}")
+    rng = np.random.default_rng(seed)
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((R, table_width), np.int32)
     for r, (start, n) in enumerate(spans):
         nblk = -(-(start + n) // block_size)
         if nblk > table_width or nblk > len(free):
             raise ValueError(f"request {r} needs {nblk} blocks (table width {table_width}, {len(free)} free)")
-        bt = np.array([free.pop() for _ in range(nblk)], np.int32)
-        tables[r, :nblk] = bt
-        pos = np.arange(start, start + n, dtype=np.int32)
-        positions[off:off + n] = pos
-        slots[off:off + n] = bt[pos // block_size] * block_size + pos % block_size
-        for q0 in range(0, n, query_tile):
-            q1 = min(n, q0 + query_tile)
-            tidx[tile, :q1 - q0] = np.arange(off + q0, off + q1)
-            treq[tile] = r
-            tile += 1
-        logits_idx[r] = off + n - 1
-        off += n
-    return AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=tables,
-                             tile_token_idx=tidx, tile_req=treq, logits_indices=logits_idx)
+        tables[r, :nblk] = [free.pop() for _ in range(nblk)]
+    return build_metadata([s for s, _ in spans], [n for _, n in spans], tables, T=T, query_tile=query_tile,
+                          num_tiles=R + -(-T // query_tile), block_size=block_size, num_blocks=num_blocks)
