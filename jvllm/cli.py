@@ -26,7 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--attention-backend", default="auto",
                    help="auto (GPU: ragged, else xla) | ragged | ragged_split (split-K decode steps) | pallas (JAX decode kernel + ragged) | pallas_decode | xla")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="dispatch step N+1 before reading step N (default: on where supported: one device, one stage)")
+                   help="dispatch step N+1 before reading step N (default: on in a single process; data-parallel replicas step synchronously)")
     p.add_argument("--query-tile", type=int, default=None, help="tokens per attention query tile of mixed steps")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)

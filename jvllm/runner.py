@@ -426,36 +426,68 @@ class ModelRunner:
         return sb, ex, want_lp
 
     # ------------------------------------------------------------------ execute
-    def _microbatches(self, scheduled):
-        """Split a step into up to `num_microbatches` groups of whole requests, balanced by tokens
-        (only with several pipeline stages; one group otherwise)."""
+    def _microbatches(self, scheduled, prev_groups=None):
+        """Split a step into up to `num_microbatches` groups of (index, ScheduledRequest), balanced
+        by tokens (several pipeline stages; one group otherwise). Returns [(group, p)] where p is
+        the index of the group of `prev_groups` (the step still in flight) whose sampled ids this
+        group's pending tokens come from, or None.
+
+        With a step in flight (async scheduling) groups are stable: a request that was in group p
+        of the previous step stays with the others of group p, so each group's pending tokens sit
+        in one device array (that group's sampled ids) and micro-batch g of step N+1 follows
+        micro-batch g of step N through the stages: stage 0 starts step N+1's first micro-batch
+        while the last stage still works on step N's second one, so the pipeline stays full
+        across steps, not only within one. New requests go to the group with the fewest tokens."""
         m = min(self.num_microbatches, len(scheduled)) if len(self.stages) > 1 else 1
-        if m <= 1:
-            return [list(enumerate(scheduled))]
-        total = sum(s.num_tokens for s in scheduled)
-        groups, cur, acc = [], [], 0
-        for i, s in enumerate(scheduled):
-            cur.append((i, s))
-            acc += s.num_tokens
-            if acc >= total * (len(groups) + 1) / m and len(groups) < m - 1:
+        if prev_groups is None:
+            if m <= 1:
+                return [(list(enumerate(scheduled)), None)]
+            total = sum(s.num_tokens for s in scheduled)
+            groups, cur, acc = [], [], 0
+            for i, s in enumerate(scheduled):
+                cur.append((i, s))
+                acc += s.num_tokens
+                if acc >= total * (len(groups) + 1) / m and len(groups) < m - 1:
+                    groups.append(cur)
+                    cur = []
+            if cur:
                 groups.append(cur)
-                cur = []
-        if cur:
-            groups.append(cur)
-        return groups
+            return [(g, None) for g in groups]
+        owner = {s.req.request_id: p for p, (pg, *_) in enumerate(prev_groups) for _, s in pg}
+        pinned: dict[int, list] = {}
+        free = []
+        for i, s in enumerate(scheduled):
+            p = owner.get(s.req.request_id)
+            (free if p is None else pinned.setdefault(p, [])).append((i, s))
+        out = [(g, p) for p, g in sorted(pinned.items())]
+        while len(out) < max(m, 1):
+            out.append(([], None))
+        load = [sum(s.num_tokens for _, s in g) for g, _ in out]
+        for item in free:
+            k = int(np.argmin(load))
+            out[k][0].append(item)
+            load[k] += item[1].num_tokens
+        return [(sorted(g, key=lambda t: t[0]), p) for g, p in out if g]
 
     def dispatch(self, scheduled, prev=None):
         """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`.
         `prev`: the handle of the step still in flight whose sampled ids some of these requests
-        need as input (async scheduling; single stage, one micro-batch), else None."""
+        need as input (async scheduling), else None. Each micro-batch takes its pending tokens from
+        the one micro-batch of `prev` its requests were in (`_microbatches`); the ids move to the
+        first stage's devices as a device-to-device copy that the first stage's program waits on,
+        never through the host."""
         pending = []
         tm = self.timers
-        prev_tok, prev_rows = None, None
-        if prev is not None:
-            (p_group, _, _, _, prev_tok), = prev[1]
-            prev_rows = {s.req.request_id: i for i, s in p_group}
-        for group in self._microbatches(scheduled):
+        prev_groups = prev[1] if prev is not None else None
+        first = self.stages[0]
+        first_shard = first.sharding()
+        for group, p in self._microbatches(scheduled, prev_groups):
             sched = [s for _, s in group]
+            prev_tok, prev_rows = None, None
+            if p is not None:
+                p_group, *_, p_tok = prev_groups[p]
+                prev_rows = {s.req.request_id: row for row, (_, s) in enumerate(p_group)}
+                prev_tok = p_tok
             t0 = time.perf_counter()
             T, R, decode, tokens, md, src = self.prepare(sched, prev_rows=prev_rows)
             t1 = time.perf_counter()
@@ -468,8 +500,11 @@ class ModelRunner:
                     jax.device_put(x, shard) if shard is not None else x)
                 extra = ()
                 if st.first:
-                    has_prev = prev_tok is not None and bool((src >= 0).any())
-                    extra = (prev_tok if has_prev else self._no_prev, _put(src, shard))
+                    if prev_tok is not None and bool((src >= 0).any()):
+                        tok_in = prev_tok if first_shard is None else jax.device_put(prev_tok, first_shard)
+                    else:
+                        tok_in = self._no_prev
+                    extra = (tok_in, _put(src, shard))
                 out = self.compile("step", (s_idx, T, decode))(st.leaves, st.kv, x, md_s, *extra)
                 st.kv = out[0]
                 x = out[-1]

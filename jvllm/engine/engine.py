@@ -112,13 +112,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         # option checks that need no weights come first: a bad value fails before minutes of loading
         attention_modes(config.attention_backend)
-        supported = (config.tensor_parallel_size * config.pipeline_parallel_size == 1 and devices is None
-                     and jax.process_count() == 1)
+        # async scheduling: one process (every process of a multi-host run must take the same
+        # decisions from host-visible state) and a whole engine (data-parallel replicas are
+        # stepped by DataParallelEngine through step_dispatch/step_collect, which is synchronous)
+        supported = jax.process_count() == 1 and devices is None
         if config.async_scheduling and not supported:
-            raise ValueError("async_scheduling needs one pipeline stage on one device in one process (got "
-                             f"tensor_parallel_size={config.tensor_parallel_size}, pipeline_parallel_size="
-                             f"{config.pipeline_parallel_size}, {jax.process_count()} processes"
-                             f"{', a device slice' if devices is not None else ''})")
+            raise ValueError("async_scheduling needs a single-process engine that is not a data-parallel replica "
+                             f"(got {jax.process_count()} processes"
+                             f"{', a data-parallel device slice' if devices is not None else ''})")
         self.async_scheduling = supported if config.async_scheduling is None else bool(config.async_scheduling)
         spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
