@@ -476,58 +476,64 @@ class ModelRunner:
         the one micro-batch of `prev` its requests were in (`_microbatches`); the ids move to the
         first stage's devices as a device-to-device copy that the first stage's program waits on,
         never through the host."""
-        pending = []
         tm = self.timers
         prev_groups = prev[1] if prev is not None else None
-        first = self.stages[0]
-        first_shard = first.sharding()
+        first_shard = self.stages[0].sharding()
+        work = []  # host-side inputs of every micro-batch first, then the launches
         for group, p in self._microbatches(scheduled, prev_groups):
             sched = [s for _, s in group]
             prev_tok, prev_rows = None, None
             if p is not None:
-                p_group, *_, p_tok = prev_groups[p]
+                p_group, *_, prev_tok = prev_groups[p]
                 prev_rows = {s.req.request_id: row for row, (_, s) in enumerate(p_group)}
-                prev_tok = p_tok
             t0 = time.perf_counter()
             T, R, decode, tokens, md, src = self.prepare(sched, prev_rows=prev_rows)
             t1 = time.perf_counter()
-            tm["prepare_s"] += t1 - t0
-            x = tokens
-            for s_idx, st in enumerate(self.stages):
-                shard = st.sharding()
-                md_s = jax.tree_util.tree_map(lambda a: _put(a, shard), md) if shard is not None else md
-                x = _put(x, shard) if isinstance(x, np.ndarray) else (
-                    jax.device_put(x, shard) if shard is not None else x)
-                extra = ()
-                if st.first:
-                    if prev_tok is not None and bool((src >= 0).any()):
-                        tok_in = prev_tok if first_shard is None else jax.device_put(prev_tok, first_shard)
-                    else:
-                        tok_in = self._no_prev
-                    extra = (tok_in, _put(src, shard))
-                out = self.compile("step", (s_idx, T, decode))(st.leaves, st.kv, x, md_s, *extra)
-                st.kv = out[0]
-                x = out[-1]
-            _, last_h, all_h = out
-            t2 = time.perf_counter()
-            tm["step_call_s"] += t2 - t1
             sb, ex, want_lp = self._sampling_inputs(sched, R)
             greedy = ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
-            t3 = time.perf_counter()
-            tm["sample_inputs_s"] += t3 - t2
-            if greedy:
-                tok, tok_pad = self.compile("sample", (R, "greedy"))(self.head_w, last_h)
-                lp = None
+            tm["prepare_s"] += t1 - t0
+            tm["sample_inputs_s"] += time.perf_counter() - t1
+            if prev_tok is not None and bool((src >= 0).any()):
+                tok_in = prev_tok if first_shard is None else jax.device_put(prev_tok, first_shard)
             else:
-                shard = self.stages[-1].sharding()
-                if shard is not None:
-                    sb, ex = jax.tree_util.tree_map(lambda a: _put(np.asarray(a), shard), (sb, ex))
-                tok, lp, tok_pad = self.compile("sample", (R, ex is not None))(self.head_w, last_h, sb, ex)
-            tm["sample_call_s"] += time.perf_counter() - t3
-            plp = None
-            if any(s.req.needs_prompt_logprobs for s in sched):
-                plp = self._prompt_logprobs(sched, T, all_h)
-            pending.append((group, tok, lp if want_lp else None, plp, tok_pad))
+                tok_in = self._no_prev
+            work.append(dict(group=group, sched=sched, T=T, R=R, decode=decode, x=tokens, md=md, src=src,
+                             tok_in=tok_in, sb=sb, ex=ex, want_lp=want_lp, greedy=greedy))
+        # Stage-major launch order: stage 0 gets every micro-batch before stage 1 gets any, so
+        # when a launch blocks (the device's launch queue is full: it is busy with the step in
+        # flight), the stages earlier in the pipeline already hold their work for this step and
+        # do not idle behind a later stage's backlog.
+        pending = []
+        for s_idx, st in enumerate(self.stages):
+            shard = st.sharding()
+            for w in work:
+                t1 = time.perf_counter()
+                md_s = jax.tree_util.tree_map(lambda a: _put(a, shard), w["md"]) if shard is not None else w["md"]
+                x = w["x"]
+                x = _put(x, shard) if isinstance(x, np.ndarray) else (
+                    jax.device_put(x, shard) if shard is not None else x)
+                extra = (w["tok_in"], _put(w["src"], shard)) if st.first else ()
+                out = self.compile("step", (s_idx, w["T"], w["decode"]))(st.leaves, st.kv, x, md_s, *extra)
+                st.kv = out[0]
+                w["x"] = out[-1]
+                t3 = time.perf_counter()
+                tm["step_call_s"] += t3 - t1
+                if not st.last:
+                    continue
+                _, last_h, all_h = out
+                sched, R, sb, ex = w["sched"], w["R"], w["sb"], w["ex"]
+                if w["greedy"]:
+                    tok, tok_pad = self.compile("sample", (R, "greedy"))(self.head_w, last_h)
+                    lp = None
+                else:
+                    if shard is not None:
+                        sb, ex = jax.tree_util.tree_map(lambda a: _put(np.asarray(a), shard), (sb, ex))
+                    tok, lp, tok_pad = self.compile("sample", (R, ex is not None))(self.head_w, last_h, sb, ex)
+                tm["sample_call_s"] += time.perf_counter() - t3
+                plp = None
+                if any(s.req.needs_prompt_logprobs for s in sched):
+                    plp = self._prompt_logprobs(sched, w["T"], all_h)
+                pending.append((w["group"], tok, lp if w["want_lp"] else None, plp, tok_pad))
         return len(scheduled), pending
 
     def collect(self, handle) -> StepResult:
