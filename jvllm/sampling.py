@@ -6,6 +6,14 @@ Per row: raw logits -> [repetition, presence, frequency penalties, logit bias] -
 or temperature -> min_p -> top_k -> top_p -> Gumbel-max draw with the key
 fold_in(key(seed), output_index), so a request's draw depends only on its own seed and position,
 never on what else is in the batch. Logprobs are the model's raw log-softmax (vLLM's default).
+
+`branchless=True` (the runner's choice on GPUs): the program has no data-dependent control flow
+(no `lax.cond`, no `while` of unknown trip count). XLA on GPUs runs those by copying the predicate
+to the host and waiting for it, which makes every sampled step block the dispatcher on the step
+before it (measured: the greedy shortcut's cond alone held W1's host at 35.9 of 37.1 ms a step).
+Greedy rows, logprobs and the exact top_k / top_p of rows the candidates cannot decide are then
+computed always and selected per row: about 65 extra passes over [R, V]. `branchless=False`
+(CPUs, TPUs: conds run on the device) skips that work with conds; both give the same ids.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ class SamplingBatch:
     min_p: jax.Array         # [R] f32
     key_data: jax.Array      # [R, 2] u32 threefry key of the request's seed
     counter: jax.Array       # [R] i32 output index being sampled
-    want_logprobs: jax.Array  # [] bool: any row asked for logprobs
+    want_logprobs: jax.Array  # [] bool: any row asked for logprobs (the host reads them only then)
 
 
 @jax.tree_util.register_dataclass
@@ -65,29 +73,64 @@ def _gumbel(sb: SamplingBatch, n: int):
     return jax.vmap(one)(sb.key_data, sb.counter)
 
 
-def _sorted_sample(x, sb: SamplingBatch):
-    """Exact top_k / top_p over the whole vocabulary with one full sort (slow on CPUs: the
-    fallback when the candidates below cannot decide a row)."""
+def _ukey(x):
+    """float32 -> uint32 whose unsigned order is the float order (-inf lowest, -0.0 just below
+    +0.0): the sign-magnitude bits with the magnitude flipped for negatives, then offset."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return jax.lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _bisect(pred, R):
+    """The largest uint32 t with pred(t) true, for a predicate [R] -> [R] bool that is monotone
+    (true up to some t, false above) and true at 0: one bit per step from the top, 32 steps
+    unrolled in Python (no `while` in the program)."""
+    t = jnp.zeros((R,), jnp.uint32)
+    for b in range(31, -1, -1):
+        c = t | jnp.uint32(1 << b)
+        t = jnp.where(pred(c), c, t)
+    return t
+
+
+def _threshold_sample(x, sb: SamplingBatch, g):
+    """Exact top_k / top_p over the whole vocabulary without a sort or any data-dependent control
+    flow: each threshold is found by bisection over the order-preserving uint32 key of the values
+    (32 passes over [R, V] each, a count for top_k and a probability mass for top_p).
+
+    top_k keeps keys >= the k-th largest key; top_p (over the top_k-filtered distribution) keeps
+    keys >= the largest threshold whose mass reaches top_p * the filtered mass, i.e. the smallest
+    prefix by value whose mass reaches top_p (a full sort's nucleus). Tokens whose value ties with
+    a threshold value are all kept (a sort keeps only as many of them as it needs); the best token
+    is always kept. The draw is the Gumbel-max over the kept tokens with the noise `g` [R, V]."""
     R, V = x.shape
-    iota = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (R, V))
-    neg_sorted, idx = jax.lax.sort_key_val(-x, iota, dimension=-1)
-    xs = -neg_sorted
-    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
-    xs = jnp.where(rank >= sb.top_k[:, None], -jnp.inf, xs)
-    ps = jax.nn.softmax(xs, axis=-1)
-    before = jnp.cumsum(ps, axis=-1) - ps
-    xs = jnp.where((before >= sb.top_p[:, None]) & (sb.top_p[:, None] < 1.0) & (rank > 0), -jnp.inf, xs)
-    choice = jnp.argmax(xs + _gumbel(sb, V), axis=-1)
-    return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+    u = _ukey(x)
+    mx = jnp.max(x, axis=-1, keepdims=True)
+    umax = _ukey(mx[:, 0])
+    k = jnp.minimum(sb.top_k, V)
+    tk = _bisect(lambda c: jnp.sum(u >= c[:, None], axis=-1, dtype=jnp.int32) >= k, R)
+    tk = jnp.where(sb.top_k >= V, jnp.uint32(0), jnp.minimum(tk, umax))
+    e = jnp.exp(x - mx)
+
+    def mass(c):
+        return jnp.sum(jnp.where(u >= c[:, None], e, 0.0), axis=-1)
+
+    # mass(c) is monotone in c (the same reduction with terms dropped); below tk it only grows,
+    # so the search over all keys lands at or above tk.
+    want = sb.top_p * mass(tk)
+    tp = _bisect(lambda c: mass(c) >= want, R)
+    t = jnp.where(sb.top_p < 1.0, jnp.minimum(tp, umax), tk)
+    return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1)
 
 
-def _random_sample(x, sb: SamplingBatch):
-    """temperature -> min_p -> top_k -> top_p -> Gumbel-max draw, exactly.
+def _random_sample(x, sb: SamplingBatch, branchless: bool = True):
+    """temperature -> min_p -> top_k -> top_p -> Gumbel-max draw, exactly, with no data-dependent
+    control flow (XLA on GPUs runs `lax.cond` by copying the predicate to the host and waiting).
 
-    Fast path: rows without top_k/top_p draw over the whole vocabulary (no sort); rows with them
-    draw among the `TOPK_CANDIDATES` best tokens (lax.top_k), which is exact when top_k fits and
-    the top_p nucleus lies inside them. If any row's does not, the step takes the full-sort path."""
-    R, V = x.shape
+    Rows with top_k/top_p that the `TOPK_CANDIDATES` best tokens (lax.top_k) decide -- top_k fits
+    and the top_p nucleus lies inside them -- draw among the candidates. Every other row (no
+    truncation, or a top_k / nucleus wider than the candidates) draws over the whole vocabulary
+    with thresholds found by bisection (`_threshold_sample`); both use the same Gumbel noise."""
+    V = x.shape[1]
     x = x / jnp.maximum(sb.temperature, 1e-5)[:, None]
     probs = jax.nn.softmax(x, axis=-1)
     x = jnp.where(probs < sb.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
@@ -104,16 +147,15 @@ def _random_sample(x, sb: SamplingBatch):
     before = cum - pc
     cand = jnp.where((before >= sb.top_p[:, None]) & (sb.top_p[:, None] < 1.0) & (rank > 0), -jnp.inf, cand)
     decided = ((sb.top_k <= K) | (sb.top_k >= V)) & ((sb.top_p >= 1.0) | (cum[:, -1] >= sb.top_p))
-    need_sort = jnp.any(trunc & ~decided)
-
-    def fast():
-        g = _gumbel(sb, V)
-        full = jnp.argmax(x + g, axis=-1)
-        gi = jnp.take_along_axis(g, idx, axis=-1)
-        part = jnp.take_along_axis(idx, jnp.argmax(cand + gi, axis=-1)[:, None], axis=-1)[:, 0]
-        return jnp.where(trunc, part, full).astype(jnp.int32)
-
-    return jax.lax.cond(need_sort, lambda: _sorted_sample(x, sb).astype(jnp.int32), fast)
+    g = _gumbel(sb, V)
+    gi = jnp.take_along_axis(g, idx, axis=-1)
+    part = jnp.take_along_axis(idx, jnp.argmax(cand + gi, axis=-1)[:, None], axis=-1)[:, 0]
+    if branchless:
+        full = _threshold_sample(x, sb, g)
+    else:  # the exact path only when some truncating row needs it; else plain Gumbel-max
+        full = jax.lax.cond(jnp.any(trunc & ~decided), lambda: _threshold_sample(x, sb, g),
+                            lambda: jnp.argmax(x + g, axis=-1))
+    return jnp.where(trunc & decided, part, full).astype(jnp.int32)
 
 
 def logprob_outputs(logits, tokens):
@@ -125,20 +167,24 @@ def logprob_outputs(logits, tokens):
     return tok_lp, rank, top_ids.astype(jnp.int32), top_lp
 
 
-def sample(logits, sb: SamplingBatch, ex: SamplingExtras | None):
-    """logits [R, V] float32 -> dict of token ids [R] and logprob arrays."""
+def sample(logits, sb: SamplingBatch, ex: SamplingExtras | None, branchless: bool = True):
+    """logits [R, V] float32 -> (token ids [R], (logprob, rank, top ids, top logprobs)).
+    `branchless`: no data-dependent control flow (see the module docstring); the ids are the same
+    either way, and the logprob arrays are zeros without branches only when no row wants them."""
     raw = logits
     if ex is not None:
         logits = apply_extras(logits, ex)
     greedy_rows = sb.temperature <= 0.0
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if branchless:  # greedy rows and logprobs computed always, selected per row / read when asked
+        tok = jnp.where(greedy_rows, greedy_tok, _random_sample(logits, sb, True))
+        return tok, logprob_outputs(raw, tok)
     tok = jax.lax.cond(jnp.all(greedy_rows), lambda: greedy_tok,
-                       lambda: jnp.where(greedy_rows, greedy_tok, _random_sample(logits, sb).astype(jnp.int32)))
+                       lambda: jnp.where(greedy_rows, greedy_tok, _random_sample(logits, sb, False)))
     R = logits.shape[0]
 
     def no_lp():
         return (jnp.zeros((R,), jnp.float32), jnp.zeros((R,), jnp.int32),
                 jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32), jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
 
-    lp = jax.lax.cond(sb.want_logprobs, lambda: logprob_outputs(raw, tok), no_lp)
-    return tok, lp
+    return tok, jax.lax.cond(sb.want_logprobs, lambda: logprob_outputs(raw, tok), no_lp)

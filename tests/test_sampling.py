@@ -1,4 +1,6 @@
 """Sampling: support sets, penalties against numpy, seeds, stop conditions, logprobs vs transformers."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,7 +237,7 @@ def test_chat(smollm2_llm):
 
 def test_large_vocab_candidates_and_fallback():
     """Over TOPK_CANDIDATES tokens: top_k / a narrow nucleus use the candidate path; a nucleus
-    wider than the candidates falls back to the exact full sort (draws beyond the candidates)."""
+    wider than the candidates takes the exact threshold path (draws beyond the candidates)."""
     from jvllm.sampling import TOPK_CANDIDATES
 
     Vl, R = 3000, 4000
@@ -252,3 +254,203 @@ def test_large_vocab_candidates_and_fallback():
     tok, _ = _sample(jnp.broadcast_to(jnp.asarray(flat), (R, Vl)), sb(top_p=0.9), None)
     drawn = set(np.asarray(tok).tolist())
     assert len(drawn) > TOPK_CANDIDATES  # the nucleus (2700 tokens) was not cut to the candidates
+
+
+# ---------------------------------------------------------------------- no control flow, exactness
+def _abstract_inputs(R, Vl, extras, L=16, B=4):
+    f32, i32, sds = jnp.float32, jnp.int32, jax.ShapeDtypeStruct
+    sb = SamplingBatch(sds((R,), f32), sds((R,), i32), sds((R,), f32), sds((R,), f32), sds((R, 2), jnp.uint32),
+                       sds((R,), i32), sds((), jnp.bool_))
+    ex = SamplingExtras(sds((R,), f32), sds((R,), f32), sds((R,), f32), sds((R, L), i32), sds((R, L), jnp.bool_),
+                        sds((R, B), i32), sds((R, B), f32)) if extras else None
+    return sds((R, Vl), f32), sb, ex
+
+
+@pytest.mark.parametrize("extras", [False, True])
+def test_general_sampler_has_no_data_dependent_control_flow(extras):
+    """XLA on GPUs runs a `conditional` (and a `while` of unknown trip count) by copying the
+    predicate to the host and blocking, which would serialize the async scheduler on every
+    sampled step: the sampler must have neither."""
+    args = _abstract_inputs(8, 3000, extras)
+    hlo = jax.jit(sample).lower(*args).compile().as_text()
+    assert not re.search(r"\bconditional\(", hlo)
+    # on CPU jax rolls threefry's rounds into a loop of 5: the only loops, each of known trip count
+    loops = [line for line in hlo.splitlines() if re.search(r"\bwhile\(", line)]
+    assert all('"known_trip_count"' in line for line in loops), loops
+    # the program as lowered for GPUs (threefry unrolled there): no loop and no branch at all
+    gpu = jax.export.export(jax.jit(sample), platforms=["cuda"])(*args).mlir_module()
+    assert not re.search(r"stablehlo\.(case|if|while)\b", gpu)
+
+
+def _prep(logits, sb):
+    """temperature -> min_p, as the sampler does before truncating."""
+    x = logits / jnp.maximum(sb.temperature, 1e-5)[:, None]
+    probs = jax.nn.softmax(x, axis=-1)
+    return jnp.where(probs < sb.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+
+
+@jax.jit
+def _sorted_oracle(logits, sb):
+    """Reference: top_k / top_p after one full sort of each row, Gumbel-max with the sampler's
+    noise of each token id."""
+    from jvllm.sampling import _gumbel
+
+    x = _prep(logits, sb)
+    R, Vl = x.shape
+    neg_sorted, idx = jax.lax.sort_key_val(-x, jnp.broadcast_to(jnp.arange(Vl, dtype=jnp.int32), (R, Vl)), dimension=-1)
+    xs = -neg_sorted
+    rank = jnp.arange(Vl, dtype=jnp.int32)[None, :]
+    xs = jnp.where(rank >= sb.top_k[:, None], -jnp.inf, xs)
+    ps = jax.nn.softmax(xs, axis=-1)
+    before = jnp.cumsum(ps, axis=-1) - ps
+    xs = jnp.where((before >= sb.top_p[:, None]) & (sb.top_p[:, None] < 1.0) & (rank > 0), -jnp.inf, xs)
+    choice = jnp.argmax(xs + jnp.take_along_axis(_gumbel(sb, Vl), idx, axis=-1), axis=-1)
+    return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0], xs, idx
+
+
+@jax.jit
+def _candidate_ref(logits, sb):
+    """The candidate draw (what rows decided by the TOPK_CANDIDATES best tokens always got)."""
+    from jvllm.sampling import TOPK_CANDIDATES, _gumbel
+
+    x = _prep(logits, sb)
+    cand, idx = jax.lax.top_k(x, TOPK_CANDIDATES)
+    rank = jnp.arange(TOPK_CANDIDATES, dtype=jnp.int32)[None, :]
+    cand = jnp.where(rank >= sb.top_k[:, None], -jnp.inf, cand)
+    # nucleus mass relative to the whole (top_k-filtered) distribution
+    top_k_on = (sb.top_k < x.shape[1])[:, None]
+    ps = jnp.exp(cand - jnp.where(top_k_on, jax.nn.logsumexp(cand, -1, keepdims=True), jax.nn.logsumexp(x, -1, keepdims=True)))
+    before = jnp.cumsum(ps, axis=-1) - ps
+    cand = jnp.where((before >= sb.top_p[:, None]) & (sb.top_p[:, None] < 1.0) & (rank > 0), -jnp.inf, cand)
+    gi = jnp.take_along_axis(_gumbel(sb, x.shape[1]), idx, axis=-1)
+    return jnp.take_along_axis(idx, jnp.argmax(cand + gi, axis=-1)[:, None], axis=-1)[:, 0]
+
+
+def _mixed_batch(R, Vl, seed):
+    """Rows of all kinds: scales from flat to peaked, top_k below / inside / beyond the
+    candidates or off, top_p from narrow to almost 1, min_p and temperatures."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.normal(0, 1, (R, Vl)) * rng.choice([0.05, 0.3, 1.0, 3.0, 6.0], (R, 1))).astype(np.float32)
+    pick = lambda opts, dt: jnp.asarray(rng.choice(opts, R), dt)
+    sb = SamplingBatch(
+        temperature=pick([0.5, 1.0, 1.7], jnp.float32), top_k=pick([1, 7, 1024, 1025, 1800, Vl - 1, Vl], jnp.int32),
+        top_p=pick([0.2, 0.9, 0.99, 0.9999, 1.0], jnp.float32), min_p=pick([0.0, 0.0, 0.02], jnp.float32),
+        key_data=jnp.asarray(np.stack([np.zeros(R), rng.integers(0, 2**31, R)], 1), jnp.uint32),
+        counter=pick(np.arange(100), jnp.int32), want_logprobs=jnp.asarray(False))
+    return jnp.asarray(logits), sb
+
+
+def test_threshold_path_matches_full_sort():
+    """Every row -- rows the candidates decide and rows they cannot (top_k beyond them, a nucleus
+    wider than them, both) -- draws the token a full sort draws with the same noise."""
+    from jvllm.sampling import TOPK_CANDIDATES
+
+    R, Vl = 1024, 3000
+    undecided = 0
+    for seed in range(3):
+        logits, sb = _mixed_batch(R, Vl, seed)
+        tok, _ = _sample(logits, sb, None)
+        want, xs, _ = _sorted_oracle(logits, sb)
+        np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
+        kept = np.asarray(jnp.sum(xs > -jnp.inf, axis=-1))
+        undecided += int(np.sum(kept > TOPK_CANDIDATES))
+    assert undecided > 300  # plenty of rows the candidates could not decide
+
+
+@pytest.mark.parametrize("case", ["top_k", "flat_top_p", "top_k_and_top_p", "min_p_temperature"])
+def test_threshold_path_beyond_candidates(case):
+    """Rows the candidates can never decide, many keys each: the same tokens as the full sort."""
+    R, Vl = 512, 4096
+    rng = np.random.default_rng(7)
+    scale = {"top_k": 3.0, "min_p_temperature": 1.5}.get(case, 0.2)
+    logits = jnp.asarray((rng.normal(0, scale, (R, Vl))).astype(np.float32))
+    kw = {"top_k": Vl, "top_p": 1.0, "temperature": 1.0, "min_p": 0.0}
+    kw.update({"top_k": {"top_k": 3000}, "flat_top_p": {"top_p": 0.999},
+               "top_k_and_top_p": {"top_k": 2500, "top_p": 0.95},
+               "min_p_temperature": {"temperature": 3.0, "min_p": 0.05, "top_p": 0.98}}[case])
+    sb = SamplingBatch(
+        temperature=jnp.full((R,), kw["temperature"], jnp.float32), top_k=jnp.full((R,), kw["top_k"], jnp.int32),
+        top_p=jnp.full((R,), kw["top_p"], jnp.float32), min_p=jnp.full((R,), kw["min_p"], jnp.float32),
+        key_data=jnp.asarray(np.stack([np.arange(R), np.arange(R) * 7 + 1], 1), jnp.uint32),
+        counter=jnp.arange(R, dtype=jnp.int32), want_logprobs=jnp.asarray(False))
+    tok, _ = _sample(logits, sb, None)
+    want, xs, idx = _sorted_oracle(logits, sb)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
+    kept = np.asarray(jnp.sum(xs > -jnp.inf, axis=-1))
+    assert kept.min() > 1024
+    # the draws reach beyond the 1024 best tokens
+    ranks = np.argmax(np.asarray(idx) == np.asarray(tok)[:, None], axis=-1)
+    assert ranks.max() >= 1024
+
+
+def test_decided_rows_unchanged_and_independent_of_the_batch():
+    """Rows the candidates decide draw exactly as the candidate path always did, whether or not
+    the batch also holds rows that need the threshold path (the full sort used to take over the
+    whole batch then), and a row's draw does not depend on its neighbours."""
+    R, Vl = 256, 3000
+    rng = np.random.default_rng(3)
+    peaked = jnp.asarray(rng.normal(0, 4, (R, Vl)).astype(np.float32))
+    flat = jnp.asarray(rng.normal(0, 0.1, (R, Vl)).astype(np.float32))
+    ks = rng.integers(1, 1025, R).astype(np.int32)
+    ks[::4] = Vl  # top_p only: a nucleus inside the candidates of peaked rows
+    ps = rng.choice([0.5, 0.9, 1.0], R).astype(np.float32)
+    sb = lambda top_k, top_p, seeds: SamplingBatch(
+        temperature=jnp.full((len(seeds),), 0.9, jnp.float32), top_k=jnp.asarray(top_k, jnp.int32),
+        top_p=jnp.asarray(top_p, jnp.float32), min_p=jnp.zeros((len(seeds),), jnp.float32),
+        key_data=jnp.asarray(np.stack([np.zeros(len(seeds)), seeds], 1), jnp.uint32),
+        counter=jnp.full((len(seeds),), 5, jnp.int32), want_logprobs=jnp.asarray(False))
+    seeds = np.arange(R)
+    dec = sb(ks, ps, seeds)
+    alone, _ = _sample(peaked, dec, None)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(_candidate_ref(peaked, dec)))
+    # interleave undecided rows (flat logits, nucleus of ~2700 tokens) with the same decided rows
+    mixed_logits = jnp.stack([peaked, flat], 1).reshape(2 * R, Vl)
+    mixed = sb(np.stack([ks, np.full(R, Vl)], 1).reshape(-1), np.stack([ps, np.full(R, 0.95)], 1).reshape(-1),
+               np.stack([seeds, seeds + 10_000], 1).reshape(-1))
+    tok, _ = _sample(mixed_logits, mixed, None)
+    np.testing.assert_array_equal(np.asarray(tok)[::2], np.asarray(alone))
+    flat_alone, _ = _sample(flat, sb(np.full(R, Vl), np.full(R, 0.95), seeds + 10_000), None)
+    np.testing.assert_array_equal(np.asarray(tok)[1::2], np.asarray(flat_alone))
+
+
+def test_greedy_rows_and_logprobs_without_branches(row):
+    """Greedy rows take the argmax next to sampled rows; logprobs come back whether asked or not."""
+    logits = jnp.asarray(np.stack([row, row, -row]))
+    sb = SamplingBatch(temperature=jnp.asarray([0.0, 1.0, 0.0], jnp.float32), top_k=jnp.full((3,), V, jnp.int32),
+                       top_p=jnp.ones((3,), jnp.float32), min_p=jnp.zeros((3,), jnp.float32),
+                       key_data=jnp.asarray([[0, 1], [0, 2], [0, 3]], jnp.uint32), counter=jnp.zeros((3,), jnp.int32),
+                       want_logprobs=jnp.asarray(False))
+    tok, (lp, rank, top_ids, _) = _sample(logits, sb, None)
+    assert int(tok[0]) == int(np.argmax(row)) and int(tok[2]) == int(np.argmax(-row))
+    ref = np.asarray(jax.nn.log_softmax(logits, -1))
+    np.testing.assert_allclose(np.asarray(lp), ref[np.arange(3), np.asarray(tok)], rtol=1e-6)
+    assert np.asarray(rank)[[0, 2]].tolist() == [1, 1] and np.asarray(top_ids)[0, 0] == np.argmax(row)
+
+
+@pytest.mark.parametrize("want_lp", [False, True])
+def test_branching_sampler_draws_the_same_ids(want_lp):
+    """`branchless=False` (CPUs/TPUs: conds skip work) and the GPU's branch-free program give the
+    same ids on a batch with greedy, untruncated, candidate-decided and undecided (flat, nucleus
+    beyond the candidates) rows, all-greedy batches too; logprobs equal when asked."""
+    import dataclasses
+    import functools
+
+    branchy = jax.jit(functools.partial(sample, branchless=False))
+    rng = np.random.default_rng(7)
+    Vl, R = 3000, 16
+    peaked = rng.normal(0, 6, (R, Vl)).astype(np.float32)
+    flat = rng.normal(0, 0.01, (R, Vl)).astype(np.float32)
+    logits = jnp.asarray(np.where(np.arange(R)[:, None] % 2 == 0, peaked, flat))
+    temp = np.where(np.arange(R) % 4 == 0, 0.0, 0.8).astype(np.float32)
+    sb = SamplingBatch(temperature=jnp.asarray(temp), top_k=jnp.asarray(rng.choice([50, Vl, 2000], R), jnp.int32),
+                       top_p=jnp.asarray(rng.choice([0.9, 1.0, 0.999], R), jnp.float32),
+                       min_p=jnp.zeros((R,), jnp.float32), key_data=jnp.asarray([[0, s] for s in range(R)], jnp.uint32),
+                       counter=jnp.full((R,), 3, jnp.int32), want_logprobs=jnp.asarray(want_lp))
+    for batch in (sb, dataclasses.replace(sb, temperature=jnp.zeros((R,), jnp.float32))):
+        a, lp_a = _sample(logits, batch, None)
+        b, lp_b = branchy(logits, batch, None)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if want_lp:
+            for x, y in zip(lp_a, lp_b):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+    assert "conditional(" in branchy.lower(logits, sb, None).compile().as_text()

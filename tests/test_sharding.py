@@ -215,3 +215,34 @@ def test_parallel_async_scheduling_matches_sync(base, kw):
         assert sum(a and n == 2 for a, n in async_seen) > 3, async_seen
     assert async_out == sync_out
     assert async_out[0][0][1] == "stop" and async_out[0][0][0][-1] == stop_id
+
+
+@pytest.mark.parametrize("backend", ["ragged_interpret", "xla"])
+@pytest.mark.parametrize("tp", [2, 4], ids=["tp2_kv_sharded", "tp4_kv_replicated"])
+def test_tensor_parallel_kernels_run_per_device(base, tp, backend):
+    """Pallas kernels under TP run inside shard_map on each device's KV heads: same greedy tokens
+    as one device, and the compiled step programs gather nothing (XLA cannot split a custom call,
+    so under plain GSPMD it would all-gather the layer's whole KV pool onto every device); their
+    only collectives are all-reduces (TP=4 with 2 KV heads: replicated pools, sliced per device,
+    which copies the slice; with sharded pools nothing is copied)."""
+    import re
+
+    from jvllm.compile import temp_bytes
+
+    path, expected = base
+    llm = _llm(path, tensor_parallel_size=tp, attention_backend=backend, num_gpu_blocks_override=2000)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP, use_tqdm=False)
+        runner = llm.llm_engine.runner
+        pool_shard = runner.stages[0].kv[0][0].addressable_shards[0].data.nbytes
+        for key in [(0, 32, False), (0, 8, True)]:
+            exe = runner.compile("step", key)
+            hlo = exe.as_text()
+            ops = re.findall(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
+            assert ops and set(ops) == {"all-reduce"}, (key, sorted(set(ops)))
+            temp = temp_bytes(exe)  # sharded pools are updated and read in place: no copy of one layer's shard
+            if tp == 2:
+                assert temp is None or temp < pool_shard, (key, temp, pool_shard)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -24,7 +24,8 @@ from flax import nnx
 
 from jvllm.config import ModelConfig
 from jvllm.models.layers import RMSNorm, apply_rope, declare, rope_inv_freq
-from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, write_kv
+from jvllm.ops.attention import (AttentionMetadata, paged_attention, pallas_decode_attention, shard_local,
+                                 write_kv)
 from jvllm.ops.pallas_attention import ragged_paged_attention
 
 _List = getattr(nnx, "List", list)
@@ -64,18 +65,24 @@ class Attention(nnx.Module):
         q = apply_rope(q, pos, inv_freq, rope_scale)
         k = apply_rope(k, pos, inv_freq, rope_scale)
         k_pages, v_pages = kv
-        k_pages = write_kv(k_pages, k, md.slot_mapping)
-        v_pages = write_kv(v_pages, v, md.slot_mapping)
         interpret = attention.endswith("_interpret")
-        if attention.startswith("pallas") and self.window is None:  # decode-only steps
-            o = pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale, interpret=interpret)
-        elif attention.startswith(("pallas", "ragged")):
-            o = ragged_paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
-                                       num_splits="auto" if attention.startswith("ragged_split") else 1,
-                                       interpret=interpret)
-        else:
-            o = paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
-                                kv_chunk_blocks=kv_chunk_blocks)
+
+        def kernel(q, k, v, k_pages, v_pages, md):  # per device under TP (shard_local)
+            if k.shape[1]:  # k[:, :0]: the caller wrote the pages already
+                k_pages = write_kv(k_pages, k, md.slot_mapping)
+                v_pages = write_kv(v_pages, v, md.slot_mapping)
+            if attention == "xla":
+                o = paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
+                                    kv_chunk_blocks=kv_chunk_blocks)
+            elif attention.startswith("pallas") and self.window is None:  # decode-only steps
+                o = pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale, interpret=interpret)
+            else:
+                o = ragged_paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
+                                           num_splits="auto" if attention.startswith("ragged_split") else 1,
+                                           interpret=interpret)
+            return o, k_pages, v_pages
+
+        o, k_pages, v_pages = shard_local(kernel, q, k, v, k_pages, v_pages, md)
         out = jnp.einsum("thk,hkd->td", o, self.o_proj[...])
         if self.has_o_bias:
             out = out + self.o_bias[...]
