@@ -5,6 +5,9 @@
 #   hf      the HF transformers peer (benchmarks/peers/hf_baseline.py) -> hf_baseline.json
 #   s1      S1 (benchmarks/serve_bench.py against `jvllm serve`) -> s1.json (+ PNG)
 #   kernels benchmarks/gpu_kernels.py -> gpu_kernels.json
+#   warm    `jvllm bench latency` twice on one compile cache: the second start is the warm-cache
+#           start-up figure (jvllm's executable cache + JAX's) -> warm_1.json, warm_2.json
+#   sampled W1 and B1 through the general sampler (temperature 0.8, top_p 0.95) -> sampled.json
 # Env: JVLLM_GIT_COMMIT (the copy has no .git), BACKEND (attention backend, default auto),
 # S1_RATES (2,4,8,16,inf), S1_N (64).
 set -u
@@ -31,6 +34,15 @@ for stage in ${STAGES:-bench hf}; do
           --serve-args="--max-model-len 4096 --dtype bfloat16 --attention-backend $BACKEND" \
           --output-json "$OUT/s1.json" > "$OUT/s1.log" 2>&1
         echo "rc=$?"; tail -9 "$OUT/s1.log" ;;
+    warm) for i in 1 2; do
+            timeout 300 python -m jvllm.cli bench latency --model random:llama3-8b --dtype bfloat16 --max-model-len 4096 \
+              --attention-backend $BACKEND --no-xla-report --output-json "$OUT/warm_$i.json" > "$OUT/warm_$i.log" 2>&1
+            echo "rc=$?"; grep -E "startup|B1:" "$OUT/warm_$i.log"
+          done ;;
+    sampled) timeout 330 python -m jvllm.cli bench all --model random:llama3-8b --dtype bfloat16 --max-model-len 4096 \
+               --attention-backend $BACKEND --no-xla-report --temperature 0.8 --top-p 0.95 \
+               --output-json "$OUT/sampled.json" > "$OUT/sampled.log" 2>&1
+             echo "rc=$?"; grep -E "W1:|B1:" "$OUT/sampled.log" ;;
     kernels) timeout 200 python benchmarks/gpu_kernels.py --out "$OUT/gpu_kernels.json" > "$OUT/gpu_kernels.log" 2>&1
              echo "rc=$?"; tail -2 "$OUT/gpu_kernels.log" ;;
   esac

@@ -4,8 +4,8 @@
 # in $OUT (per-GPU peak memory in its "memory.per_device"), then a table of the speed-ups against
 # the first configuration. Env: CONFIGS (default "tp1 tp2 pp2"; tpN = tensor parallel N, ppN =
 # pipeline parallel N, dpN = data parallel N; tp1 runs on GPU 0 alone), BUCKETS (token buckets,
-# default 16,64,256,1024,2048: fewer programs to compile per configuration; the same for every
-# configuration), EXTRA (more bench flags), JVLLM_GIT_COMMIT (the copy has no .git); MODEL, DTYPE,
+# default 16,64,128,256,1024,2048: fewer programs to compile per configuration; the same for every
+# configuration), PER_CONFIG_S (time limit of each configuration, default 190), EXTRA (more bench flags), JVLLM_GIT_COMMIT (the copy has no .git); MODEL, DTYPE,
 # MAXLEN for dry runs elsewhere (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,7 +13,7 @@ T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
 python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail "$OUT/pip.log"; }
 export JVLLM_CACHE_DIR=/tmp/jvllm_xla_cache
-BUCKETS=${BUCKETS:-16,64,256,1024,2048}
+BUCKETS=${BUCKETS:-16,64,128,256,1024,2048}  # 128: PP micro-batches of a 256-request W1 step
 for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
   n=${cfg:2}
   case $cfg in
@@ -24,7 +24,10 @@ for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
   esac
   vis=0; [ "$n" -ge 2 ] && vis=$(seq -s, 0 $(( n - 1 )))
   echo "[$(el)s] $cfg ($flags, CUDA_VISIBLE_DEVICES=$vis)"
-  CUDA_VISIBLE_DEVICES=$vis timeout $(( 585 - $(el) )) python -m jvllm.cli bench all --model ${MODEL:-random:llama3-8b} --dtype ${DTYPE:-bfloat16} \
+  left=$(( 585 - $(el) )); lim=${PER_CONFIG_S:-190}; [ $left -lt $lim ] && lim=$left
+  [ $lim -lt 30 ] && { echo "no time left"; continue; }
+  # faulthandler + SIGABRT on timeout: a hang leaves its Python stack in the log
+  CUDA_VISIBLE_DEVICES=$vis timeout -s ABRT $lim python -X faulthandler -u -m jvllm.cli bench all --model ${MODEL:-random:llama3-8b} --dtype ${DTYPE:-bfloat16} \
     --max-model-len ${MAXLEN:-4096} --token-buckets "$BUCKETS" --no-xla-report $flags ${EXTRA:-} \
     --output-json "$OUT/bench_$cfg.json" > "$OUT/bench_$cfg.log" 2>&1
   echo "rc=$?"; tail -6 "$OUT/bench_$cfg.log"
