@@ -47,8 +47,9 @@ def test_eight_devices():
 
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=4),
                                 dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2, pipeline_parallel_size=2),
-                                dict(data_parallel_size=2), dict(pipeline_parallel_size=4, num_microbatches=3)],
-                         ids=["tp2", "tp4", "pp2", "tp2pp2", "dp2", "pp4mb3"])
+                                dict(data_parallel_size=2), dict(pipeline_parallel_size=4, num_microbatches=3),
+                                dict(pipeline_parallel_size=4, num_microbatches=3, pipeline_stage_threads=True)],
+                         ids=["tp2", "tp4", "pp2", "tp2pp2", "dp2", "pp4mb3", "pp4mb3_threads"])
 def test_parallel_greedy_identical(base, kw):
     path, expected = base
     assert _run(path, **kw) == expected
@@ -165,7 +166,9 @@ def test_two_processes_tp4(base, tmp_path):
         assert json.loads(toks) == expected and nproc == "2" and ndev == "4"
 
 
-@pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)], ids=["pp2", "tp2"])
+@pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2),
+                                dict(pipeline_parallel_size=2, pipeline_stage_threads=True)],
+                         ids=["pp2", "tp2", "pp2_threads"])
 def test_parallel_async_scheduling_matches_sync(base, kw):
     """Async scheduling on a mesh: TP (one stage over two devices) and PP (two stages, two
     micro-batches whose pending tokens stay in their own group and cross from the last stage's

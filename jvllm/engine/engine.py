@@ -50,13 +50,17 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
+    # launch pipeline stages after the first from one thread per stage (a stage whose input copy
+    # from the previous stage's devices blocks then stalls only its own thread); experimental,
+    # off until measured on GPUs (benchmarks/h200_x2_parallel.sh: EXTRA=--pipeline-stage-threads)
+    pipeline_stage_threads: bool = False
     # auto (GPU: ragged, elsewhere xla) | xla | pallas (decode steps: JAX's Pallas paged-attention
     # kernel; mixed steps: jvllm's ragged kernel) | pallas_decode (mixed steps on XLA) | ragged (all
     # steps on the ragged kernel) | ragged_split (decode steps split-K, not yet measured on a GPU); "_interpret" runs the Pallas kernels in interpret mode (CPU tests)
     attention_backend: str = "auto"
     # dispatch step N+1 before reading step N's results, so the host's scheduling and input
-    # building overlap the device's work (None: on wherever supported: one pipeline stage on one
-    # device in one process; True there, False anywhere)
+    # building overlap the device's work (None: on wherever supported: a single-process engine,
+    # TP and PP included, that is not a data-parallel replica; True there, False anywhere)
     async_scheduling: bool | None = None
 
 
@@ -162,6 +166,7 @@ class LLMEngine:
                                kv_chunk_blocks=config.kv_chunk_blocks or (16 if acc else 4),
                                stages=[dataclasses.replace(st, kv=None) for st in stages],  # shares weights
                                num_microbatches=config.num_microbatches,
+                               stage_threads=config.pipeline_stage_threads,
                                attention_backend=config.attention_backend)
 
         num_blocks = self._num_blocks(mc, max_model_len, mns, make_runner)
