@@ -3,7 +3,8 @@
 # on random:llama3-8b bf16 for each configuration in CONFIGS, one after the other, JSON per config
 # in $OUT (per-GPU peak memory in its "memory.per_device"), then a table of the speed-ups against
 # the first configuration. Env: CONFIGS (default "tp1 tp2 pp2"; tpN = tensor parallel N, ppN =
-# pipeline parallel N, dpN = data parallel N; tp1 runs on GPU 0 alone), BUCKETS (token buckets,
+# pipeline parallel N, ppNt = the same with --pipeline-stage-threads, dpN = data parallel N; tp1
+# runs on GPU 0 alone), BUCKETS (token buckets,
 # default 16,64,128,256,1024,2048: fewer programs to compile per configuration; the same for every
 # configuration), PER_CONFIG_S (time limit of each configuration, default 190), EXTRA (more bench flags), JVLLM_GIT_COMMIT (the copy has no .git); MODEL, DTYPE,
 # MAXLEN for dry runs elsewhere (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2).
@@ -15,9 +16,10 @@ python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>
 export JVLLM_CACHE_DIR=/tmp/jvllm_xla_cache
 BUCKETS=${BUCKETS:-16,64,128,256,1024,2048}  # 128: PP micro-batches of a 256-request W1 step
 for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
-  n=${cfg:2}
+  n=${cfg:2}; n=${n%t}
   case $cfg in
     tp*) flags="--tensor-parallel-size $n" ;;
+    pp*t) flags="--pipeline-parallel-size $n --pipeline-stage-threads" ;;
     pp*) flags="--pipeline-parallel-size $n" ;;
     dp*) flags="--data-parallel-size $n" ;;
     *) echo "unknown config $cfg"; continue ;;
