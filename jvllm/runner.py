@@ -344,11 +344,10 @@ class ModelRunner:
             cache_key = jcompile.executable_key(
                 "jvllm-exe-v1", kind, key, static, sig, jax.tree_util.tree_structure(args), repr(self.cfg),
                 str(self.dtype), self.kv_chunk_blocks, self.max_num_seqs, self.cfg.tie_word_embeddings)
-            devs = {d for a in jax.tree_util.tree_leaves(args) if a.sharding is not None for d in a.sharding.device_set}
-            if len(devs) > 1:  # single-device programs only
-                cache_key = None
-            else:
-                exe = jcompile.load_executable(cache_key, devices=list(devs) or [jax.devices()[0]])
+            # the executable's devices in its own order: its stage's mesh (row-major), or the one device
+            owner = self.stages[key[0]] if kind == "step" else last
+            devs = list(owner.mesh.devices.flat) if owner.mesh is not None else [jax.devices()[0]]
+            exe = jcompile.load_executable(cache_key, devices=devs)
         if exe is None:
             exe = fn.lower(*args).compile()
             if cache_key is not None:
@@ -357,10 +356,11 @@ class ModelRunner:
         return exe
 
     def _executable_cache_ok(self) -> bool:
-        """jvllm's executable cache (jvllm.compile) serves single-device, single-process runners
-        while JAX's persistent cache directory is set."""
+        """jvllm's executable cache (jvllm.compile) serves single-process runners, TP and PP meshes
+        included, while JAX's persistent cache directory is set (multi-process runs compile: every
+        process would need the same entry at once)."""
         return (self.use_executable_cache and jax.process_count() == 1
-                and all(st.mesh is None for st in self.stages) and jcompile.executable_cache_dir() is not None)
+                and jcompile.executable_cache_dir() is not None)
 
     # ------------------------------------------------------------------ host inputs
     def prepare(self, scheduled, allow_decode: bool = True, prev_rows: dict | None = None):

@@ -249,3 +249,28 @@ def test_tensor_parallel_kernels_run_per_device(base, tp, backend):
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_executable_cache_on_meshes(base, kw, tmp_path):
+    """TP and PP engines load every program from jvllm's executable cache on the second start
+    (multi-device executables onto their mesh's devices) and generate the same tokens."""
+    from jvllm import compile as jc
+
+    path, expected = base
+    try:
+        stats = []
+        for _ in range(2):
+            s0 = jc.executable_cache_stats()
+            llm = _llm(path, compilation_cache_dir=str(tmp_path / "xla"), **kw)
+            n = len(llm.llm_engine.runner.programs())
+            try:
+                outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP, use_tqdm=False)
+            finally:
+                llm.shutdown()
+            assert [o.outputs[0].token_ids for o in outs] == expected
+            s1 = jc.executable_cache_stats()
+            stats.append({k: s1[k] - s0[k] for k in s1})
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+    assert stats == [dict(loaded=0, stored=n, failed=0), dict(loaded=n, stored=0, failed=0)], stats
