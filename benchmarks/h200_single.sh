@@ -11,15 +11,7 @@
 # Env: JVLLM_GIT_COMMIT (the copy has no .git), BACKEND (attention backend, default auto),
 # S1_RATES (2,4,8,16,inf), S1_N (64).
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-el() { echo $(( $(date +%s) - T0 )); }
-python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail "$OUT/pip.log"; }
-if ls .whl/*.whl > /dev/null 2>&1; then  # the device image lacks fastapi, starlette, uvicorn, pydantic
-  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >> "$OUT/pip.log" 2>&1
-  export PYTHONPATH=/tmp/site
-fi
-export JVLLM_CACHE_DIR=/tmp/jvllm_xla_cache
+source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 BACKEND=${BACKEND:-auto}
 for stage in ${STAGES:-bench hf}; do
   echo "[$(el)s] $stage"

@@ -9,11 +9,7 @@
 # configuration), PER_CONFIG_S (time limit of each configuration, default 190), EXTRA (more bench flags), JVLLM_GIT_COMMIT (the copy has no .git); MODEL, DTYPE,
 # MAXLEN for dry runs elsewhere (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2).
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-el() { echo $(( $(date +%s) - T0 )); }
-python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail "$OUT/pip.log"; }
-export JVLLM_CACHE_DIR=/tmp/jvllm_xla_cache
+source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 BUCKETS=${BUCKETS:-16,64,128,256,1024,2048}  # 128: PP micro-batches of a 256-request W1 step
 for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
   n=${cfg:2}; n=${n%t}

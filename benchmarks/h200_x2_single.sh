@@ -7,17 +7,8 @@
 #          transformers peer (benchmarks/peers/hf_baseline.py) in the same call as jvllm's W1.
 # Everything lands in $OUT (JSON + logs). Env: JVLLM_GIT_COMMIT (the copy has no .git).
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-el() { echo $(( $(date +%s) - T0 )); }
-python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail "$OUT/pip.log"; }
-# the device image lacks the server's stack (fastapi, starlette, uvicorn, pydantic): wheels carried in .whl/
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >> "$OUT/pip.log" 2>&1
-  export PYTHONPATH=/tmp/site
-fi
+source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 SKIP_KERNELS=${SKIP_KERNELS:-0}
-export JVLLM_CACHE_DIR=/tmp/jvllm_xla_cache
 
 (
   export CUDA_VISIBLE_DEVICES=1

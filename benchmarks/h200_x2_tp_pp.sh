@@ -4,11 +4,7 @@
 # scheduling under a short timeout (plain, then without XLA command buffers), each Python stack
 # dumped on timeout (faulthandler + SIGABRT). JSON/logs in $OUT. Env: JVLLM_GIT_COMMIT, TPFLAGS.
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s)
-el() { echo $(( $(date +%s) - T0 )); }
-python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail "$OUT/pip.log"; }
-export JVLLM_CACHE_DIR=/tmp/jvllm_xla_cache
+source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 common="--model random:llama3-8b --dtype bfloat16 --max-model-len 4096 --token-buckets 16,64,128,256,1024,2048 --no-xla-report"
 run() {  # name seconds args...
   local name=$1 secs=$2; shift 2

@@ -118,8 +118,11 @@ class _Pending:
     group: list
     future: object
 
-    def get(self):
-        return self.future.result()
+
+def _entry(e) -> tuple:
+    """A pending micro-batch's (group, ids, logprobs, prompt logprobs, padded ids), waiting for
+    its stage threads to enqueue it if it is a _Pending."""
+    return e.future.result() if isinstance(e, _Pending) else e
 
 
 class ModelRunner:
@@ -477,7 +480,7 @@ class ModelRunner:
                 groups.append(cur)
             return [(g, None) for g in groups]
         owner = {s.req.request_id: p for p, e in enumerate(prev_groups)
-                 for _, s in (e.group if isinstance(e, _Pending) else e[0])}
+                 for _, s in (e.group if isinstance(e, _Pending) else e[0])}  # no wait for threads
         pinned: dict[int, list] = {}
         free = []
         for i, s in enumerate(scheduled):
@@ -508,8 +511,7 @@ class ModelRunner:
             sched = [s for _, s in group]
             prev_tok, prev_rows = None, None
             if p is not None:
-                entry = prev_groups[p]
-                p_group, *_, prev_tok = entry.get() if isinstance(entry, _Pending) else entry
+                p_group, *_, prev_tok = _entry(prev_groups[p])
                 prev_rows = {s.req.request_id: row for row, (_, s) in enumerate(p_group)}
             t0 = time.perf_counter()
             T, R, decode, tokens, md, src = self.prepare(sched, prev_rows=prev_rows)
@@ -607,8 +609,8 @@ class ModelRunner:
         token_ids = np.zeros(n, np.int32)
         lps = None
         plp_all = {}
-        for entry in pending:
-            group, tok, lp, plp, _ = entry.get() if isinstance(entry, _Pending) else entry
+        for e in pending:
+            group, tok, lp, plp, _ = _entry(e)
             rows = [i for i, _ in group]
             token_ids[rows] = _to_host(tok)[: len(rows)]
             if lp is not None:

@@ -24,8 +24,7 @@ from flax import nnx
 
 from jvllm.config import ModelConfig
 from jvllm.models.layers import RMSNorm, apply_rope, declare, rope_inv_freq
-from jvllm.ops.attention import (AttentionMetadata, paged_attention, pallas_decode_attention, shard_local,
-                                 write_kv)
+from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, shard_local
 from jvllm.ops.pallas_attention import ragged_paged_attention
 
 _List = getattr(nnx, "List", list)
@@ -67,22 +66,17 @@ class Attention(nnx.Module):
         k_pages, v_pages = kv
         interpret = attention.endswith("_interpret")
 
-        def kernel(q, k, v, k_pages, v_pages, md):  # per device under TP (shard_local)
-            if k.shape[1]:  # k[:, :0]: the caller wrote the pages already
-                k_pages = write_kv(k_pages, k, md.slot_mapping)
-                v_pages = write_kv(v_pages, v, md.slot_mapping)
+        def attend(q, k_pages, v_pages, md):  # per device under TP (shard_local)
             if attention == "xla":
-                o = paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
-                                    kv_chunk_blocks=kv_chunk_blocks)
-            elif attention.startswith("pallas") and self.window is None:  # decode-only steps
-                o = pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale, interpret=interpret)
-            else:
-                o = ragged_paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
-                                           num_splits="auto" if attention.startswith("ragged_split") else 1,
-                                           interpret=interpret)
-            return o, k_pages, v_pages
+                return paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
+                                       kv_chunk_blocks=kv_chunk_blocks)
+            if attention.startswith("pallas") and self.window is None:  # decode-only steps
+                return pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale, interpret=interpret)
+            return ragged_paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
+                                          num_splits="auto" if attention.startswith("ragged_split") else 1,
+                                          interpret=interpret)
 
-        o, k_pages, v_pages = shard_local(kernel, q, k, v, k_pages, v_pages, md)
+        o, k_pages, v_pages = shard_local(attend, q, k, v, k_pages, v_pages, md)
         out = jnp.einsum("thk,hkd->td", o, self.o_proj[...])
         if self.has_o_bias:
             out = out + self.o_bias[...]

@@ -44,48 +44,50 @@ def tensor_parallel_size() -> int:
     return 1 if m is None else int(dict(m.shape).get("tensor", 1))
 
 
-def shard_local(fn, q, k, v, k_pages, v_pages, md):
-    """Run `fn(q, k, v, k_pages, v_pages, md) -> (o, k_pages, v_pages)` once per tensor-parallel
-    device on its own heads (jax.shard_map over the traced stage's "tensor" axis), or directly
-    when there is no tensor parallelism.
+def shard_local(attend, q, k, v, k_pages, v_pages, md):
+    """Write this step's k, v [T, K, D] into the pools [K, blocks, bs, D] and run
+    `attend(q, k_pages, v_pages, md) -> o` [T, H, D], once per tensor-parallel device on its own
+    heads (jax.shard_map over the traced stage's "tensor" axis), or directly without tensor
+    parallelism. Returns (o, k_pages, v_pages).
 
     Why: XLA's SPMD partitioner cannot split a custom call such as a Pallas/Triton kernel, so under
-    plain GSPMD it gathers the kernel's operands onto every device, here the whole sharded KV
-    pool of the layer, on every layer of every step. It gathers for the XLA reference too (the
-    page gathers and scatters index a sharded pool); tests/test_sharding.py checks the HLO. Inside shard_map each device writes and
-    reads only its own KV-head shard; the only collectives of a layer stay the row-parallel
-    all-reduces after attention and MLP.
+    plain GSPMD it gathers the kernel's operands onto every device, here the whole sharded KV pool
+    of the layer, on every layer of every step. It gathers for the XLA reference too (the page
+    gathers and scatters index a sharded pool); tests/test_sharding.py checks the HLO. Inside
+    shard_map each device writes and reads only its own KV-head shard; the only collectives of a
+    layer stay the row-parallel all-reduces after attention and MLP.
 
-    Layouts (heads sharded Megatron-style, `sharding.rules`): q [T, H, D] split on H; k, v [T, K, D]
-    and the pools [K, blocks, bs, D] split on K when tp divides K. When KV heads are replicated
-    (K < tp), each device slices the KV heads its query heads use (needs H/tp and H/K to divide one
-    another); that slice is a copy (n_kv/K of the layer's pool each step: the kernels would need a
-    per-device head offset to avoid it). Other layouts keep the GSPMD path (correct, slow)."""
+    Layouts (heads sharded Megatron-style, `sharding.rules`): q split on H; k, v and the pools split
+    on K when tp divides K. When KV heads are replicated (K < tp), each device writes the whole
+    (replicated) pools and attends over the KV heads its query heads use (needs H/tp and H/K to
+    divide one another); that slice is a copy (n_kv/K of the layer's pool each step: the kernels
+    would need a per-device head offset to avoid it). Other layouts keep the GSPMD path (correct,
+    slow)."""
+    def write_and_attend(q, k, v, kp, vp, md, kv_heads=None):
+        kp, vp = write_kv(kp, k, md.slot_mapping), write_kv(vp, v, md.slot_mapping)
+        o = attend(q, kp, vp, md) if kv_heads is None else attend(q, kv_heads(kp), kv_heads(vp), md)
+        return o, kp, vp
+
     tp = tensor_parallel_size()
-    if tp == 1:
-        return fn(q, k, v, k_pages, v_pages, md)
+    H, K = q.shape[1], k_pages.shape[0]
+    Hl, G = H // tp, H // K
+    if tp == 1 or H % tp or not (K % tp == 0 or Hl % G == 0 or G % Hl == 0):
+        return write_and_attend(q, k, v, k_pages, v_pages, md)
     from jax.sharding import PartitionSpec as P
 
-    mesh = _TP_MESH.get()
-    H, K = q.shape[1], k_pages.shape[0]
     heads = P(None, "tensor", None)
-    if K % tp == 0 and H % tp == 0:
-        body, kv_in, kv_io = fn, P(None, "tensor", None), P("tensor")
+    if K % tp == 0:
+        body, kv_in, kv_io = write_and_attend, heads, P("tensor")
     else:
-        Hl, G = H // tp, H // K
-        if H % tp or not (Hl % G == 0 or G % Hl == 0):
-            return fn(q, k, v, k_pages, v_pages, md)
         n_kv = max(1, Hl // G)
 
         def body(q, k, v, kp, vp, md):
             first = jax.lax.axis_index("tensor") * Hl // G
-            kp, vp = write_kv(kp, k, md.slot_mapping), write_kv(vp, v, md.slot_mapping)
-            take = lambda a: jax.lax.dynamic_slice_in_dim(a, first, n_kv, axis=0)  # noqa: E731
-            o, _, _ = fn(q, k[:, :0], v[:, :0], take(kp), take(vp), md)
-            return o, kp, vp
+            return write_and_attend(q, k, v, kp, vp, md,
+                                    kv_heads=lambda a: jax.lax.dynamic_slice_in_dim(a, first, n_kv, axis=0))
 
         kv_in, kv_io = P(), P()
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(heads, kv_in, kv_in, kv_io, kv_io, P()),
+    mapped = jax.shard_map(body, mesh=_TP_MESH.get(), in_specs=(heads, kv_in, kv_in, kv_io, kv_io, P()),
                            out_specs=(heads, kv_io, kv_io), check_vma=False)
     return mapped(q, k, v, k_pages, v_pages, md)
 

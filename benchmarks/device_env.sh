@@ -1,0 +1,13 @@
+# Sourced by the benchmarks/h200_*.sh device scripts: $OUT, an elapsed-seconds helper `el`, jvllm
+# installed from this copy (editable; the device image has jax but not jvllm), the server's wheels
+# carried in .whl/ (the image lacks fastapi, starlette, uvicorn, pydantic) on PYTHONPATH, and one
+# compile cache directory for every run of the call.
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/pip.log" 2>&1 || { echo "pip failed"; tail "$OUT/pip.log"; }
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >> "$OUT/pip.log" 2>&1
+  export PYTHONPATH=/tmp/site
+fi
+export JVLLM_CACHE_DIR=/tmp/jvllm_xla_cache
