@@ -18,8 +18,8 @@ def error_response(status: int, message: str, param=None, headers=None) -> JSONR
 
 
 class GuardMiddleware:
-    """Pure ASGI (keeps disconnect detection intact): header size cap (uvicorn's h11 limit only
-    covers headers that arrive in pieces), API key check and body size cap. The body is
+    """Pure ASGI (keeps disconnect detection intact): header size cap (uvicorn's h11 limit, set to
+    4x this cap by the CLI, only cuts headers far beyond it), API key check and body size cap. The body is
     read here (at most `max_body_bytes`) and replayed to the app; Content-Length over the cap is
     refused (the body is drained up to 8x the cap so the client reads the 413). Bodies are always parsed as JSON, whatever their
     Content-Type says (curl -d sends form encoding)."""
