@@ -50,6 +50,18 @@ def test_ragged_kernel_split_k_matches_reference(case, splits):
     np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]], ids=["mixed", "window", "multi_chunk"])
+def test_ragged_kernel_prefetched_page_ids_match_reference(case):
+    """`prefetch_ids`: page ids of chunk c+1 loaded during chunk c (clamped at the table's end)."""
+    H, KH, D, bs, Qt, window, spans = case
+    md, q, kp, vp = _inputs(H, KH, D, bs, Qt, spans)
+    ref = paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, kv_chunk_blocks=4)
+    out = ragged_paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, pages_per_block=2,
+                                 prefetch_ids=True, interpret=True)
+    valid = np.asarray(md.positions) >= 0
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-5, rtol=2e-5)
+
+
 def test_decode_splits_policy():
     from jvllm.ops.pallas_attention import decode_splits
 

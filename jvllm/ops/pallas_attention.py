@@ -38,7 +38,7 @@ def _next_pow2(n: int) -> int:
 
 
 def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_block: int, scale: float,
-            window: int | None, num_splits: int):
+            window: int | None, num_splits: int, prefetch_ids: bool = False):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -65,9 +65,15 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_
     log2e = math.log2(math.e)
     qk_scale = scale * log2e
 
+    last_chunk = bt_ref.shape[0] // P - 1
+
     def body(c, carry):
-        o, m, l = carry
-        ids = bt_ref[pl.ds(c * P, P)]
+        if prefetch_ids:  # this chunk's page ids came with the carry; load the next chunk's now
+            o, m, l, ids = carry
+            nxt = bt_ref[pl.ds(jnp.minimum(c + 1, last_chunk) * P, P)]
+        else:
+            o, m, l = carry
+            ids = bt_ref[pl.ds(c * P, P)]
         k = k_ref[ids].reshape(chunk, D)
         v = v_ref[ids].reshape(chunk, D)
         s = plgpu.dot(q, k.T) * qk_scale                    # [M, chunk] f32, base-2 logits
@@ -81,12 +87,16 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_
         p = jnp.exp2(s - m_new[:, None])
         l = l * corr + jnp.sum(p, axis=-1)
         o = o * corr[:, None] + plgpu.dot(p.astype(v.dtype), v)
-        return o, m_new, l
+        return (o, m_new, l, nxt) if prefetch_ids else (o, m_new, l)
 
     o = jnp.zeros((M, D), jnp.float32)
     m = jnp.full((M,), MASK_VALUE, jnp.float32)
     l = jnp.zeros((M,), jnp.float32)
-    o, m, l = lax.fori_loop(first, n_chunks, body, (o, m, l))
+    if prefetch_ids:
+        ids0 = bt_ref[pl.ds(jnp.minimum(first, last_chunk) * P, P)]
+        o, m, l, _ = lax.fori_loop(first, n_chunks, body, (o, m, l, ids0))
+    else:
+        o, m, l = lax.fori_loop(first, n_chunks, body, (o, m, l))
     if num_splits > 1:  # unnormalized partials; the caller merges the splits
         m_ref, l_ref = split_refs
         o_ref[...] = o
@@ -106,12 +116,14 @@ def decode_splits(num_tiles: int, kv_heads: int, target_programs: int = 2048, ma
 
 
 def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int | None = None,
-                           pages_per_block: int = 4, num_warps: int = 4, num_stages: int = 2,
-                           num_splits: int | str = 1, interpret: bool = False):
+                           pages_per_block: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           num_splits: int | str = 1, prefetch_ids: bool = False, interpret: bool = False):
     """q [T, H, D] -> [T, H, D]; same contract and result as `attention.paged_attention` (which is
     the test oracle). K/V for this step's tokens must already be in the pages. Launch defaults
-    (4 pages of 16 tokens per inner step, 4 warps, 2 stages) are the best of the configurations
-    measured on an H200 for prefill and mixed steps (benchmarks/gpu_kernels.py).
+    (64 keys per inner step: `pages_per_block` None = max(1, 64 // block size), 4 warps, 2 stages)
+    are the best of the configurations measured on an H200 with 16-token pages for prefill and
+    mixed steps (benchmarks/gpu_kernels.py). `prefetch_ids` loads the next inner step's page ids
+    one iteration ahead (experimental, benchmarks/gpu_decode_sweep.py).
 
     `num_splits` > 1 (or "auto": `decode_splits` for one-query tiles, else 1) splits each tile's
     keys over that many programs and merges their partial softmax states afterwards
@@ -125,6 +137,8 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     G = H // KH
     NT, Qt = md.tile_token_idx.shape
     W = md.block_tables.shape[1]
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // bs)
     P = next(p for p in (pages_per_block, 8, 4, 2, 1) if p <= W and W % p == 0)
     M = Qt * G
     Mp = max(16, _next_pow2(M))
@@ -141,7 +155,8 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     if num_splits == "auto":
         num_splits = decode_splits(NT, KH) if Qt == 1 else 1
     S = int(num_splits)
-    kernel = functools.partial(_kernel, pages_per_block=P, scale=scale, window=window, num_splits=S)
+    kernel = functools.partial(_kernel, pages_per_block=P, scale=scale, window=window, num_splits=S,
+                               prefetch_ids=prefetch_ids)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if S == 1:
         grid = (NT, KH)
@@ -171,7 +186,7 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=params,
-        name=f"jvllm_ragged_paged_attention_M{Mp}_P{P}_S{S}",
+        name=f"jvllm_ragged_paged_attention_M{Mp}_P{P}_S{S}{'_pf' if prefetch_ids else ''}",
     )(qt, qpos.astype(jnp.int32), bt, k_pages, v_pages)
     if S > 1:  # merge the splits' partial softmax states (base-2 logits, as in the kernel)
         o_s, m_s, l_s = out
