@@ -2,7 +2,8 @@
 # Sharding figures (issue 5) in one device call on nvidia-h200-x2: `jvllm bench all` (W1, B1, P1)
 # on random:llama3-8b bf16 for each configuration in CONFIGS, one after the other, JSON per config
 # in $OUT (per-GPU peak memory in its "memory.per_device"), then a table of the speed-ups against
-# the first configuration. Env: CONFIGS (default "tp1 tp2 pp2"; tpN = tensor parallel N, ppN =
+# the first configuration. Env: CONFIGS (default "tp1 tp2 pp2"; tpN = tensor parallel N, tpNmp =
+# the same with one process per GPU (jax.distributed; per-GPU memory is process 0's GPU only), ppN =
 # pipeline parallel N, ppNt = the same with --pipeline-stage-threads, dpN = data parallel N; tp1
 # runs on GPU 0 alone), BUCKETS (token buckets,
 # default 16,64,128,256,1024,2048: fewer programs to compile per configuration; the same for every
@@ -12,8 +13,9 @@ set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 BUCKETS=${BUCKETS:-16,64,128,256,1024,2048}  # 128: PP micro-batches of a 256-request W1 step
 for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
-  n=${cfg:2}; n=${n%t}
+  n=${cfg:2}; n=${n%t}; n=${n%mp}
   case $cfg in
+    tp*mp) flags="--tensor-parallel-size $n" ;;
     tp*) flags="--tensor-parallel-size $n" ;;
     pp*t) flags="--pipeline-parallel-size $n --pipeline-stage-threads" ;;
     pp*) flags="--pipeline-parallel-size $n" ;;
@@ -24,6 +26,18 @@ for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
   echo "[$(el)s] $cfg ($flags, CUDA_VISIBLE_DEVICES=$vis)"
   left=$(( 585 - $(el) )); lim=${PER_CONFIG_S:-190}; [ $left -lt $lim ] && lim=$left
   [ $lim -lt 30 ] && { echo "no time left"; continue; }
+  run=(python -X faulthandler -u -m jvllm.cli bench all --model ${MODEL:-random:llama3-8b} --dtype ${DTYPE:-bfloat16}
+       --max-model-len ${MAXLEN:-4096} --token-buckets "$BUCKETS" --no-xla-report $flags ${EXTRA:-}
+       --output-json "$OUT/bench_$cfg.json")
+  if [[ $cfg == *mp ]]; then  # one process per GPU (jax.distributed on 127.0.0.1), process 0 reports
+    port=$(( 29500 + RANDOM % 400 ))
+    for i in $(seq 0 $(( n - 1 ))); do
+      CUDA_VISIBLE_DEVICES=$i timeout -s ABRT $lim "${run[@]}" --coordinator-address 127.0.0.1:$port \
+        --num-processes $n --process-id $i > "$OUT/bench_$cfg.p$i.log" 2>&1 &
+    done
+    wait; echo "rc=$?"; mv "$OUT/bench_$cfg.p0.log" "$OUT/bench_$cfg.log"; tail -6 "$OUT/bench_$cfg.log"
+    tail -3 "$OUT"/bench_$cfg.p[1-9]*.log; continue
+  fi
   # faulthandler + SIGABRT on timeout: a hang leaves its Python stack in the log
   CUDA_VISIBLE_DEVICES=$vis timeout -s ABRT $lim python -X faulthandler -u -m jvllm.cli bench all --model ${MODEL:-random:llama3-8b} --dtype ${DTYPE:-bfloat16} \
     --max-model-len ${MAXLEN:-4096} --token-buckets "$BUCKETS" --no-xla-report $flags ${EXTRA:-} \

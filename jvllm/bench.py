@@ -102,6 +102,7 @@ def device_info() -> dict:
     devs = jax.devices()
     d = devs[0]
     return dict(platform=d.platform, device_kind=getattr(d, "device_kind", None), count=len(devs),
+                process_count=jax.process_count(), local_count=jax.local_device_count(),
                 backend=jax.default_backend(), host=platform.node(), host_cpus=os.cpu_count(),
                 machine=platform.machine())
 
@@ -612,6 +613,11 @@ def summary_lines(result: dict) -> list[str]:
 def cmd_bench(a):
     name = a.bench_cmd
     result = run_benchmark(name, a)
+    import jax
+
+    if jax.process_index() != 0:  # multi-process run: every process ran the same steps; process 0 reports
+        print(f"process {jax.process_index()}: done (process 0 writes the JSON)")
+        return
     path = a.output_json or _default_json_path(name, a.model)
     write_json(path, result)
     for line in summary_lines(result):

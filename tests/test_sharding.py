@@ -137,15 +137,22 @@ initialize_distributed(sys.argv[3], 2, int(sys.argv[1]))
 import jax
 from jvllm import LLM, SamplingParams
 llm = LLM(sys.argv[2], dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
-          token_buckets=(8, 32), use_tqdm_on_load=False, tensor_parallel_size=4)
+          token_buckets=(8, 32), use_tqdm_on_load=False, **json.loads(sys.argv[5]))
 prompts = json.loads(sys.argv[4])
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                     SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+print("ASYNC", llm.llm_engine.async_scheduling)
 print("RESULT", json.dumps([o.outputs[0].token_ids for o in outs]), jax.process_count(), len(jax.devices()))
 """
 
 
-def test_two_processes_tp4(base, tmp_path):
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=4), dict(tensor_parallel_size=4, async_scheduling=False),
+                                dict(tensor_parallel_size=2, pipeline_parallel_size=2)],
+                         ids=["tp4_async", "tp4_sync", "tp2_pp2_refused"])
+def test_two_processes(base, tmp_path, kw):
+    """TP=4 over two processes of two CPU devices each (gloo collectives): the single-device
+    tokens, with the async loop (the default) and the synchronous one. Pipeline stages across
+    processes are refused at start-up, naming the sizes."""
     path, expected = base
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,13 +160,18 @@ def test_two_processes_tp4(base, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), path, f"127.0.0.1:{port}", json.dumps(PROMPTS)],
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), path, f"127.0.0.1:{port}", json.dumps(PROMPTS),
+                               json.dumps(kw)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=300)
+        if kw.get("pipeline_parallel_size", 1) > 1:  # stages cannot span processes: a clear start-up error
+            assert "pipeline_parallel_size=2 needs a single-process run (got 2 processes)" in out, out[-3000:]
+            continue
         line = [x for x in out.splitlines() if x.startswith("RESULT")]
         assert line, out[-3000:]
+        assert f"ASYNC {kw.get('async_scheduling', True)}" in out, out[-3000:]
         results.append(line[0].split(" ", 1)[1])
     for r in results:
         toks, nproc, ndev = r.rsplit(" ", 2)

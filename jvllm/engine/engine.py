@@ -116,14 +116,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         # option checks that need no weights come first: a bad value fails before minutes of loading
         attention_modes(config.attention_backend)
-        # async scheduling: one process (every process of a multi-host run must take the same
-        # decisions from host-visible state) and a whole engine (data-parallel replicas are
-        # stepped by DataParallelEngine through step_dispatch/step_collect, which is synchronous)
-        supported = jax.process_count() == 1 and devices is None
+        # async scheduling: a whole engine (data-parallel replicas are stepped by
+        # DataParallelEngine through step_dispatch/step_collect, which is synchronous). Multi-host
+        # runs may use it: every process must take the same decisions from host-visible state,
+        # and the async loop's decisions depend only on the order of steps (schedule N+1 from the
+        # counts as if N were done, then read N), never on timing or on device readiness.
+        supported = devices is None
         if config.async_scheduling and not supported:
-            raise ValueError("async_scheduling needs a single-process engine that is not a data-parallel replica "
-                             f"(got {jax.process_count()} processes"
-                             f"{', a data-parallel device slice' if devices is not None else ''})")
+            raise ValueError("async_scheduling needs an engine that is not a data-parallel replica "
+                             "(got a data-parallel device slice)")
         self.async_scheduling = supported if config.async_scheduling is None else bool(config.async_scheduling)
         spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
@@ -204,6 +205,13 @@ class LLMEngine:
         from jvllm.models import param_specs, stage_layers, stage_names
         from jvllm.sharding import make_mesh, partition_spec, stage_mesh, tensor_parallel_rules
 
+        if pp > 1 and jax.process_count() > 1:
+            # each stage's programs run on its own devices only, and a stage that lives in another
+            # process cannot be launched from this one (multi-controller JAX runs every program in
+            # every process); nor can a stage's hidden states be handed to another process's devices
+            raise ValueError(f"pipeline_parallel_size={pp} needs a single-process run (got {jax.process_count()} "
+                             f"processes); across processes use tensor parallelism (tensor_parallel_size up to "
+                             f"{jax.device_count()}) and pipeline stages within one process")
         rules = tensor_parallel_rules(mc, tp)
         mesh = make_mesh(tensor=tp, stage=pp, data=1, devices=devices)
         ranges = stage_layers(mc.num_layers, pp)
