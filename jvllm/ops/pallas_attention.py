@@ -116,14 +116,19 @@ def decode_splits(num_tiles: int, kv_heads: int, target_programs: int = 2048, ma
 
 
 def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int | None = None,
-                           pages_per_block: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           pages_per_block: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                            num_splits: int | str = 1, prefetch_ids: bool = False, interpret: bool = False):
     """q [T, H, D] -> [T, H, D]; same contract and result as `attention.paged_attention` (which is
     the test oracle). K/V for this step's tokens must already be in the pages. Launch defaults
-    (64 keys per inner step: `pages_per_block` None = max(1, 64 // block size), 4 warps, 2 stages)
-    are the best of the configurations measured on an H200 with 16-token pages for prefill and
-    mixed steps (benchmarks/gpu_kernels.py). `prefetch_ids` loads the next inner step's page ids
-    one iteration ahead (experimental, benchmarks/gpu_decode_sweep.py).
+    (None = by tile kind) are the best measured on an H200 (bf16, 8 KV heads, head_dim 128):
+    - tiles of several queries (prefill, mixed steps): 64 keys per inner step (`pages_per_block`
+      = max(1, 64 // block size)), 4 warps, 2 stages (benchmarks/gpu_kernels.py, session 2);
+    - one-query tiles (decode-only steps): 128 keys per inner step, 4 warps, 1 stage: 0.475 ms
+      against 0.713 ms for the prefill launch at 256 decodes of context 800, 16-token pages, and
+      0.49 ms with 64-token pages (benchmarks/results/h200_gpu_decode_sweep_dcbef8f.json; a
+      kernel measurement, the engine-level W1 effect is not yet measured).
+    `prefetch_ids` loads the next inner step's page ids one iteration ahead (experimental; it
+    did not beat the defaults in that sweep).
 
     `num_splits` > 1 (or "auto": `decode_splits` for one-query tiles, else 1) splits each tile's
     keys over that many programs and merges their partial softmax states afterwards
@@ -138,7 +143,9 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     NT, Qt = md.tile_token_idx.shape
     W = md.block_tables.shape[1]
     if pages_per_block is None:
-        pages_per_block = max(1, 64 // bs)
+        pages_per_block = max(1, (128 if Qt == 1 else 64) // bs)
+    if num_stages is None:
+        num_stages = 1 if Qt == 1 else 2
     P = next(p for p in (pages_per_block, 8, 4, 2, 1) if p <= W and W % p == 0)
     M = Qt * G
     Mp = max(16, _next_pow2(M))
