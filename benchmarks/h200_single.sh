@@ -8,6 +8,10 @@
 #   warm    `jvllm bench latency` twice on one compile cache: the second start is the warm-cache
 #           start-up figure (jvllm's executable cache + JAX's) -> warm_1.json, warm_2.json
 #   sampled W1 and B1 through the general sampler (temperature 0.8, top_p 0.95) -> sampled.json
+#   profile benchmarks/profile_steps.py: B1 and W1 decode steps under the JAX profiler (CUPTI),
+#           per-kernel and per-host-function time -> profile_b1.json, profile_w1.json
+#   split   B1 with --attention-backend ragged_split (split-K decode) -> split.json
+#   sweep   benchmarks/gpu_decode_sweep.py (decode kernel page size x launch) -> gpu_decode_sweep.json
 # Env: JVLLM_GIT_COMMIT (the copy has no .git), BACKEND (attention backend, default auto),
 # S1_RATES (2,4,8,16,inf), S1_N (64).
 set -u
@@ -35,6 +39,18 @@ for stage in ${STAGES:-bench hf}; do
                --attention-backend $BACKEND --no-xla-report --temperature 0.8 --top-p 0.95 \
                --output-json "$OUT/sampled.json" > "$OUT/sampled.log" 2>&1
              echo "rc=$?"; grep -E "W1:|B1:" "$OUT/sampled.log" ;;
+    profile) for w in b1 w1; do
+               timeout 240 python benchmarks/profile_steps.py --workload $w --model random:llama3-8b --dtype bfloat16 \
+                 --max-model-len 4096 --token-buckets 16,64,128,256,1024,2048 --attention-backend $BACKEND --steps 20 \
+                 --out "$OUT/profile_$w.json" > "$OUT/profile_$w.log" 2>&1
+               echo "rc=$?"; grep -v "^[WI]0" "$OUT/profile_$w.log" | head -40
+             done ;;
+    split) timeout 240 python -m jvllm.cli bench latency --model random:llama3-8b --dtype bfloat16 --max-model-len 4096 \
+             --token-buckets 16,512 --attention-backend ragged_split --no-xla-report --output-json "$OUT/split.json" \
+             > "$OUT/split.log" 2>&1
+           echo "rc=$?"; grep -E "B1:" "$OUT/split.log" ;;
+    sweep) timeout 150 python benchmarks/gpu_decode_sweep.py --out "$OUT/gpu_decode_sweep.json" > "$OUT/sweep.log" 2>&1
+           echo "rc=$?"; tail -1 "$OUT/sweep.log" ;;
     kernels) timeout 200 python benchmarks/gpu_kernels.py --out "$OUT/gpu_kernels.json" > "$OUT/gpu_kernels.log" 2>&1
              echo "rc=$?"; tail -2 "$OUT/gpu_kernels.log" ;;
   esac

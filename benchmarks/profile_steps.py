@@ -1,0 +1,147 @@
+"""Where a decode step's time goes: a JAX profiler trace (CUPTI on GPUs) of N engine steps of B1
+(one request) or W1 (256 requests, once all are decoding), summarised per kernel and per host
+function into JSON, so design questions (small kernels around the matmuls at batch 1, attention
+share at batch 256, what the host blocks on in a step call) are settled by a profile.
+
+    python benchmarks/profile_steps.py --workload b1|w1 --model random:llama3-8b --dtype bfloat16 \
+        [--steps 20] [--out $OUT/profile_b1.json] [--keep-trace] [engine flags, as for jvllm bench]
+
+JSON: per device track, busy time per step (the union of its kernels' intervals) and the top
+kernels (total / per-step ms, calls, share of busy time); for the host's Python thread and the
+runtime's threads, the top events by total time; wall time per step. --keep-trace copies the
+Perfetto trace (.json.gz, open in ui.perfetto.dev) next to the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+
+def summarize(trace: dict, steps: int, top: int = 40) -> dict:
+    ev = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = {}, {}
+    for e in ev:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = e["args"]["name"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            tname[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    tracks = collections.defaultdict(list)
+    for e in ev:
+        if e.get("ph") == "X" and "dur" in e:
+            tracks[(e["pid"], e.get("tid"))].append(e)
+    out = dict(steps=steps, device_tracks={}, host_tracks={})
+    for key, es in tracks.items():
+        proc, thr = pname.get(key[0], str(key[0])), tname.get(key, str(key[1]))
+        is_dev = any(s in proc.lower() for s in ("gpu", "device:", "/device")) and "host" not in proc.lower()
+        by = collections.defaultdict(lambda: [0.0, 0])
+        for e in es:
+            b = by[e["name"]]
+            b[0] += e["dur"]
+            b[1] += 1
+        ivs = sorted((e["ts"], e["ts"] + e["dur"]) for e in es)
+        busy, cur_s, cur_e = 0.0, None, None
+        for s, t in ivs:  # union of intervals (nested host events counted once)
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, t
+            else:
+                cur_e = max(cur_e, t)
+        if cur_e is not None:
+            busy += cur_e - cur_s
+        span = (ivs[-1][1] - ivs[0][0]) if ivs else 0.0
+        rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+        entry = dict(process=proc, thread=thr, events=len(es), busy_ms_per_step=busy / 1e3 / steps,
+                     span_ms=span / 1e3,
+                     top=[dict(name=n[:160], total_ms=d / 1e3, ms_per_step=d / 1e3 / steps, calls=c,
+                               calls_per_step=c / steps, share_of_busy=(d / busy if busy else None) if is_dev else None)
+                          for n, (d, c) in rows])
+        (out["device_tracks"] if is_dev else out["host_tracks"])[f"{proc} | {thr}"] = entry
+    # keep the host tracks that matter: the busiest 6
+    ht = sorted(out["host_tracks"].items(), key=lambda kv: -kv[1]["busy_ms_per_step"])[:6]
+    out["host_tracks"] = dict(ht)
+    return out
+
+
+def main(argv=None):
+    from jvllm.bench import _one_prompt, _sp, build_llm, versions, w1_prompts
+    from jvllm.cli import add_engine_args, engine_kwargs
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=("b1", "w1"), default="b1")
+    ap.add_argument("--model", default="random:llama3-8b")
+    add_engine_args(ap)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512, help="B1 prompt length (W1: 64..1024 as in bench)")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
+    ap.add_argument("--keep-trace", action="store_true")
+    a = ap.parse_args(argv)
+    ekw = {k: v for k, v in engine_kwargs(a).items() if v is not None}
+    import jax
+
+    llm, st = build_llm(a.model, ekw)
+    eng = llm.llm_engine
+    vocab = eng.model_config.vocab_size
+    big = a.steps * 4 + 64
+    if a.workload == "b1":
+        eng.add_request("p0", {"prompt_token_ids": _one_prompt(a.input_len, vocab, seed=7)}, _sp(big))
+        warm = 8
+    else:
+        for i, p in enumerate(w1_prompts(a.num_prompts, (64, 1024), vocab)):
+            eng.add_request(f"w{i}", {"prompt_token_ids": p}, _sp(big + 200))
+        warm = 0
+    for _ in range(warm):
+        eng.step()
+    if a.workload == "w1":  # until every request decodes (no prompt tokens left), then a few more
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in getattr(eng.scheduler, "running", [])) \
+                or eng.scheduler.waiting:
+            eng.step()
+        for _ in range(4):
+            eng.step()
+    d = tempfile.mkdtemp(prefix="jvllm_prof_")
+    s0 = eng.get_stats() if hasattr(eng, "get_stats") else llm.get_stats()
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+        t = time.perf_counter()
+        for _ in range(a.steps):
+            eng.step()
+        if hasattr(eng, "drain"):
+            eng.drain()
+        wall = time.perf_counter() - t
+    s1 = eng.get_stats() if hasattr(eng, "get_stats") else llm.get_stats()
+    paths = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise SystemExit(f"no perfetto trace under {d}")
+    trace = json.load(gzip.open(paths[0]))
+    res = dict(workload=a.workload, model=a.model, engine=ekw, versions=versions(), startup=st,
+               wall_ms_per_step=wall * 1e3 / a.steps, batch=len(getattr(eng.scheduler, "running", [])),
+               engine_stats_delta={k: s1[k] - s0[k] for k in s1 if isinstance(s1.get(k), (int, float))
+                                   and isinstance(s0.get(k), (int, float))},
+               **summarize(trace, a.steps))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    json.dump(res, open(a.out, "w"), indent=1, default=str)
+    if a.keep_trace:
+        shutil.copy(paths[0], os.path.splitext(a.out)[0] + ".perfetto.json.gz")
+    print(f"{a.workload}: {res['wall_ms_per_step']:.2f} ms/step wall, batch {res['batch']}")
+    for k, v in res["device_tracks"].items():
+        print(f"  {k}: busy {v['busy_ms_per_step']:.2f} ms/step, {v['events']} events")
+        for r in v["top"][:12]:
+            print(f"    {r['ms_per_step']:7.3f} ms/step {r['calls_per_step']:6.1f} calls  {r['name'][:90]}")
+    for k, v in res["host_tracks"].items():
+        print(f"  host {k}: busy {v['busy_ms_per_step']:.2f} ms/step")
+        for r in v["top"][:8]:
+            print(f"    {r['ms_per_step']:7.3f} ms/step {r['calls_per_step']:6.1f} calls  {r['name'][:90]}")
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
