@@ -277,10 +277,11 @@ def _stepwise(llm, prompt: list[int], max_tokens: int, rid: str) -> tuple[list[f
 
 def _host_share(s0: dict, s1: dict) -> dict:
     """Engine time split between host work (schedule, inputs, dispatch, post-processing: the
-    device idles unless a step is queued) and waiting for the device, between two get_stats()."""
+    device idles unless a step is queued) and waiting for the device, between two get_stats().
+    `step_call_put` (moving a step's host inputs onto a mesh's devices) is part of `step_call`."""
     host = s1["host_seconds"] - s0["host_seconds"]
     parts = {f"host_{k.removesuffix('_s')}_ms_per_step": 1e3 * (s1[k] - s0[k]) / max(1, s1["num_steps"] - s0["num_steps"])
-             for k in ("prepare_s", "step_call_s", "sample_inputs_s", "sample_call_s") if k in s1}
+             for k in ("prepare_s", "step_call_s", "step_call_put_s", "sample_inputs_s", "sample_call_s") if k in s1}
     wait = s1["device_wait_seconds"] - s0["device_wait_seconds"]
     steps = max(1, s1["num_steps"] - s0["num_steps"])
     return dict(host_ms_per_step=1e3 * host / steps, device_wait_ms_per_step=1e3 * wait / steps,

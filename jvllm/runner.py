@@ -105,6 +105,17 @@ def _put(x, sharding):
     return jax.device_put(x, sharding)
 
 
+def _put_tree(tree, sharding):
+    """A pytree of numpy arrays -> device arrays with `sharding`, in one batched `device_put`
+    (per-leaf calls cost ~55 us each in Python on 2 devices; one call for the tree ~35%
+    less on the CPU for 10 leaves); per leaf in a multi-host run."""
+    if sharding is None:
+        return tree
+    if jax.process_count() > 1:
+        return jax.tree_util.tree_map(lambda a: _put(a, sharding), tree)
+    return jax.device_put(tree, sharding)
+
+
 def _to_host(x) -> np.ndarray:
     if not getattr(x, "is_fully_addressable", True):  # multi-host: every process holds a replica
         return np.asarray(x.addressable_data(0))
@@ -165,7 +176,7 @@ class ModelRunner:
         self.platform = jax.default_backend()
         self._sample_fn = jax.jit(functools.partial(self._sample_impl, tied=cfg.tie_word_embeddings))
         self._greedy_fn = jax.jit(functools.partial(self._greedy_impl, tied=cfg.tie_word_embeddings))
-        self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0)
+        self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0)
         self._plp_fn = jax.jit(functools.partial(self._plp_impl, tied=cfg.tie_word_embeddings))
         self._compiled: dict = {}
         self.use_executable_cache = os.environ.get("JVLLM_EXECUTABLE_CACHE", "1") != "0"
@@ -543,10 +554,16 @@ class ModelRunner:
         st = self.stages[s_idx]
         shard = st.sharding()
         t1 = time.perf_counter()
-        md_s = jax.tree_util.tree_map(lambda a: _put(a, shard), w["md"]) if shard is not None else w["md"]
         x = w["x"]
-        x = _put(x, shard) if isinstance(x, np.ndarray) else (jax.device_put(x, shard) if shard is not None else x)
-        extra = (w["tok_in"], _put(w["src"], shard)) if st.first else ()
+        host = dict(md=w["md"], src=w["src"] if st.first else None, x=x if isinstance(x, np.ndarray) else None)
+        dev = _put_tree(host, shard)  # this stage's host inputs in one transfer call
+        md_s = dev["md"]
+        if not isinstance(x, np.ndarray):  # hidden states of the previous stage: device to device
+            x = jax.device_put(x, shard) if shard is not None else x
+        else:
+            x = dev["x"]
+        extra = (w["tok_in"], dev["src"]) if st.first else ()
+        self._add_time("step_call_put_s", time.perf_counter() - t1)
         out = self.compile("step", (s_idx, w["T"], w["decode"]))(st.leaves, st.kv, x, md_s, *extra)
         st.kv = out[0]
         w["x"] = out[-1]

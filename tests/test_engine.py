@@ -100,7 +100,7 @@ def test_bad_engine_options_fail_before_loading(ckpt_dir, monkeypatch):
 
     path = ckpt_dir("llama")
     monkeypatch.setattr(converters, "load_checkpoint", lambda *a, **k: pytest.fail("loaded the weights first"))
-    with pytest.raises(ValueError, match=r"async_scheduling needs a single-process engine .*data-parallel device slice"):
+    with pytest.raises(ValueError, match=r"async_scheduling needs an engine that is not a data-parallel replica .*data-parallel device slice"):
         _small_llm(path, async_scheduling=True, data_parallel_size=2)
     with pytest.raises(ValueError, match=r"attention_backend must be auto or one of xla, .* got 'flash'"):
         _small_llm(path, attention_backend="flash")
