@@ -4,7 +4,8 @@
 # in $OUT (per-GPU peak memory in its "memory.per_device"), then a table of the speed-ups against
 # the first configuration. Env: CONFIGS (default "tp1 tp2 pp2"; tpN = tensor parallel N, tpNmp =
 # the same with one process per GPU (jax.distributed; per-GPU memory is process 0's GPU only), ppN =
-# pipeline parallel N, ppNt = the same with --pipeline-stage-threads, dpN = data parallel N; tp1
+# pipeline parallel N, ppNt = the same with --pipeline-stage-threads, ppNp = with --pipeline-handoff
+# ppermute, dpN = data parallel N; tp1
 # runs on GPU 0 alone), BUCKETS (token buckets,
 # default 16,64,128,256,1024,2048: fewer programs to compile per configuration; the same for every
 # configuration), PER_CONFIG_S (time limit of each configuration, default 190), EXTRA (more bench flags), JVLLM_GIT_COMMIT (the copy has no .git); MODEL, DTYPE,
@@ -13,11 +14,12 @@ set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 BUCKETS=${BUCKETS:-16,64,128,256,1024,2048}  # 128: PP micro-batches of a 256-request W1 step
 for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
-  n=${cfg:2}; n=${n%t}; n=${n%mp}
+  n=${cfg:2}; n=${n%t}; n=${n%mp}; n=${n%p}
   case $cfg in
     tp*mp) flags="--tensor-parallel-size $n" ;;
     tp*) flags="--tensor-parallel-size $n" ;;
     pp*t) flags="--pipeline-parallel-size $n --pipeline-stage-threads" ;;
+    pp*p) flags="--pipeline-parallel-size $n --pipeline-handoff ppermute" ;;
     pp*) flags="--pipeline-parallel-size $n" ;;
     dp*) flags="--data-parallel-size $n" ;;
     *) echo "unknown config $cfg"; continue ;;

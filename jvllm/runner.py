@@ -122,6 +122,17 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
+# How a pipeline stage's output (hidden states; the last stage's sampled ids for the first stage)
+# reaches the next stage's devices: "device_put" (jax.device_put, the runtime's device-to-device
+# copy) or "ppermute" (one collective-permute program over a 2 x tp mesh of both stages' devices,
+# assembled from the arrays' per-device buffers without copies; precompiled per bucket). The
+# second exists because on 2 H200s PP=2 spent 10.9-14 ms of each W1 step in launch calls without
+# overlapping its stages, and a device_put that waits for its input would explain it;
+# benchmarks/gpu_handoff_probe.py measures both. "device_put" stays the default until a GPU run
+# shows the other one faster.
+HANDOFFS = ("device_put", "ppermute")
+
+
 @dataclasses.dataclass
 class _Pending:
     """A micro-batch launched by stage threads: its group now, its pending entry (group, ids,
@@ -141,7 +152,7 @@ class ModelRunner:
                  num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
                  query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
                  num_microbatches: int | None = None, attention_backend: str = "auto",
-                 stage_threads: bool = False):
+                 stage_threads: bool = False, handoff: str = "device_put"):
         self.cfg = cfg
         self.stages = stages or [Stage(graphdef, state)]
         self.head_w = head_w
@@ -154,6 +165,10 @@ class ModelRunner:
         self.query_tile = query_tile
         self.num_microbatches = num_microbatches or len(self.stages)
         self.stage_threads = stage_threads  # pipeline stages after the first launched from threads
+        if handoff not in HANDOFFS:
+            raise ValueError(f"pipeline_handoff must be one of {', '.join(HANDOFFS)}, got {handoff!r}")
+        self.handoff = handoff
+        self._hop_parts: dict = {}
         self._stage_pools = None
         self._timer_lock = threading.Lock()
         attention_backend, self.attention_modes = attention_modes(attention_backend)
@@ -313,6 +328,11 @@ class ModelRunner:
             out.append(("prompt_lp", T))
         for R in sorted({self.seq_bucket(T) for T in self.token_buckets}):
             out += [("sample", (R, False)), ("sample", (R, True)), ("sample", (R, "greedy"))]
+        if self.handoff == "ppermute" and len(self.stages) > 1:
+            n = len(self.stages)
+            out += [("hop", (s - 1, s, (T, self.cfg.hidden_size), str(self.dtype))) for T in self.token_buckets
+                    for s in range(1, n)]
+            out.append(("hop", (n - 1, 0, (self.max_num_seqs,), "int32")))  # sampled ids -> first stage
         return out
 
     def compile(self, kind, key):
@@ -349,6 +369,13 @@ class ModelRunner:
             fn, args = self._plp_fn, (like(self.head_w), on(last, sds((key, hidden), self.dtype)),
                                       on(last, sds((key,), jnp.int32)))
             static = ()
+        elif kind == "hop":
+            src, dst, shape, dtype = key
+            mesh2, fn = self._hop_program(src, dst)
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            args = (sds((2 * shape[0], *shape[1:]), jnp.dtype(dtype), sharding=NamedSharding(mesh2, PartitionSpec("hop"))),)
+            static = ()
         else:
             raise KeyError(kind)
         exe = None
@@ -361,6 +388,8 @@ class ModelRunner:
             # the executable's devices in its own order: its stage's mesh (row-major), or the one device
             owner = self.stages[key[0]] if kind == "step" else last
             devs = list(owner.mesh.devices.flat) if owner.mesh is not None else [jax.devices()[0]]
+            if kind == "hop":
+                devs = list(self._hop_program(key[0], key[1])[0].devices.flat)
             exe = jcompile.load_executable(cache_key, devices=devs)
         if exe is None:
             exe = fn.lower(*args).compile()
@@ -368,6 +397,45 @@ class ModelRunner:
                 jcompile.store_executable(cache_key, exe)
         self._compiled[(kind, key)] = exe
         return exe
+
+    def _hop_program(self, src: int, dst: int):
+        """(mesh, jitted program) of the `ppermute` hand-off from stage `src` to stage `dst`: a
+        ("hop", "tensor") mesh whose row 0 is src's devices and row 1 dst's; the program moves
+        row 0's shard of a [2 * n, ...] array (sharded on "hop") to row 1."""
+        k = ("program", src, dst)
+        if k not in self._hop_parts:
+            from jax.sharding import Mesh, PartitionSpec
+
+            devs = np.stack([np.asarray(self.stages[src].mesh.devices).reshape(-1),
+                             np.asarray(self.stages[dst].mesh.devices).reshape(-1)])
+            mesh2 = Mesh(devs, ("hop", "tensor"))
+            fn = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "hop", [(0, 1)]), mesh=mesh2,
+                                       in_specs=PartitionSpec("hop"), out_specs=PartitionSpec("hop")))
+            self._hop_parts[k] = (mesh2, fn)
+        return self._hop_parts[k]
+
+    def _to_stage(self, x, src: int, dst: int):
+        """A device array on stage `src`'s devices -> the same values replicated on stage `dst`'s
+        (`handoff`). The ppermute path needs `x` replicated on src's mesh (every device one full
+        copy; the stage programs' outputs are) and falls back to device_put otherwise."""
+        dst_shard = self.stages[dst].sharding()
+        if (self.handoff != "ppermute" or src == dst or not isinstance(x, jax.Array)
+                or not x.sharding.is_fully_replicated or jax.process_count() > 1):
+            return jax.device_put(x, dst_shard)
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        key = (src, dst, tuple(x.shape), str(x.dtype))
+        mesh2, _ = self._hop_program(src, dst)
+        if key not in self._hop_parts:  # the dst half of the input: never read, allocated once per shape
+            filler = jax.device_put(np.zeros(x.shape, x.dtype), dst_shard)
+            self._hop_parts[key] = [sh.data for sh in filler.addressable_shards]
+        g = jax.make_array_from_single_device_arrays((2 * x.shape[0], *x.shape[1:]),
+                                                     NamedSharding(mesh2, PartitionSpec("hop")),
+                                                     [sh.data for sh in x.addressable_shards] + self._hop_parts[key])
+        out = self.compile("hop", key)(g)
+        dst_devs = set(self.stages[dst].mesh.devices.flat)
+        return jax.make_array_from_single_device_arrays(
+            x.shape, dst_shard, [sh.data for sh in out.addressable_shards if sh.device in dst_devs])
 
     def _executable_cache_ok(self) -> bool:
         """jvllm's executable cache (jvllm.compile) serves single-process runners, TP and PP meshes
@@ -532,7 +600,7 @@ class ModelRunner:
             tm["prepare_s"] += t1 - t0
             tm["sample_inputs_s"] += time.perf_counter() - t1
             if prev_tok is not None and bool((src >= 0).any()):
-                tok_in = prev_tok if first_shard is None else jax.device_put(prev_tok, first_shard)
+                tok_in = prev_tok if first_shard is None else self._to_stage(prev_tok, len(self.stages) - 1, 0)
             else:
                 tok_in = self._no_prev
             work.append(dict(group=group, sched=sched, T=T, R=R, decode=decode, x=tokens, md=md, src=src,
@@ -559,7 +627,7 @@ class ModelRunner:
         dev = _put_tree(host, shard)  # this stage's host inputs in one transfer call
         md_s = dev["md"]
         if not isinstance(x, np.ndarray):  # hidden states of the previous stage: device to device
-            x = jax.device_put(x, shard) if shard is not None else x
+            x = self._to_stage(x, s_idx - 1, s_idx) if shard is not None else x
         else:
             x = dev["x"]
         extra = (w["tok_in"], dev["src"]) if st.first else ()

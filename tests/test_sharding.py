@@ -55,6 +55,46 @@ def test_parallel_greedy_identical(base, kw):
     assert _run(path, **kw) == expected
 
 
+@pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2, pipeline_parallel_size=2)],
+                         ids=["pp2", "tp2pp2"])
+def test_ppermute_handoff(base, kw):
+    """pipeline_handoff="ppermute": hidden states between stages and sampled ids back to the first
+    stage move through precompiled collective-permute programs over both stages' devices (tensor
+    axis included), with the single-device tokens and nothing compiled after warm-up."""
+    from jvllm.runner import ModelRunner
+
+    path, expected = base
+    llm = _llm(path, pipeline_handoff="ppermute", **kw)
+    runner = llm.llm_engine.runner
+    used = []
+    orig = ModelRunner._to_stage
+
+    def spy(self, x, src, dst):
+        out = orig(self, x, src, dst)
+        used.append((src, dst, {d.id for d in out.sharding.device_set}))
+        return out
+
+    ModelRunner._to_stage = spy
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP, use_tqdm=False)
+        stats = llm.get_stats()
+        hops = [k for k in runner._compiled if k[0] == "hop"]
+    finally:
+        ModelRunner._to_stage = orig
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert stats["compiles_after_warmup"] == 0
+    tp = kw.get("tensor_parallel_size", 1)
+    assert {(s, d) for s, d, _ in used} == {(0, 1), (1, 0)}  # hidden states forward, sampled ids back
+    assert all(devs == ({0, 1} if d == 0 else {2, 3}) if tp == 2 else devs == {d} for _, d, devs in used)
+    assert len(hops) == 2 + 1  # stage 0 -> 1 per token bucket (8, 32), and one for the sampled ids
+
+
+def test_bad_pipeline_handoff_refused(base):
+    with pytest.raises(ValueError, match=r"pipeline_handoff must be one of device_put, ppermute, got 'nccl'"):
+        _llm(base[0], pipeline_parallel_size=2, pipeline_handoff="nccl")
+
+
 def test_stage_weights_and_kv_live_on_their_own_devices(base):
     llm = _llm(base[0], tensor_parallel_size=2, pipeline_parallel_size=2)
     stages = llm.llm_engine.runner.stages
@@ -179,8 +219,9 @@ def test_two_processes(base, tmp_path, kw):
 
 
 @pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2),
-                                dict(pipeline_parallel_size=2, pipeline_stage_threads=True)],
-                         ids=["pp2", "tp2", "pp2_threads"])
+                                dict(pipeline_parallel_size=2, pipeline_stage_threads=True),
+                                dict(pipeline_parallel_size=2, pipeline_handoff="ppermute")],
+                         ids=["pp2", "tp2", "pp2_threads", "pp2_ppermute"])
 def test_parallel_async_scheduling_matches_sync(base, kw):
     """Async scheduling on a mesh: TP (one stage over two devices) and PP (two stages, two
     micro-batches whose pending tokens stay in their own group and cross from the last stage's
@@ -263,7 +304,9 @@ def test_tensor_parallel_kernels_run_per_device(base, tp, backend):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                dict(pipeline_parallel_size=2, pipeline_handoff="ppermute")],
+                         ids=["tp2", "pp2", "pp2_ppermute"])
 def test_executable_cache_on_meshes(base, kw, tmp_path):
     """TP and PP engines load every program from jvllm's executable cache on the second start
     (multi-device executables onto their mesh's devices) and generate the same tokens."""

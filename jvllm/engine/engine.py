@@ -54,6 +54,9 @@ class EngineConfig:
     # from the previous stage's devices blocks then stalls only its own thread); experimental,
     # off until measured on GPUs (benchmarks/h200_x2_parallel.sh: EXTRA=--pipeline-stage-threads)
     pipeline_stage_threads: bool = False
+    # how stage outputs reach the next stage's devices: "device_put" | "ppermute" (a collective-
+    # permute program; experimental, off until measured: benchmarks/gpu_handoff_probe.py)
+    pipeline_handoff: str = "device_put"
     # auto (GPU: ragged, elsewhere xla) | xla | pallas (decode steps: JAX's Pallas paged-attention
     # kernel; mixed steps: jvllm's ragged kernel) | pallas_decode (mixed steps on XLA) | ragged (all
     # steps on the ragged kernel) | ragged_split (decode steps split-K, not yet measured on a GPU); "_interpret" runs the Pallas kernels in interpret mode (CPU tests)
@@ -116,6 +119,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         # option checks that need no weights come first: a bad value fails before minutes of loading
         attention_modes(config.attention_backend)
+        from jvllm.runner import HANDOFFS
+
+        if config.pipeline_handoff not in HANDOFFS:
+            raise ValueError(f"pipeline_handoff must be one of {', '.join(HANDOFFS)}, got {config.pipeline_handoff!r}")
         # async scheduling: a whole engine (data-parallel replicas are stepped by
         # DataParallelEngine through step_dispatch/step_collect, which is synchronous). Multi-host
         # runs may use it: every process must take the same decisions from host-visible state,
@@ -168,6 +175,7 @@ class LLMEngine:
                                stages=[dataclasses.replace(st, kv=None) for st in stages],  # shares weights
                                num_microbatches=config.num_microbatches,
                                stage_threads=config.pipeline_stage_threads,
+                               handoff=config.pipeline_handoff,
                                attention_backend=config.attention_backend)
 
         num_blocks = self._num_blocks(mc, max_model_len, mns, make_runner)
