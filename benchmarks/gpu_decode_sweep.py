@@ -59,10 +59,12 @@ def configs(bs, case, tiny):
         return [dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=3),
                 dict(num_warps=4, num_stages=2, prefetch_ids=True)]
     out = []
-    for chunk in (64, 128):
-        for w, s in ((4, 1), (4, 2), (4, 3), (8, 2)):
+    # session 4's sweep (h200_gpu_decode_sweep_dcbef8f.json): 1 stage won at 128 keys; now also
+    # 256 keys per inner step, 8 and 2 warps at 1 stage
+    for chunk in (64, 128, 256):
+        for w, s in ((4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (2, 1)):
             out.append(dict(pages_per_block=max(1, chunk // bs), num_warps=w, num_stages=s))
-    out += [dict(pages_per_block=max(1, 64 // bs), num_warps=4, num_stages=st, prefetch_ids=True) for st in (2, 3)]
+    out += [dict(pages_per_block=max(1, 128 // bs), num_warps=4, num_stages=st, prefetch_ids=True) for st in (1, 2)]
     return out[:2] + out[-1:] if tiny else out
 
 
