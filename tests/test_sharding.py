@@ -187,12 +187,13 @@ print("RESULT", json.dumps([o.outputs[0].token_ids for o in outs]), jax.process_
 
 
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=4), dict(tensor_parallel_size=4, async_scheduling=False),
-                                dict(tensor_parallel_size=2, pipeline_parallel_size=2)],
-                         ids=["tp4_async", "tp4_sync", "tp2_pp2_refused"])
+                                dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+                                dict(tensor_parallel_size=2, data_parallel_size=2)],
+                         ids=["tp4_async", "tp4_sync", "tp2_pp2_refused", "tp2_dp2_refused"])
 def test_two_processes(base, tmp_path, kw):
     """TP=4 over two processes of two CPU devices each (gloo collectives): the single-device
-    tokens, with the async loop (the default) and the synchronous one. Pipeline stages across
-    processes are refused at start-up, naming the sizes."""
+    tokens, with the async loop (the default) and the synchronous one. Pipeline stages and
+    data-parallel replicas across processes are refused at start-up, naming the sizes."""
     path, expected = base
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -206,8 +207,9 @@ def test_two_processes(base, tmp_path, kw):
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=300)
-        if kw.get("pipeline_parallel_size", 1) > 1:  # stages cannot span processes: a clear start-up error
-            assert "pipeline_parallel_size=2 needs a single-process run (got 2 processes)" in out, out[-3000:]
+        refused = [k for k in ("pipeline_parallel_size", "data_parallel_size") if kw.get(k, 1) > 1]
+        if refused:  # stages and replicas cannot span processes: a clear start-up error
+            assert f"{refused[0]}=2 needs a single-process run (got 2 processes)" in out, out[-3000:]
             continue
         line = [x for x in out.splitlines() if x.startswith("RESULT")]
         assert line, out[-3000:]

@@ -21,6 +21,12 @@ class DataParallelEngine:
         d = config.data_parallel_size
         per = config.tensor_parallel_size * config.pipeline_parallel_size
         devices = list(devices if devices is not None else jax.devices())
+        if jax.process_count() > 1:
+            # every replica is stepped from this process, so its devices must all be local; run one
+            # engine per process instead (same requests in every process) or tensor parallelism
+            raise ValueError(f"data_parallel_size={d} needs a single-process run (got {jax.process_count()} "
+                             f"processes); across processes use tensor parallelism (tensor_parallel_size up to "
+                             f"{jax.device_count()})")
         if d * per > len(devices):
             raise ValueError(
                 f"data_parallel_size ({d}) x tensor_parallel_size ({config.tensor_parallel_size}) x "
