@@ -123,10 +123,12 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     (None = by tile kind) are the best measured on an H200 (bf16, 8 KV heads, head_dim 128):
     - tiles of several queries (prefill, mixed steps): 64 keys per inner step (`pages_per_block`
       = max(1, 64 // block size)), 4 warps, 2 stages (benchmarks/gpu_kernels.py, session 2);
-    - one-query tiles (decode-only steps): 128 keys per inner step, 4 warps, 1 stage: 0.475 ms
-      against 0.713 ms for the prefill launch at 256 decodes of context 800, 16-token pages, and
-      0.49 ms with 64-token pages (benchmarks/results/h200_gpu_decode_sweep_dcbef8f.json; a
-      kernel measurement, the engine-level W1 effect is not yet measured).
+    - one-query tiles (decode-only steps) with at least 512 programs (64 requests x 8 KV heads):
+      128 keys per inner step, 4 warps, 1 stage: 0.475 ms against 0.713 ms for the prefill launch
+      at 256 decodes of context 800, 16-token pages, and 0.49 ms with 64-token pages
+      (benchmarks/results/h200_gpu_decode_sweep_dcbef8f.json; a kernel measurement, the
+      engine-level W1 effect is not yet measured). Smaller decode batches (B1) keep the prefill
+      launch: the sweep measured nothing better for them.
     `prefetch_ids` loads the next inner step's page ids one iteration ahead (experimental; it
     did not beat the defaults in that sweep).
 
@@ -142,10 +144,11 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     G = H // KH
     NT, Qt = md.tile_token_idx.shape
     W = md.block_tables.shape[1]
+    wide_decode = Qt == 1 and NT * KH >= 512  # the measured decode launch; small batches keep the old one
     if pages_per_block is None:
-        pages_per_block = max(1, (128 if Qt == 1 else 64) // bs)
+        pages_per_block = max(1, (128 if wide_decode else 64) // bs)
     if num_stages is None:
-        num_stages = 1 if Qt == 1 else 2
+        num_stages = 1 if wide_decode else 2
     P = next(p for p in (pages_per_block, 8, 4, 2, 1) if p <= W and W % p == 0)
     M = Qt * G
     Mp = max(16, _next_pow2(M))
