@@ -85,3 +85,14 @@ def test_decode_kernel_matches_reference():
     ref = paged_attention(q, kp, vp, md, scale=32 ** -0.5, kv_chunk_blocks=4)
     out = pallas_decode_attention(q, kp, vp, md, scale=32 ** -0.5, interpret=True)
     np.testing.assert_allclose(np.asarray(out)[:4], np.asarray(ref)[:4], atol=2e-5, rtol=2e-5)
+
+
+def test_ragged_kernel_wide_decode_defaults_match_reference():
+    """A decode batch of >= 512 programs (128 requests x 4 KV heads) takes the wide decode launch
+    (128 keys per inner step, clamped to the table width) with default arguments."""
+    rng = np.random.default_rng(5)
+    spans = [(int(s), 1) for s in rng.integers(0, 60, 128)]
+    md, q, kp, vp = _inputs(8, 4, 16, 4, 1, spans, T=128, R=128, W=16, NB=128 * 16 + 8)
+    ref = paged_attention(q, kp, vp, md, scale=16 ** -0.5, kv_chunk_blocks=4)
+    out = ragged_paged_attention(q, kp, vp, md, scale=16 ** -0.5, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
