@@ -74,7 +74,16 @@ def test_ppermute_handoff(base, kw):
         used.append((src, dst, {d.id for d in out.sharding.device_set}))
         return out
 
+    hop_calls = []
+    orig_compile = runner.compile
+
+    def compile_spy(kind, key):
+        if kind == "hop":
+            hop_calls.append(key)
+        return orig_compile(kind, key)
+
     ModelRunner._to_stage = spy
+    runner.compile = compile_spy
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP, use_tqdm=False)
         stats = llm.get_stats()
@@ -82,6 +91,7 @@ def test_ppermute_handoff(base, kw):
     finally:
         ModelRunner._to_stage = orig
         llm.shutdown()
+    assert len(hop_calls) == len(used), "every hand-off went through a ppermute program (no device_put fallback)"
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert stats["compiles_after_warmup"] == 0
     tp = kw.get("tensor_parallel_size", 1)
