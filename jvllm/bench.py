@@ -241,7 +241,9 @@ def build_llm(model: str, engine_kwargs: dict):
     llm = LLM(model, **kw)
     construct = time.perf_counter() - t0
     e = llm.llm_engine
-    return llm, dict(construct_s=construct, init_s=e.init_seconds, load_s=e.load_seconds, warmup_compile_s=e.warmup_seconds)
+    e0 = getattr(e, "replicas", [e])[0]  # data parallel: replica 0's split
+    return llm, dict(construct_s=construct, init_s=e.init_seconds, load_s=e.load_seconds, warmup_compile_s=e.warmup_seconds,
+                     init_parts=dict(getattr(e0, "init_parts", {})))
 
 
 # W1 / B1 are greedy by definition; --temperature / --top-p / --top-k run the same workloads with
@@ -574,8 +576,10 @@ def summary_lines(result: dict) -> list[str]:
               f"x{dev.get('count')} ({dev.get('platform')})")]
     st = result.get("startup", {})
     if st:
+        parts = ", ".join(f"{k.removesuffix('_s')} {v:.1f}s" for k, v in (st.get("init_parts") or {}).items())
         lines.append(f"  startup: load {st['load_s']:.1f}s, compile {st['warmup_compile_s']:.1f}s, "
-                     f"first token {st['first_token_s']:.1f}s after construction start")
+                     f"first token {st['first_token_s']:.1f}s after construction start"
+                     + (f" (other: {parts})" if parts else ""))
     for k, v in items:
         if k == "throughput":
             lines.append(f"  W1: {v['output_tok_s']:.1f} output tok/s, {v['total_tok_s']:.1f} total tok/s, "

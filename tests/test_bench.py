@@ -55,6 +55,9 @@ def run_cli(tmp_path, *args) -> dict:
     assert d["device"]["platform"] == "cpu" and d["device"]["count"] >= 1
     assert d["compiles_after_warmup"] == 0
     assert d["startup"]["construct_s"] > 0 and d["startup"]["first_token_s"] > 0
+    parts = d["startup"]["init_parts"]  # the start-up beyond load and warm-up, split
+    assert set(parts) == {"build_stages_s", "kv_sizing_s", "runner_s", "block_pool_s"} and all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) <= d["startup"]["init_s"] - d["startup"]["warmup_compile_s"]
     assert d["xla_programs"]["summary"]["step"]["programs"] >= 2  # token buckets 16, 64 (+ variants)
     steps = [p for name, p in d["xla_programs"]["programs"].items() if name.startswith("step")]
     assert steps and all(p["flops"] > 0 and p["fusion_ops"] > 0 for p in steps)

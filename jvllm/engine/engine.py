@@ -147,8 +147,12 @@ class LLMEngine:
         mc = self.model_config
         self.eos_token_ids = tuple(mc.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None else ())
+        t_parts = time.perf_counter()
         stages, head_w = self._build_stages(layout, ckpt.params)
         self.num_stages = len(stages)
+        # start-up split beyond load and warm-up (bench reports it): binding weights into modules,
+        # KV sizing (the activation probe), building the runner (KV pool allocation), block pool
+        self.init_parts = dict(build_stages_s=time.perf_counter() - t_parts)
 
         acc = _on_accelerator()
         max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -178,17 +182,23 @@ class LLMEngine:
                                handoff=config.pipeline_handoff,
                                attention_backend=config.attention_backend)
 
+        t_parts = time.perf_counter()
         num_blocks = self._num_blocks(mc, max_model_len, mns, make_runner)
+        self.init_parts["kv_sizing_s"] = time.perf_counter() - t_parts
         need = cdiv(max_model_len, bs)
         if need > num_blocks - 1:
             raise ValueError(
                 f"max_model_len ({max_model_len}) needs {need} KV blocks of {bs} tokens but the pool has "
                 f"{num_blocks - 1} usable blocks ({(num_blocks - 1) * bs} tokens); lower max_model_len or give "
                 f"the KV cache more memory (gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)")
+        t_parts = time.perf_counter()
         self.runner = make_runner(num_blocks)
+        self.init_parts["runner_s"] = time.perf_counter() - t_parts
         del ckpt
         self._inflight = None
+        t_parts = time.perf_counter()
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.init_parts["block_pool_s"] = time.perf_counter() - t_parts
         self.scheduler = Scheduler(self.sched_config, self.kv_manager)
         self.groups: dict[str, RequestGroup] = {}
         self._rng = np.random.default_rng(config.seed)
