@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -22,34 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvllm.ops.attention import example_metadata, paged_attention
-from jvllm.ops.pallas_attention import ragged_paged_attention
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_kernels import D, KH, case_inputs, timeit  # noqa: E402  (same shapes, inputs and timing)
 
-H, KH, D = 32, 8, 128
-
-
-def timeit(fn, *args, iters=20):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), out
-
-
-def inputs(spans, T, R, Qt, bs, max_len=4096, seed=0):
-    need = sum(-(-(s + n) // bs) for s, n in spans)
-    NB = need + 64
-    md = example_metadata(spans, T=T, R=R, query_tile=Qt, block_size=bs, table_width=max_len // bs,
-                          num_blocks=NB, seed=seed)
-    md = jax.tree_util.tree_map(jnp.asarray, md)
-    k = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(k[0], (T, H, D), jnp.bfloat16)
-    kp = jax.random.normal(k[1], (KH, NB, bs, D), jnp.bfloat16)
-    vp = jax.random.normal(k[2], (KH, NB, bs, D), jnp.bfloat16)
-    return md, q, kp, vp
+from jvllm.ops.attention import paged_attention  # noqa: E402
+from jvllm.ops.pallas_attention import ragged_paged_attention  # noqa: E402
 
 
 def configs(bs, case, tiny):
@@ -90,7 +66,7 @@ def main():
     t0 = time.time()
     for bs in [int(b) for b in a.block_sizes.split(",")]:
         for name, (spans, T, R, Qt) in cases.items():
-            md, q, kp, vp = inputs(spans, T, R, Qt, bs, max_len=256 if a.tiny else 4096)
+            md, q, kp, vp = case_inputs(spans, T, R, Qt, (256 if a.tiny else 4096) // bs, bs=bs)
             valid = np.asarray(md.positions) >= 0
             ref = jax.jit(lambda q, kp, vp, md: paged_attention(q, kp, vp, md, scale=scale, kv_chunk_blocks=max(1, 256 // bs)))(q, kp, vp, md)
             ref = np.asarray(ref.astype(jnp.float32))[valid]

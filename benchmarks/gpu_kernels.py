@@ -43,15 +43,17 @@ def timeit(fn, *args, iters=20):
     return statistics.median(ts), out
 
 
-def case_inputs(spans, T, R, Qt, W, seed=0):
-    need = sum(-(-(s + n) // BS) for s, n in spans)
+def case_inputs(spans, T, R, Qt, W, seed=0, bs=BS):
+    """Metadata, q and bf16 page pools for `spans` ((start, n) per request) with `bs`-token pages
+    and block tables `W` wide (pages of a request scattered at random; 64 spare pages)."""
+    need = sum(-(-(s + n) // bs) for s, n in spans)
     NB = need + 64
-    md = example_metadata(spans, T=T, R=R, query_tile=Qt, block_size=BS, table_width=W, num_blocks=NB, seed=seed)
+    md = example_metadata(spans, T=T, R=R, query_tile=Qt, block_size=bs, table_width=W, num_blocks=NB, seed=seed)
     md = jax.tree_util.tree_map(jnp.asarray, md)
     k = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(k[0], (T, H, D), jnp.bfloat16)
-    kp = jax.random.normal(k[1], (KH, NB, BS, D), jnp.bfloat16)
-    vp = jax.random.normal(k[2], (KH, NB, BS, D), jnp.bfloat16)
+    kp = jax.random.normal(k[1], (KH, NB, bs, D), jnp.bfloat16)
+    vp = jax.random.normal(k[2], (KH, NB, bs, D), jnp.bfloat16)
     return md, q, kp, vp
 
 
