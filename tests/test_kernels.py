@@ -26,40 +26,35 @@ def _inputs(H, KH, D, bs, Qt, spans, T=48, R=8, W=16, NB=80, seed=0):
     return md, q, kp, vp
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_ragged_kernel_matches_reference(case):
+def _check_ragged(case, **kernel_kw):
+    """The ragged kernel (interpret mode, `kernel_kw` launch options) against the reference on
+    a CASES entry; returns (out, valid rows)."""
     H, KH, D, bs, Qt, window, spans = case
     md, q, kp, vp = _inputs(H, KH, D, bs, Qt, spans)
     ref = paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, kv_chunk_blocks=4)
-    out = ragged_paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, pages_per_block=2, interpret=True)
+    out = ragged_paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, interpret=True, **kernel_kw)
     valid = np.asarray(md.positions) >= 0
     np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-5, rtol=2e-5)
-    assert not np.asarray(out)[~valid].any(), "padding tokens must come back as zeros"
+    return np.asarray(out), valid
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_ragged_kernel_matches_reference(case):
+    out, valid = _check_ragged(case, pages_per_block=2)
+    assert not out[~valid].any(), "padding tokens must come back as zeros"
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=["mixed", "window", "decode"])
 @pytest.mark.parametrize("splits", [3, "auto"])
 def test_ragged_kernel_split_k_matches_reference(case, splits):
     """Split-K (flash-decoding): each tile's keys over several programs, partial states merged."""
-    H, KH, D, bs, Qt, window, spans = case
-    md, q, kp, vp = _inputs(H, KH, D, bs, Qt, spans)
-    ref = paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, kv_chunk_blocks=4)
-    out = ragged_paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, pages_per_block=1,
-                                 num_splits=splits, interpret=True)
-    valid = np.asarray(md.positions) >= 0
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-5, rtol=2e-5)
+    _check_ragged(case, pages_per_block=1, num_splits=splits)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]], ids=["mixed", "window", "multi_chunk"])
 def test_ragged_kernel_prefetched_page_ids_match_reference(case):
     """`prefetch_ids`: page ids of chunk c+1 loaded during chunk c (clamped at the table's end)."""
-    H, KH, D, bs, Qt, window, spans = case
-    md, q, kp, vp = _inputs(H, KH, D, bs, Qt, spans)
-    ref = paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, kv_chunk_blocks=4)
-    out = ragged_paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, pages_per_block=2,
-                                 prefetch_ids=True, interpret=True)
-    valid = np.asarray(md.positions) >= 0
-    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-5, rtol=2e-5)
+    _check_ragged(case, pages_per_block=2, prefetch_ids=True)
 
 
 def test_decode_splits_policy():
