@@ -107,8 +107,8 @@ def _put(x, sharding):
 
 def _put_tree(tree, sharding):
     """A pytree of numpy arrays -> device arrays with `sharding`, in one batched `device_put`
-    (per-leaf calls cost ~55 us each in Python on 2 devices; one call for the tree ~35%
-    less on the CPU for 10 leaves); per leaf in a multi-host run."""
+    (per-leaf calls cost ~55 us each on 2 CPU devices; one call for a 10-leaf tree ~35% less);
+    per leaf in a multi-host run."""
     if sharding is None:
         return tree
     if jax.process_count() > 1:
@@ -131,6 +131,12 @@ def _to_host(x) -> np.ndarray:
 # benchmarks/gpu_handoff_probe.py measures both. "device_put" stays the default until a GPU run
 # shows the other one faster.
 HANDOFFS = ("device_put", "ppermute")
+
+
+def check_handoff(handoff: str) -> str:
+    if handoff not in HANDOFFS:
+        raise ValueError(f"pipeline_handoff must be one of {', '.join(HANDOFFS)}, got {handoff!r}")
+    return handoff
 
 
 @dataclasses.dataclass
@@ -165,10 +171,9 @@ class ModelRunner:
         self.query_tile = query_tile
         self.num_microbatches = num_microbatches or len(self.stages)
         self.stage_threads = stage_threads  # pipeline stages after the first launched from threads
-        if handoff not in HANDOFFS:
-            raise ValueError(f"pipeline_handoff must be one of {', '.join(HANDOFFS)}, got {handoff!r}")
-        self.handoff = handoff
-        self._hop_parts: dict = {}
+        self.handoff = check_handoff(handoff)
+        self._hop_programs: dict = {}  # (src, dst) -> (mesh, program, dst devices)
+        self._hop_fillers: dict = {}   # (src, dst, shape, dtype) -> dst-half buffers of a hop's input
         self._stage_pools = None
         self._timer_lock = threading.Lock()
         attention_backend, self.attention_modes = attention_modes(attention_backend)
@@ -229,6 +234,7 @@ class ModelRunner:
             self.head_w.delete()
         self.head_w = None
         self._compiled.clear()
+        self._hop_fillers.clear()
         for pool in self._stage_pools or ():
             pool.shutdown(wait=True)
         self._stage_pools = None
@@ -371,7 +377,7 @@ class ModelRunner:
             static = ()
         elif kind == "hop":
             src, dst, shape, dtype = key
-            mesh2, fn = self._hop_program(src, dst)
+            mesh2, fn, _ = self._hop_program(src, dst)
             from jax.sharding import NamedSharding, PartitionSpec
 
             args = (sds((2 * shape[0], *shape[1:]), jnp.dtype(dtype), sharding=NamedSharding(mesh2, PartitionSpec("hop"))),)
@@ -399,11 +405,11 @@ class ModelRunner:
         return exe
 
     def _hop_program(self, src: int, dst: int):
-        """(mesh, jitted program) of the `ppermute` hand-off from stage `src` to stage `dst`: a
-        ("hop", "tensor") mesh whose row 0 is src's devices and row 1 dst's; the program moves
-        row 0's shard of a [2 * n, ...] array (sharded on "hop") to row 1."""
-        k = ("program", src, dst)
-        if k not in self._hop_parts:
+        """(mesh, jitted program, dst's device set) of the `ppermute` hand-off from stage `src` to
+        stage `dst`: a ("hop", "tensor") mesh whose row 0 is src's devices and row 1 dst's; the
+        program moves row 0's shard of a [2 * n, ...] array (sharded on "hop") to row 1."""
+        k = (src, dst)
+        if k not in self._hop_programs:
             from jax.sharding import Mesh, PartitionSpec
 
             devs = np.stack([np.asarray(self.stages[src].mesh.devices).reshape(-1),
@@ -411,8 +417,8 @@ class ModelRunner:
             mesh2 = Mesh(devs, ("hop", "tensor"))
             fn = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "hop", [(0, 1)]), mesh=mesh2,
                                        in_specs=PartitionSpec("hop"), out_specs=PartitionSpec("hop")))
-            self._hop_parts[k] = (mesh2, fn)
-        return self._hop_parts[k]
+            self._hop_programs[k] = (mesh2, fn, frozenset(devs[1]))
+        return self._hop_programs[k]
 
     def _to_stage(self, x, src: int, dst: int):
         """A device array on stage `src`'s devices -> the same values replicated on stage `dst`'s
@@ -425,15 +431,14 @@ class ModelRunner:
         from jax.sharding import NamedSharding, PartitionSpec
 
         key = (src, dst, tuple(x.shape), str(x.dtype))
-        mesh2, _ = self._hop_program(src, dst)
-        if key not in self._hop_parts:  # the dst half of the input: never read, allocated once per shape
+        mesh2, _, dst_devs = self._hop_program(src, dst)
+        if key not in self._hop_fillers:  # the dst half of the input: never read, allocated once per shape
             filler = jax.device_put(np.zeros(x.shape, x.dtype), dst_shard)
-            self._hop_parts[key] = [sh.data for sh in filler.addressable_shards]
+            self._hop_fillers[key] = [sh.data for sh in filler.addressable_shards]
         g = jax.make_array_from_single_device_arrays((2 * x.shape[0], *x.shape[1:]),
                                                      NamedSharding(mesh2, PartitionSpec("hop")),
-                                                     [sh.data for sh in x.addressable_shards] + self._hop_parts[key])
+                                                     [sh.data for sh in x.addressable_shards] + self._hop_fillers[key])
         out = self.compile("hop", key)(g)
-        dst_devs = set(self.stages[dst].mesh.devices.flat)
         return jax.make_array_from_single_device_arrays(
             x.shape, dst_shard, [sh.data for sh in out.addressable_shards if sh.device in dst_devs])
 

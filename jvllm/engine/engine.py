@@ -119,10 +119,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         # option checks that need no weights come first: a bad value fails before minutes of loading
         attention_modes(config.attention_backend)
-        from jvllm.runner import HANDOFFS
+        from jvllm.runner import check_handoff
 
-        if config.pipeline_handoff not in HANDOFFS:
-            raise ValueError(f"pipeline_handoff must be one of {', '.join(HANDOFFS)}, got {config.pipeline_handoff!r}")
+        check_handoff(config.pipeline_handoff)
         # async scheduling: a whole engine (data-parallel replicas are stepped by
         # DataParallelEngine through step_dispatch/step_collect, which is synchronous). Multi-host
         # runs may use it: every process must take the same decisions from host-visible state,
