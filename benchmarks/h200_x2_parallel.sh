@@ -25,6 +25,7 @@ for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
     *) echo "unknown config $cfg"; continue ;;
   esac
   vis=0; [ "$n" -ge 2 ] && vis=$(seq -s, 0 $(( n - 1 )))
+  [[ $cfg == *mp ]] && vis="one per process"
   echo "[$(el)s] $cfg ($flags, CUDA_VISIBLE_DEVICES=$vis)"
   left=$(( 585 - $(el) )); lim=${PER_CONFIG_S:-190}; [ $left -lt $lim ] && lim=$left
   [ $lim -lt 30 ] && { echo "no time left"; continue; }

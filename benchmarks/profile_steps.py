@@ -34,8 +34,8 @@ def summarize(trace: dict, steps: int, top: int = 40) -> dict:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             tname[(e["pid"], e.get("tid"))] = e["args"]["name"]
     tracks = collections.defaultdict(list)
-    for e in ev:
-        if e.get("ph") == "X" and "dur" in e:
+    for e in ev:  # the profiler's own start/stop (and the `with` around it) are not step time
+        if e.get("ph") == "X" and "dur" in e and not any(m in e.get("name", "") for m in ("profiler.py", "contextlib.py")):
             tracks[(e["pid"], e.get("tid"))].append(e)
     out = dict(steps=steps, device_tracks={}, host_tracks={})
     for key, es in tracks.items():
@@ -102,27 +102,25 @@ def main(argv=None):
     for _ in range(warm):
         eng.step()
     if a.workload == "w1":  # until every request decodes (no prompt tokens left), then a few more
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in getattr(eng.scheduler, "running", [])) \
-                or eng.scheduler.waiting:
+        while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
             eng.step()
         for _ in range(4):
             eng.step()
     d = tempfile.mkdtemp(prefix="jvllm_prof_")
-    s0 = eng.get_stats() if hasattr(eng, "get_stats") else llm.get_stats()
+    s0 = llm.get_stats()
     with jax.profiler.trace(d, create_perfetto_trace=True):
         t = time.perf_counter()
         for _ in range(a.steps):
             eng.step()
-        if hasattr(eng, "drain"):
-            eng.drain()
+        eng.drain()
         wall = time.perf_counter() - t
-    s1 = eng.get_stats() if hasattr(eng, "get_stats") else llm.get_stats()
+    s1 = llm.get_stats()
     paths = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
         raise SystemExit(f"no perfetto trace under {d}")
     trace = json.load(gzip.open(paths[0]))
     res = dict(workload=a.workload, model=a.model, engine=ekw, versions=versions(), startup=st,
-               wall_ms_per_step=wall * 1e3 / a.steps, batch=len(getattr(eng.scheduler, "running", [])),
+               wall_ms_per_step=wall * 1e3 / a.steps, batch=len(eng.scheduler.running),
                engine_stats_delta={k: s1[k] - s0[k] for k in s1 if isinstance(s1.get(k), (int, float))
                                    and isinstance(s0.get(k), (int, float))},
                **summarize(trace, a.steps))
