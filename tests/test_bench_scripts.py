@@ -1,0 +1,40 @@
+"""The device-side benchmark scripts' CPU paths: what a GPU call would run must not break unseen."""
+import json
+import os
+import subprocess
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def test_profile_summary_per_kernel_and_busy_union():
+    sys.path.insert(0, BENCH)
+    from profile_steps import summarize
+
+    M = lambda pid, tid, kind, name: {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}  # noqa: E731
+    X = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    trace = {"traceEvents": [
+        M(1, None, "process_name", "/device:GPU:0"), M(1, 7, "thread_name", "stream 7"),
+        M(2, None, "process_name", "/host:CPU"), M(2, 9, "thread_name", "python"),
+        X(1, 7, "gemm", 0, 100), X(1, 7, "attn", 150, 50), X(1, 7, "gemm", 300, 100),
+        X(2, 9, "step", 0, 400), X(2, 9, "dispatch", 10, 100),          # nested: counted once in busy
+        X(2, 9, "$profiler.py:271 stop_trace", 500, 10_000),            # the profiler itself: ignored
+    ]}
+    out = summarize(trace, steps=2)
+    dev = out["device_tracks"]["/device:GPU:0 | stream 7"]
+    assert abs(dev["busy_ms_per_step"] - 0.125) < 1e-9          # 250 us of kernels over 2 steps
+    top = {r["name"]: r for r in dev["top"]}
+    assert top["gemm"]["calls"] == 2 and abs(top["gemm"]["share_of_busy"] - 0.8) < 1e-9
+    host = out["host_tracks"]["/host:CPU | python"]
+    assert abs(host["busy_ms_per_step"] - 0.2) < 1e-9 and all("profiler" not in r["name"] for r in host["top"])
+
+
+def test_handoff_probe_dry_run(tmp_path):
+    out = tmp_path / "probe.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_handoff_probe.py"), "--tiny", "--trials", "3",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert set(d["methods"]) == {"device_put", "ppermute"}
+    assert all(m["matches"] and m["result_on"].endswith(":1") for m in d["methods"].values())
