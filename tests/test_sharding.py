@@ -186,8 +186,13 @@ from jvllm.sharding import initialize_distributed
 initialize_distributed(sys.argv[3], 2, int(sys.argv[1]))
 import jax
 from jvllm import LLM, SamplingParams
+kw = json.loads(sys.argv[5])
+blocks = kw.pop("blocks_per_process", None)  # each process derives its own pool size
+if blocks:
+    kw["num_gpu_blocks_override"] = blocks[int(sys.argv[1])]
 llm = LLM(sys.argv[2], dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
-          token_buckets=(8, 32), use_tqdm_on_load=False, **json.loads(sys.argv[5]))
+          token_buckets=(8, 32), use_tqdm_on_load=False, **kw)
+print("BLOCKS", llm.llm_engine.runner.num_blocks)
 prompts = json.loads(sys.argv[4])
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                     SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -196,13 +201,16 @@ print("RESULT", json.dumps([o.outputs[0].token_ids for o in outs]), jax.process_
 """
 
 
-@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=4), dict(tensor_parallel_size=4, async_scheduling=False),
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=4, blocks_per_process=[40, 30]),
+                                dict(tensor_parallel_size=4, async_scheduling=False),
                                 dict(tensor_parallel_size=2, pipeline_parallel_size=2),
                                 dict(tensor_parallel_size=2, data_parallel_size=2)],
                          ids=["tp4_async", "tp4_sync", "tp2_pp2_refused", "tp2_dp2_refused"])
 def test_two_processes(base, tmp_path, kw):
     """TP=4 over two processes of two CPU devices each (gloo collectives): the single-device
-    tokens, with the async loop (the default) and the synchronous one. Pipeline stages and
+    tokens, with the async loop (the default) and the synchronous one. Processes that size their
+    KV pools differently agree on the smallest before compiling (on GPUs each process measures its
+    own device; different shapes hung both in XLA's shared autotuning). Pipeline stages and
     data-parallel replicas across processes are refused at start-up, naming the sizes."""
     path, expected = base
     with socket.socket() as s:
@@ -224,6 +232,8 @@ def test_two_processes(base, tmp_path, kw):
         line = [x for x in out.splitlines() if x.startswith("RESULT")]
         assert line, out[-3000:]
         assert f"ASYNC {kw.get('async_scheduling', True)}" in out, out[-3000:]
+        if "blocks_per_process" in kw:
+            assert f"BLOCKS {min(kw['blocks_per_process'])}" in out, out[-3000:]
         results.append(line[0].split(" ", 1)[1])
     for r in results:
         toks, nproc, ndev = r.rsplit(" ", 2)

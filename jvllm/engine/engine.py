@@ -59,7 +59,7 @@ class EngineConfig:
     pipeline_handoff: str = "device_put"
     # auto (GPU: ragged, elsewhere xla) | xla | pallas (decode steps: JAX's Pallas paged-attention
     # kernel; mixed steps: jvllm's ragged kernel) | pallas_decode (mixed steps on XLA) | ragged (all
-    # steps on the ragged kernel) | ragged_split (decode steps split-K, not yet measured on a GPU); "_interpret" runs the Pallas kernels in interpret mode (CPU tests)
+    # steps on the ragged kernel) | ragged_split (every decode-only step split-K; "ragged" splits only grids under 512 programs, such as B1); "_interpret" runs the Pallas kernels in interpret mode (CPU tests)
     attention_backend: str = "auto"
     # dispatch step N+1 before reading step N's results, so the host's scheduling and input
     # building overlap the device's work (None: on wherever supported: a single-process engine,
@@ -72,12 +72,27 @@ def _on_accelerator() -> bool:
 
 
 def device_memory_stats() -> dict | None:
-    """The first device's allocator stats (bytes_limit, bytes_in_use, ...); None where the backend
-    has none (CPU), which selects the CPU sizing rule."""
+    """This process's first device's allocator stats (bytes_limit, bytes_in_use, ...); None where
+    the backend has none (CPU), which selects the CPU sizing rule. A local device: in a multi-process
+    run the global first device belongs to process 0, and its stats are not readable elsewhere (which
+    once sent process 1 down the CPU sizing rule, so the processes compiled different programs and
+    deadlocked in XLA's shared autotuning)."""
     try:
-        return jax.devices()[0].memory_stats()
+        return jax.local_devices()[0].memory_stats()
     except Exception:
         return None
+
+
+def agree_min(value: int) -> int:
+    """The smallest of every process's `value` (itself in a single-process run). Every process must
+    build the same programs (multi-controller JAX; on GPUs XLA even shares autotuning between the
+    processes' compilers, so a mismatch hangs), so a size each process derives from its own device,
+    such as the KV pool's block count, is agreed on before anything is compiled with it."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
 
 
 def resolve_dtype(dtype: str):
@@ -182,7 +197,7 @@ class LLMEngine:
                                attention_backend=config.attention_backend)
 
         t_parts = time.perf_counter()
-        num_blocks = self._num_blocks(mc, max_model_len, mns, make_runner)
+        num_blocks = agree_min(self._num_blocks(mc, max_model_len, mns, make_runner))
         self.init_parts["kv_sizing_s"] = time.perf_counter() - t_parts
         need = cdiv(max_model_len, bs)
         if need > num_blocks - 1:
