@@ -25,7 +25,36 @@ import tempfile
 import time
 
 
+def _merge(ivs):
+    """Sorted, disjoint union of (start, end) intervals."""
+    out = []
+    for s, t in sorted(ivs):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], t)
+        else:
+            out.append([s, t])
+    return out
+
+
+def _intersect(a, b):
+    """Intersection of two merged interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, t = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < t:
+            out.append([s, t])
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def summarize(trace: dict, steps: int, top: int = 40) -> dict:
+    """Per track (device stream or host thread): busy time per step (union of its events), the
+    top events by time. With kernels on several devices (TP, PP): `devices` gives each device's
+    busy time per step and the time all of them are busy at once (pipeline stages that overlap
+    raise it; stages that take turns leave it near 0)."""
     ev = trace["traceEvents"] if isinstance(trace, dict) else trace
     pname, tname = {}, {}
     for e in ev:
@@ -38,6 +67,7 @@ def summarize(trace: dict, steps: int, top: int = 40) -> dict:
         if e.get("ph") == "X" and "dur" in e and not any(m in e.get("name", "") for m in ("profiler.py", "contextlib.py")):
             tracks[(e["pid"], e.get("tid"))].append(e)
     out = dict(steps=steps, device_tracks={}, host_tracks={})
+    per_device = collections.defaultdict(list)
     for key, es in tracks.items():
         proc, thr = pname.get(key[0], str(key[0])), tname.get(key, str(key[1]))
         is_dev = any(s in proc.lower() for s in ("gpu", "device:", "/device")) and "host" not in proc.lower()
@@ -46,18 +76,11 @@ def summarize(trace: dict, steps: int, top: int = 40) -> dict:
             b = by[e["name"]]
             b[0] += e["dur"]
             b[1] += 1
-        ivs = sorted((e["ts"], e["ts"] + e["dur"]) for e in es)
-        busy, cur_s, cur_e = 0.0, None, None
-        for s, t in ivs:  # union of intervals (nested host events counted once)
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    busy += cur_e - cur_s
-                cur_s, cur_e = s, t
-            else:
-                cur_e = max(cur_e, t)
-        if cur_e is not None:
-            busy += cur_e - cur_s
-        span = (ivs[-1][1] - ivs[0][0]) if ivs else 0.0
+        merged = _merge((e["ts"], e["ts"] + e["dur"]) for e in es)  # nested host events counted once
+        busy = sum(t - s for s, t in merged)
+        span = (merged[-1][1] - merged[0][0]) if merged else 0.0
+        if is_dev:
+            per_device[proc].extend(merged)
         rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
         entry = dict(process=proc, thread=thr, events=len(es), busy_ms_per_step=busy / 1e3 / steps,
                      span_ms=span / 1e3,
@@ -65,6 +88,13 @@ def summarize(trace: dict, steps: int, top: int = 40) -> dict:
                                calls_per_step=c / steps, share_of_busy=(d / busy if busy else None) if is_dev else None)
                           for n, (d, c) in rows])
         (out["device_tracks"] if is_dev else out["host_tracks"])[f"{proc} | {thr}"] = entry
+    busy = {d: _merge(v) for d, v in per_device.items()}
+    if len(busy) > 1:
+        both = None
+        for v in busy.values():
+            both = v if both is None else _intersect(both, v)
+        out["devices"] = dict(busy_ms_per_step={d: sum(t - s for s, t in v) / 1e3 / steps for d, v in busy.items()},
+                              all_busy_ms_per_step=sum(t - s for s, t in both) / 1e3 / steps)
     # keep the host tracks that matter: the busiest 6
     ht = sorted(out["host_tracks"].items(), key=lambda kv: -kv[1]["busy_ms_per_step"])[:6]
     out["host_tracks"] = dict(ht)
@@ -84,6 +114,9 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=512, help="B1 prompt length (W1: 64..1024 as in bench)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile.json"))
     ap.add_argument("--keep-trace", action="store_true")
+    ap.add_argument("--no-python-trace", action="store_true",
+                    help="no Python function events (they slow the host several-fold: use for host-bound runs "
+                         "such as pipeline stages, where a slower host changes the device timeline)")
     a = ap.parse_args(argv)
     ekw = {k: v for k, v in engine_kwargs(a).items() if v is not None}
     import jax
@@ -108,7 +141,10 @@ def main(argv=None):
             eng.step()
     d = tempfile.mkdtemp(prefix="jvllm_prof_")
     s0 = llm.get_stats()
-    with jax.profiler.trace(d, create_perfetto_trace=True):
+    opts = jax.profiler.ProfileOptions()
+    if a.no_python_trace:
+        opts.python_tracer_level = 0
+    with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=opts):
         t = time.perf_counter()
         for _ in range(a.steps):
             eng.step()
@@ -129,6 +165,9 @@ def main(argv=None):
     if a.keep_trace:
         shutil.copy(paths[0], os.path.splitext(a.out)[0] + ".perfetto.json.gz")
     print(f"{a.workload}: {res['wall_ms_per_step']:.2f} ms/step wall, batch {res['batch']}")
+    if "devices" in res:
+        print(f"  devices busy ms/step {res['devices']['busy_ms_per_step']}, all at once "
+              f"{res['devices']['all_busy_ms_per_step']:.2f}")
     for k, v in res["device_tracks"].items():
         print(f"  {k}: busy {v['busy_ms_per_step']:.2f} ms/step, {v['events']} events")
         for r in v["top"][:12]:

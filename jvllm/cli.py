@@ -24,7 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="comma-separated token-count buckets compiled at start-up")
     p.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache ('off' to disable)")
     p.add_argument("--attention-backend", default="auto",
-                   help="auto (GPU: ragged, else xla) | ragged | ragged_split (split-K decode steps) | pallas (JAX decode kernel + ragged) | pallas_decode | xla")
+                   help="auto (GPU: ragged, else xla) | ragged | ragged_split (split-K for every decode step; ragged splits small decode batches only) | pallas (JAX decode kernel + ragged) | pallas_decode | xla")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="dispatch step N+1 before reading step N (default: on in a single process; data-parallel replicas step synchronously)")
     p.add_argument("--query-tile", type=int, default=None, help="tokens per attention query tile of mixed steps")

@@ -27,6 +27,15 @@ def test_profile_summary_per_kernel_and_busy_union():
     assert top["gemm"]["calls"] == 2 and abs(top["gemm"]["share_of_busy"] - 0.8) < 1e-9
     host = out["host_tracks"]["/host:CPU | python"]
     assert abs(host["busy_ms_per_step"] - 0.2) < 1e-9 and all("profiler" not in r["name"] for r in host["top"])
+    assert "devices" not in out  # one device: no cross-device overlap to report
+
+    # two devices (pipeline stages): busy 0-100 and 150-200 on GPU 0, 50-175 on GPU 1 -> 75 us at once
+    trace["traceEvents"] += [M(3, None, "process_name", "/device:GPU:1"), M(3, 4, "thread_name", "stream 4"),
+                             X(3, 4, "gemm", 50, 125)]
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if not (e.get("pid") == 1 and e.get("ts") == 300)]
+    both = summarize(trace, steps=1)["devices"]
+    assert both["busy_ms_per_step"] == {"/device:GPU:0": 0.15, "/device:GPU:1": 0.125}
+    assert abs(both["all_busy_ms_per_step"] - 0.075) < 1e-9
 
 
 def test_handoff_probe_dry_run(tmp_path):

@@ -73,7 +73,7 @@ class Attention(nnx.Module):
             if attention.startswith("pallas") and self.window is None:  # decode-only steps
                 return pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale, interpret=interpret)
             return ragged_paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
-                                          num_splits="auto" if attention.startswith("ragged_split") else 1,
+                                          num_splits="auto" if attention.startswith("ragged_split") else None,
                                           interpret=interpret)
 
         o, k_pages, v_pages = shard_local(attend, q, k, v, k_pages, v_pages, md)
@@ -138,7 +138,9 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks: int = 16, attention: str = "xla"):
         """attention: "xla" (the reference, any batch); "ragged" (jvllm's Pallas ragged paged-attention
-        kernel, any batch; "ragged_split": split-K over programs for small decode batches); "pallas" (decode-only batches: JAX's Pallas GPU paged-attention kernel,
+        kernel, any batch, with its measured launch defaults: split-K for decode grids under 512
+        programs); "ragged_split" (split-K for every decode-only batch); "pallas" (decode-only
+        batches: JAX's Pallas GPU paged-attention kernel,
         sliding-window layers on the ragged kernel). A "_interpret" suffix runs the Pallas kernels
         in interpret mode (CPU tests)."""
         if self.first:

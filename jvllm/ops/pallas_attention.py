@@ -115,9 +115,23 @@ def decode_splits(num_tiles: int, kv_heads: int, target_programs: int = 2048, ma
     return s
 
 
+def launch_defaults(num_tiles: int, kv_heads: int, tile_queries: int, block_size: int) -> tuple[int, int, int]:
+    """(pages_per_block, num_stages, num_splits) of `ragged_paged_attention`'s default launch for
+    a grid of num_tiles x kv_heads programs of `tile_queries` queries each (see its docstring for
+    the measurements): decode-only grids of >= 512 programs take 128 keys per inner step and one
+    stage; smaller decode grids keep 64 keys and 2 stages and are split-K to about 2048 programs;
+    tiles of several queries take 64 keys, 2 stages, no split."""
+    decode = tile_queries == 1
+    wide = decode and num_tiles * kv_heads >= 512
+    pages = max(1, (128 if wide else 64) // block_size)
+    splits = decode_splits(num_tiles, kv_heads) if decode and not wide else 1
+    return pages, 1 if wide else 2, splits
+
+
 def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int | None = None,
                            pages_per_block: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                           num_splits: int | str = 1, prefetch_ids: bool = False, interpret: bool = False):
+                           num_splits: int | str | None = None, prefetch_ids: bool = False,
+                           interpret: bool = False):
     """q [T, H, D] -> [T, H, D]; same contract and result as `attention.paged_attention` (which is
     the test oracle). K/V for this step's tokens must already be in the pages. Launch defaults
     (None = by tile kind) are the best measured on an H200 (bf16, 8 KV heads, head_dim 128):
@@ -128,11 +142,15 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
       at 256 decodes of context 800, 16-token pages, and 0.49 ms with 64-token pages
       (benchmarks/results/h200_gpu_decode_sweep_dcbef8f.json; a kernel measurement, the
       engine-level W1 effect is not yet measured). Smaller decode batches (B1) keep the prefill
-      launch: the sweep measured nothing better for them.
+      launch: the sweep measured nothing better for them;
+    - one-query tiles with fewer than 512 programs are split-K (`decode_splits`): B1 went from
+      186.9 to 198.6 tok/s (benchmarks/results/h200_b1_split_*.json against h200x2_tp1_*.json,
+      Llama-3-8B bf16, where 8 unsplit programs left the GPU idle: 0.79 ms of attention per step).
     `prefetch_ids` loads the next inner step's page ids one iteration ahead (experimental; it
     did not beat the defaults in that sweep).
 
-    `num_splits` > 1 (or "auto": `decode_splits` for one-query tiles, else 1) splits each tile's
+    `num_splits` > 1 (or "auto": `decode_splits` for one-query tiles, else 1; None: "auto" below
+    512 programs, else 1, see `launch_defaults`) splits each tile's
     keys over that many programs and merges their partial softmax states afterwards
     (flash-decoding): for small decode batches, where one program per (tile, KV head) leaves most
     of the GPU idle."""
@@ -144,11 +162,10 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     G = H // KH
     NT, Qt = md.tile_token_idx.shape
     W = md.block_tables.shape[1]
-    wide_decode = Qt == 1 and NT * KH >= 512  # the measured decode launch; small batches keep the old one
-    if pages_per_block is None:
-        pages_per_block = max(1, (128 if wide_decode else 64) // bs)
-    if num_stages is None:
-        num_stages = 1 if wide_decode else 2
+    d_pages, d_stages, d_splits = launch_defaults(NT, KH, Qt, bs)
+    pages_per_block = d_pages if pages_per_block is None else pages_per_block
+    num_stages = d_stages if num_stages is None else num_stages
+    num_splits = d_splits if num_splits is None else num_splits
     P = next(p for p in (pages_per_block, 8, 4, 2, 1) if p <= W and W % p == 0)
     M = Qt * G
     Mp = max(16, _next_pow2(M))
