@@ -1,4 +1,5 @@
-"""`jvllm generate | chat | verify | convert` (serve and bench are added by their modules)."""
+"""`jvllm generate | chat | verify | convert | compile-report` (serve, bench and launch are added by
+their modules)."""
 from __future__ import annotations
 
 import argparse
@@ -207,7 +208,7 @@ def main(argv=None):
     add_engine_args(cr)
     cr.set_defaults(func=cmd_compile_report)
 
-    for mod in ("jvllm.server.cli", "jvllm.bench"):
+    for mod in ("jvllm.server.cli", "jvllm.bench", "jvllm.launch"):
         try:
             __import__(mod, fromlist=["register"]).register(sub)
         except ImportError:

@@ -35,6 +35,9 @@ class LLM:
             skip_tokenizer_init=skip_tokenizer_init, token_buckets=tuple(token_buckets) if token_buckets else None,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size, **kwargs)
+        from jvllm.sharding import initialize_distributed
+
+        initialize_distributed()  # a multi-process run from the environment (jvllm launch); no-op otherwise
         if data_parallel_size > 1:
             from jvllm.engine.data_parallel import DataParallelEngine
 

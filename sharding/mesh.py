@@ -43,7 +43,8 @@ def replica_mesh(mesh: Mesh, data_index: int) -> Mesh:
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None, local_device_count: int | None = None) -> bool:
     """`jax.distributed.initialize` from arguments or the environment (JVLLM_COORDINATOR,
-    JVLLM_NUM_PROCESSES, JVLLM_PROCESS_ID). Returns True when a multi-process run was started.
+    JVLLM_NUM_PROCESSES, JVLLM_PROCESS_ID; `jvllm launch` sets them). Returns True when this is a
+    multi-process run (started now or before); `LLM(...)` calls it with no arguments.
 
     Every process must then build the same LLM and submit the same requests in the same order:
     the scheduler is deterministic, so all processes take the same decisions step by step (process
@@ -54,6 +55,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
         int(os.environ["JVLLM_PROCESS_ID"]) if "JVLLM_PROCESS_ID" in os.environ else None)
     if not addr or not n or n <= 1:
         return False
+    if jax.distributed.is_initialized():  # already started (the CLI, then LLM(...) reading the env)
+        return True
     if pid is None:
         raise ValueError("multi-process run: process_id (or JVLLM_PROCESS_ID) is required")
     # CPU collectives across processes (affects only the CPU backend; must not touch the backend here)
@@ -61,5 +64,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     kw = {}
     if local_device_count:
         kw["local_device_ids"] = list(range(local_device_count))
-    jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid, **kw)
+    try:
+        jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid, **kw)
+    except RuntimeError as e:
+        raise RuntimeError(f"multi-process run (coordinator {addr}, {n} processes, this one {pid}): "
+                           f"jax.distributed could not start: {e}. It must start before anything touches JAX's "
+                           f"devices: build the LLM (or call jvllm.sharding.initialize_distributed()) first") from e
     return True

@@ -240,6 +240,41 @@ def test_two_processes(base, tmp_path, kw):
         assert json.loads(toks) == expected and nproc == "2" and ndev == "4"
 
 
+LAUNCHED = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+from jvllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
+          token_buckets=(8, 32), use_tqdm_on_load=False, tensor_parallel_size=4)
+import jax
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+print("RESULT", jax.process_index(), jax.process_count(), json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def test_jvllm_launch_tp4_over_two_processes(base, tmp_path):
+    """`jvllm launch --nproc 2`: a plain script that builds LLM(tensor_parallel_size=4) (no
+    distributed set-up of its own) runs as two processes of two CPU devices each, and both give
+    the single-device tokens."""
+    path, expected = base
+    script = tmp_path / "plain.py"
+    script.write_text(LAUNCHED)
+    logs = tmp_path / "logs"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-m", "jvllm.cli", "launch", "--nproc", "2", "--log-dir", str(logs), "--",
+                        sys.executable, str(script), path, json.dumps(PROMPTS)],
+                       capture_output=True, text=True, timeout=400, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    lines = [x for x in p.stdout.splitlines() + (logs / "process_1.log").read_text().splitlines()
+             if x.startswith("RESULT")]
+    assert sorted(x.split(" ", 3)[1] for x in lines) == ["0", "1"]
+    for x in lines:
+        _, _, nproc, toks = x.split(" ", 3)
+        assert nproc == "2" and json.loads(toks) == expected
+
+
 @pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2),
                                 dict(pipeline_parallel_size=2, pipeline_stage_threads=True),
                                 dict(pipeline_parallel_size=2, pipeline_handoff="ppermute")],

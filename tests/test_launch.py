@@ -1,0 +1,48 @@
+"""`jvllm launch`: per-process environments, failure propagation (the end-to-end TP=4 run over
+two launched processes is in test_sharding.py, next to the other multi-process tests)."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jvllm.launch import launch, process_envs
+
+
+def test_process_envs_slice_visible_gpus():
+    envs = process_envs(2, 2, port=1234, base={"CUDA_VISIBLE_DEVICES": "3,5,6,7", "KEEP": "x"})
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,5", "6,7"]
+    assert [e["JVLLM_PROCESS_ID"] for e in envs] == ["0", "1"]
+    assert all(e["JVLLM_COORDINATOR"] == "127.0.0.1:1234" and e["JVLLM_NUM_PROCESSES"] == "2" and e["KEEP"] == "x"
+               for e in envs)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in process_envs(3, port=1, base={})] == ["0", "1", "2"]
+
+
+def test_process_envs_refuse_too_few_gpus():
+    with pytest.raises(ValueError, match=r"--nproc 2 x --devices-per-process 2 = 4 GPUs, but CUDA_VISIBLE_DEVICES='0,1' lists 2"):
+        process_envs(2, 2, base={"CUDA_VISIBLE_DEVICES": "0,1"})
+    with pytest.raises(ValueError, match="must be >= 1"):
+        process_envs(0)
+
+
+def test_one_failure_stops_the_others(tmp_path):
+    """Process 1 fails at once; process 0 would sleep a minute (as a peer blocked in a collective
+    would, forever): the launcher returns process 1's status and stops process 0."""
+    code = ("import os, sys, time\n"
+            "if os.environ['JVLLM_PROCESS_ID'] == '1':\n    print('boom'); sys.exit(3)\n"
+            "time.sleep(60)\n")
+    t = time.monotonic()
+    rc = launch([sys.executable, "-c", code], 2, log_dir=str(tmp_path), grace_s=5)
+    assert rc == 3 and time.monotonic() - t < 30
+    assert "boom" in (tmp_path / "process_1.log").read_text()
+
+
+def test_cli_success_and_usage_errors(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "jvllm.cli", "launch", "--nproc", "2", "--log-dir", str(tmp_path), "--",
+                         sys.executable, "-c", "import os; print('pid', os.environ['JVLLM_PROCESS_ID'])"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "pid 0" in ok.stdout, ok.stderr
+    assert (tmp_path / "process_1.log").read_text().strip() == "pid 1"
+    bad = subprocess.run([sys.executable, "-m", "jvllm.cli", "launch", "--nproc", "2", "--"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "no command to launch" in bad.stderr
