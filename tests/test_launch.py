@@ -1,5 +1,6 @@
 """`jvllm launch`: per-process environments, failure propagation (the end-to-end TP=4 run over
 two launched processes is in test_sharding.py, next to the other multi-process tests)."""
+import os
 import subprocess
 import sys
 import time
@@ -46,3 +47,15 @@ def test_cli_success_and_usage_errors(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "jvllm.cli", "launch", "--nproc", "2", "--"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no command to launch" in bad.stderr
+
+
+def test_serve_refuses_several_processes(tmp_path):
+    """`jvllm serve` under `jvllm launch`: each process would get other HTTP requests and their
+    steps would diverge, so it stops at start-up, before loading, naming the way that works."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    p = subprocess.run([sys.executable, "-m", "jvllm.cli", "launch", "--nproc", "2", "--log-dir", str(tmp_path), "--",
+                        sys.executable, "-m", "jvllm.cli", "serve", "random:tiny", "--port", "1"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode != 0
+    assert "jvllm serve runs in one process (this run has 2 processes)" in p.stderr, p.stderr[-3000:]

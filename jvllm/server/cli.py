@@ -68,7 +68,15 @@ def cmd_serve(a):
         if v < lo:
             sys.exit(f"{flag} must be >= {lo}, got {v}")
     api_key = a.api_key if a.api_key is not None else os.environ.get("JVLLM_API_KEY") or None
-    engine = LLMEngine(EngineConfig(model=a.model, use_tqdm_on_load=sys.stderr.isatty(), **engine_kwargs(a)))
+    ekw = engine_kwargs(a)  # starts jax.distributed when asked to (flags, environment, jvllm launch)
+    import jax
+
+    if jax.process_count() > 1:  # before minutes of loading
+        sys.exit(f"jvllm serve runs in one process (this run has {jax.process_count()} processes): requests reach "
+                 f"one process's HTTP server only, and the others could not run the same steps in the same order. "
+                 f"Serve a sharded model from a single process instead: jvllm serve --tensor-parallel-size N "
+                 f"(without jvllm launch or --num-processes)")
+    engine = LLMEngine(EngineConfig(model=a.model, use_tqdm_on_load=sys.stderr.isatty(), **ekw))
     names = a.served_model_name or [a.model]
     app = build_app(engine, names, api_key, max_queue_len=a.max_queue_len,
                     limits=Limits(max_n=a.max_n, max_stop=a.max_stop, max_prompts=a.max_prompts),
