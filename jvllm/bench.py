@@ -309,9 +309,14 @@ def run_throughput(llm, num_prompts: int = 256, input_len=W1_INPUT_LEN, output_l
         llm.generate(warm, _sp(8), use_tqdm=False)
     s0 = llm.get_stats()
     c0 = compile_count()
-    t0 = time.perf_counter()
+    t0, t0_wall = time.perf_counter(), time.time()
     outs = llm.generate(prompts, _sp(output_len), use_tqdm=False)
     dt = time.perf_counter() - t0
+    # the phases: until every request has its first token (all prompts computed, decodes riding
+    # along in the same steps), then decode-only steps; first_token_time is the wall clock at which
+    # the engine read that token back (with async scheduling, about one step after the device)
+    firsts = [o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time]
+    prefill_s = min(dt, max(firsts) - t0_wall) if len(firsts) == len(outs) and firsts else None
     c1 = compile_count()
     s1 = llm.get_stats()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -321,6 +326,7 @@ def run_throughput(llm, num_prompts: int = 256, input_len=W1_INPUT_LEN, output_l
                 prompt_tokens=n_in, output_tokens=n_out, elapsed_s=dt,
                 output_tok_s=n_out / dt, total_tok_s=(n_in + n_out) / dt, requests_per_s=num_prompts / dt,
                 num_steps=steps, mean_step_ms=1e3 * dt / max(steps, 1), **_host_share(s0, s1),
+                prefill_phase_s=prefill_s, decode_phase_s=dt - prefill_s if prefill_s is not None else None,
                 num_preemptions=s1["num_preemptions"] - s0["num_preemptions"],
                 compiles_in_window=c1 - c0, compiles_after_warmup=s1["compiles_after_warmup"],
                 all_finished_by_length=all(o.outputs[0].finish_reason == "length" for o in outs))
@@ -585,7 +591,9 @@ def summary_lines(result: dict) -> list[str]:
             lines.append(f"  W1: {v['output_tok_s']:.1f} output tok/s, {v['total_tok_s']:.1f} total tok/s, "
                          f"{v['num_requests']} req in {v['elapsed_s']:.2f}s, preemptions {v['num_preemptions']}, "
                          f"compiles_after_warmup {v['compiles_after_warmup']}, {v['num_steps']} steps of "
-                         f"{v['mean_step_ms']:.1f} ms, host {v['host_ms_per_step']:.2f} ms/step ({v['host_share']:.0%}: {_parts(v)})")
+                         f"{v['mean_step_ms']:.1f} ms, host {v['host_ms_per_step']:.2f} ms/step ({v['host_share']:.0%}: {_parts(v)})"
+                         + (f", until every first token {v['prefill_phase_s']:.2f}s, then {v['decode_phase_s']:.2f}s of decodes"
+                            if v.get("prefill_phase_s") is not None else ""))
         elif k == "latency":
             mbu = f", MBU {v['mbu']:.1%}" if "mbu" in v else ""
             lines.append(f"  B1: {v['tok_s']:.1f} tok/s, {v['step_ms']:.2f} ms/step, TTFT {v['ttft_s'] * 1e3:.1f} ms{mbu}, "

@@ -82,6 +82,9 @@ def test_throughput_cli(tmp_path, shared_engine):
     assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"]
     assert r["compiles_after_warmup"] == 0 and r["compiles_in_window"] == 0 and r["num_preemptions"] == 0
     assert r["host_ms_per_step"] > 0 and 0 < r["host_share"] < 1 and r["host_prepare_ms_per_step"] > 0
+    # the two phases split the window: first tokens of all requests, then the remaining decodes
+    assert 0 < r["prefill_phase_s"] < r["elapsed_s"]
+    assert abs(r["prefill_phase_s"] + r["decode_phase_s"] - r["elapsed_s"]) < 1e-9
     assert d["memory"]["weight_bytes"] > 0 and d["memory"]["kv_pool_bytes_global"] > 0
     assert d["config"]["sampling"] == dict(temperature=0.0, top_p=1.0, top_k=-1)
 
