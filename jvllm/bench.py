@@ -546,22 +546,31 @@ def run_benchmark(name: str, a) -> dict:
 
 def memory_report(llm) -> dict:
     """Device memory after the runs: the allocator's peak and current use (None on backends
-    without allocator stats, e.g. CPU), the weights and the KV pool."""
-    from jvllm.engine.engine import device_memory_stats
-
+    without allocator stats, e.g. CPU), the weights and the KV pool. `per_device` lists every
+    device with stats, in a multi-process run every process's (gathered: all processes call this)."""
     import jax
+    import numpy as np
+
+    from jvllm.engine.engine import device_memory_stats
 
     eng = getattr(llm.llm_engine, "replicas", [llm.llm_engine])[0]
     stats = device_memory_stats() or {}
-    per_device = []
+    keys = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")
+    rows = []  # this process's devices: [peak, in use, limit], -1 where the backend has no stats
     for d in jax.local_devices():
         try:
             ms = d.memory_stats() or {}
         except Exception:
             ms = {}
-        if ms:
-            per_device.append(dict(device=str(d), peak_bytes_in_use=ms.get("peak_bytes_in_use"),
-                                   bytes_in_use=ms.get("bytes_in_use"), bytes_limit=ms.get("bytes_limit")))
+        rows.append([int(ms.get(k) if ms.get(k) is not None else -1) for k in keys])
+    table = np.asarray(rows, np.int64)[None]
+    if jax.process_count() > 1:  # every process's GPUs, not only process 0's (a collective: all call it)
+        from jax.experimental import multihost_utils
+
+        table = np.asarray(multihost_utils.process_allgather(table[0]))
+    per_device = [dict(device=f"process {p} local device {i}" if jax.process_count() > 1 else str(jax.local_devices()[i]),
+                       **{k: (int(v) if v >= 0 else None) for k, v in zip(keys, row)})
+                  for p, proc in enumerate(table) for i, row in enumerate(proc) if (row >= 0).any()]
     kv = sum(a.nbytes for pair in eng.runner.kv for a in pair)
     return dict(peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_in_use=stats.get("bytes_in_use"),
                 bytes_limit=stats.get("bytes_limit"), per_device=per_device,

@@ -59,3 +59,52 @@ def test_serve_refuses_several_processes(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode != 0
     assert "jvllm serve runs in one process (this run has 2 processes)" in p.stderr, p.stderr[-3000:]
+
+
+def test_bench_under_launch_reports_from_process_0(tmp_path):
+    """`jvllm bench` as two processes (TP=2, one CPU device each): process 0 writes the JSON,
+    with the memory table gathered from both processes (empty on CPUs, which have no allocator
+    stats), and the other process says it left the report to process 0."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    out = tmp_path / "b.json"
+    p = subprocess.run([sys.executable, "-m", "jvllm.cli", "launch", "--nproc", "2", "--log-dir", str(tmp_path), "--",
+                        sys.executable, "-m", "jvllm.cli", "bench", "latency", "--model", "random:tiny", "-tp", "2",
+                        "--input-len", "12", "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
+                        "--max-model-len", "64", "--token-buckets", "8,16", "--no-xla-report", "--output-json", str(out)],
+                       capture_output=True, text=True, timeout=400, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    import json
+
+    d = json.loads(out.read_text())
+    assert d["results"]["output_len"] == 4 and d["memory"]["per_device"] == []
+    assert "process 1: done (process 0 writes the JSON)" in (tmp_path / "process_1.log").read_text()
+
+
+def test_memory_report_lists_devices_with_stats(monkeypatch):
+    import jax
+
+    from jvllm import bench
+
+    class Dev:
+        def __init__(self, i, stats):
+            self.i, self.stats = i, stats
+
+        def memory_stats(self):
+            return self.stats
+
+        def __str__(self):
+            return f"fake:{self.i}"
+
+    class Eng:
+        class runner:
+            kv, num_blocks, block_size = [], 3, 16
+
+    class LLMish:
+        llm_engine = Eng()
+
+    devs = [Dev(0, dict(peak_bytes_in_use=5, bytes_in_use=4, bytes_limit=9)), Dev(1, None)]
+    monkeypatch.setattr(jax, "local_devices", lambda: devs)
+    monkeypatch.setattr(bench, "param_stats", lambda llm: dict(weight_bytes=1))
+    r = bench.memory_report(LLMish())
+    assert r["per_device"] == [dict(device="fake:0", peak_bytes_in_use=5, bytes_in_use=4, bytes_limit=9)]
