@@ -679,7 +679,7 @@ class ModelRunner:
         if self._stage_pools is None:
             self._stage_pools = [cf.ThreadPoolExecutor(1, thread_name_prefix=f"jvllm-stage{s}")
                                  for s in range(1, len(self.stages))]
-        out = self._launch_stage(0, w)
+        self._launch_stage(0, w)  # sets w["x"] for stage 1
         fut = None
         for s_idx in range(1, len(self.stages)):
             last = s_idx == len(self.stages) - 1

@@ -1,9 +1,7 @@
 """Model registry: architecture name -> Flax NNX class, and helpers to build abstract or random models."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
