@@ -3,7 +3,7 @@
 # on random:llama3-8b bf16 for each configuration in CONFIGS, one after the other, JSON per config
 # in $OUT (per-GPU peak memory in its "memory.per_device"), then a table of the speed-ups against
 # the first configuration. Env: CONFIGS (default "tp1 tp2 pp2"; tpN = tensor parallel N, tpNmp =
-# the same with one process per GPU (jax.distributed; per-GPU memory is process 0's GPU only), ppN =
+# the same with one process per GPU (jax.distributed), ppNmp = pipeline stages one process per GPU, ppN =
 # pipeline parallel N, ppNt = the same with --pipeline-stage-threads, ppNp = with --pipeline-handoff
 # ppermute, dpN = data parallel N; tp1
 # runs on GPU 0 alone), BUCKETS (token buckets,
@@ -20,6 +20,7 @@ for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
   n=${cfg:2}; n=${n%t}; n=${n%mp}; n=${n%p}
   case $cfg in
     tp*mp) flags="--tensor-parallel-size $n" ;;
+    pp*mp) flags="--pipeline-parallel-size $n" ;;
     tp*) flags="--tensor-parallel-size $n" ;;
     pp*t) flags="--pipeline-parallel-size $n --pipeline-stage-threads" ;;
     pp*p) flags="--pipeline-parallel-size $n --pipeline-handoff ppermute" ;;

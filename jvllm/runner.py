@@ -101,7 +101,7 @@ def _put(x, sharding):
     if sharding is None:
         return x
     if jax.process_count() > 1:
-        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx], dtype=x.dtype)
     return jax.device_put(x, sharding)
 
 
@@ -127,9 +127,11 @@ def _to_host(x) -> np.ndarray:
 # copy) or "ppermute" (one collective-permute program over a 2 x tp mesh of both stages' devices,
 # assembled from the arrays' per-device buffers without copies; precompiled per bucket). The
 # second exists because on 2 H200s PP=2 spent 10.9-14 ms of each W1 step in launch calls without
-# overlapping its stages, and a device_put that waits for its input would explain it;
-# benchmarks/gpu_handoff_probe.py measures both. "device_put" stays the default until a GPU run
-# shows the other one faster.
+# overlapping its stages, and a device_put that waits for its input would explain it. It does not:
+# benchmarks/gpu_handoff_probe.py found neither blocking the host (device_put 0.18 ms, ppermute 0.85
+# ms against a 5.5 ms producer; h200x2_handoff_probe_a78ae13.json), and PP=2 W1 gave 7,071 with
+# ppermute against 6,959 with device_put, so "device_put" stays the default in one process. Across
+# processes ppermute is the only way (multiprocess below).
 HANDOFFS = ("device_put", "ppermute")
 
 
@@ -172,6 +174,14 @@ class ModelRunner:
         self.num_microbatches = num_microbatches or len(self.stages)
         self.stage_threads = stage_threads  # pipeline stages after the first launched from threads
         self.handoff = check_handoff(handoff)
+        # Pipeline stages over several processes (one per stage's devices, `jvllm launch`): each
+        # process launches only its own stages; hidden states and the sampled ids cross between
+        # processes through the hop programs, which both processes of a hop call (multi-controller
+        # JAX), so the hand-off is "ppermute" whatever was asked.
+        self.pid = jax.process_index()
+        self.multiprocess = jax.process_count() > 1 and len(self.stages) > 1
+        if self.multiprocess:
+            self.handoff = "ppermute"
         self._hop_programs: dict = {}  # (src, dst) -> (mesh, program, dst devices)
         self._hop_fillers: dict = {}   # (src, dst, shape, dtype) -> dst-half buffers of a hop's input
         self._stage_pools = None
@@ -181,8 +191,8 @@ class ModelRunner:
         max_blocks = cdiv(max_model_len, block_size)
         self.kv_chunk_blocks = min(kv_chunk_blocks, max_blocks)
         self.table_width = cdiv(max_blocks, self.kv_chunk_blocks) * self.kv_chunk_blocks
-        for st in self.stages:
-            st.kv = self._alloc_kv(st)
+        for i, st in enumerate(self.stages):
+            st.kv = self._alloc_kv(st) if self.local(i) else None  # another process's pool
         self._step_fns = {(i, dec): jax.jit(functools.partial(
             self._step_impl, st.graphdef, st.treedef, st.first, st.last, self.attention_modes[dec], st.mesh),
             donate_argnums=(1,)) for i, st in enumerate(self.stages) for dec in (False, True)}
@@ -201,10 +211,27 @@ class ModelRunner:
         self._compiled: dict = {}
         self.use_executable_cache = os.environ.get("JVLLM_EXECUTABLE_CACHE", "1") != "0"
 
+    def local(self, s_idx: int) -> bool:
+        """Whether stage `s_idx` runs in this process (always, in a single-process run)."""
+        mesh = self.stages[s_idx].mesh
+        return mesh is None or not self.multiprocess or next(iter(mesh.devices.flat)).process_index == self.pid
+
+    def owns(self, kind, key) -> bool:
+        """Whether this process compiles and runs program (kind, key): a stage's step programs in
+        the stage's process, sampling and prompt logprobs in the last stage's, a hop in both of its
+        ends' (every program in a single-process run)."""
+        if not self.multiprocess:
+            return True
+        if kind == "step":
+            return self.local(key[0])
+        if kind == "hop":
+            return self.local(key[0]) or self.local(key[1])
+        return self.local(len(self.stages) - 1)
+
     # single-stage conveniences (verify, tests)
     @property
     def kv(self):
-        return self.stages[0].kv if len(self.stages) == 1 else [kv for st in self.stages for kv in st.kv]
+        return self.stages[0].kv if len(self.stages) == 1 else [kv for st in self.stages for kv in st.kv or ()]
 
     @property
     def state(self):
@@ -339,6 +366,8 @@ class ModelRunner:
             out += [("hop", (s - 1, s, (T, self.cfg.hidden_size), str(self.dtype))) for T in self.token_buckets
                     for s in range(1, n)]
             out.append(("hop", (n - 1, 0, (self.max_num_seqs,), "int32")))  # sampled ids -> first stage
+        if self.multiprocess:  # prompt logprobs are refused across processes (see LLMEngine)
+            out = [(k, key) for k, key in out if k != "prompt_lp" and self.owns(k, key)]
         return out
 
     def compile(self, kind, key):
@@ -420,27 +449,42 @@ class ModelRunner:
             self._hop_programs[k] = (mesh2, fn, frozenset(devs[1]))
         return self._hop_programs[k]
 
-    def _to_stage(self, x, src: int, dst: int):
+    def _to_stage(self, x, src: int, dst: int, shape=None, dtype=None):
         """A device array on stage `src`'s devices -> the same values replicated on stage `dst`'s
         (`handoff`). The ppermute path needs `x` replicated on src's mesh (every device one full
-        copy; the stage programs' outputs are) and falls back to device_put otherwise."""
+        copy; the stage programs' outputs are) and falls back to device_put otherwise.
+
+        Across processes (`multiprocess`) both ends' processes call this for every hand-off, in
+        the same order: src's with `x`, dst's with x=None and its `shape` and `dtype`; each gives
+        the hop program its own devices' buffers. Returns the array on dst's devices in dst's
+        process, None in src's."""
         dst_shard = self.stages[dst].sharding()
-        if (self.handoff != "ppermute" or src == dst or not isinstance(x, jax.Array)
-                or not x.sharding.is_fully_replicated or jax.process_count() > 1):
+        if not self.multiprocess and (self.handoff != "ppermute" or src == dst or not isinstance(x, jax.Array)
+                                      or not x.sharding.is_fully_replicated or jax.process_count() > 1):
             return jax.device_put(x, dst_shard)
         from jax.sharding import NamedSharding, PartitionSpec
 
-        key = (src, dst, tuple(x.shape), str(x.dtype))
+        shape = tuple(x.shape) if x is not None else tuple(shape)
+        dtype = str(x.dtype) if x is not None else str(jnp.dtype(dtype))
+        key = (src, dst, shape, dtype)
         mesh2, _, dst_devs = self._hop_program(src, dst)
-        if key not in self._hop_fillers:  # the dst half of the input: never read, allocated once per shape
-            filler = jax.device_put(np.zeros(x.shape, x.dtype), dst_shard)
-            self._hop_fillers[key] = [sh.data for sh in filler.addressable_shards]
-        g = jax.make_array_from_single_device_arrays((2 * x.shape[0], *x.shape[1:]),
-                                                     NamedSharding(mesh2, PartitionSpec("hop")),
-                                                     [sh.data for sh in x.addressable_shards] + self._hop_fillers[key])
+        mine = []
+        if self.local(src):
+            if x is None or not x.sharding.is_fully_replicated:
+                raise ValueError(f"hand-off from stage {src}: needs the stage's output replicated on its devices")
+            mine += [sh.data for sh in x.addressable_shards]
+        if self.local(dst):
+            if key not in self._hop_fillers:  # the dst half of the input: never read, allocated once per shape
+                filler = jax.device_put(np.zeros(shape, dtype), dst_shard)
+                self._hop_fillers[key] = [sh.data for sh in filler.addressable_shards]
+            mine += self._hop_fillers[key]
+        g = jax.make_array_from_single_device_arrays((2 * shape[0], *shape[1:]),
+                                                     NamedSharding(mesh2, PartitionSpec("hop")), mine)
         out = self.compile("hop", key)(g)
+        if not self.local(dst):
+            return None
         return jax.make_array_from_single_device_arrays(
-            x.shape, dst_shard, [sh.data for sh in out.addressable_shards if sh.device in dst_devs])
+            shape, dst_shard, [sh.data for sh in out.addressable_shards if sh.device in dst_devs])
 
     def _executable_cache_ok(self) -> bool:
         """jvllm's executable cache (jvllm.compile) serves single-process runners, TP and PP meshes
@@ -605,7 +649,10 @@ class ModelRunner:
             tm["prepare_s"] += t1 - t0
             tm["sample_inputs_s"] += time.perf_counter() - t1
             if prev_tok is not None and bool((src >= 0).any()):
-                tok_in = prev_tok if first_shard is None else self._to_stage(prev_tok, len(self.stages) - 1, 0)
+                if self.multiprocess:  # already on stage 0 (_launch_multiprocess hands the ids over)
+                    tok_in = prev_tok
+                else:
+                    tok_in = prev_tok if first_shard is None else self._to_stage(prev_tok, len(self.stages) - 1, 0)
             else:
                 tok_in = self._no_prev
             work.append(dict(group=group, sched=sched, T=T, R=R, decode=decode, x=tokens, md=md, src=src,
@@ -613,6 +660,8 @@ class ModelRunner:
         # Launch order: micro-batch by micro-batch, each through all stages, then its sampler.
         # Measured on 2 H200s (PP=2, W1): 8,688 out tok/s this way against 7,503 stage-major (every
         # micro-batch's stage 0 first; bench_pp2 JSONs of commits 1fbff9a and 377d736).
+        if self.multiprocess:
+            return len(scheduled), [self._launch_multiprocess(w) for w in work]
         if self.stage_threads and len(self.stages) > 1:
             return len(scheduled), [self._launch_threaded(w) for w in work]
         pending = []
@@ -622,7 +671,33 @@ class ModelRunner:
             pending.append(self._launch_sample(w, out))
         return len(scheduled), pending
 
-    def _launch_stage(self, s_idx, w):
+    def _launch_multiprocess(self, w):
+        """Micro-batch `w` through stages spread over processes: this process's stages launched,
+        each stage's hidden states handed to the next stage's process, the last stage's sampled
+        ids (padded) handed to the first stage's process. Both hand-off ends call the hop, in the
+        same order in every process. Returns the pending entry; its ids are this process's copy
+        (the last stage's own, or the first stage's received one)."""
+        n = len(self.stages)
+        out = None
+        for s_idx in range(n):
+            if self.local(s_idx):
+                out = self._launch_stage(s_idx, w, on_stage=True)
+            if s_idx < n - 1 and (self.local(s_idx) or self.local(s_idx + 1)):
+                w["x"] = self._to_stage(w["x"] if self.local(s_idx) else None, s_idx, s_idx + 1,
+                                        shape=(w["T"], self.cfg.hidden_size), dtype=self.dtype)
+        tok_pad = None
+        if self.local(n - 1):
+            entry = self._launch_sample(w, out)
+            tok_pad = entry[4]
+        if self.local(n - 1) or self.local(0):
+            t = time.perf_counter()
+            moved = self._to_stage(tok_pad, n - 1, 0, shape=(self.max_num_seqs,), dtype=jnp.int32)
+            self._add_time("sample_call_s", time.perf_counter() - t)
+            if not self.local(n - 1):
+                tok_pad = moved
+        return (w["group"], tok_pad, None, None, tok_pad)
+
+    def _launch_stage(self, s_idx, w, on_stage: bool = False):
         """Enqueue stage `s_idx` of micro-batch `w` (moving its input onto the stage's devices)."""
         st = self.stages[s_idx]
         shard = st.sharding()
@@ -632,7 +707,7 @@ class ModelRunner:
         dev = _put_tree(host, shard)  # this stage's host inputs in one transfer call
         md_s = dev["md"]
         if not isinstance(x, np.ndarray):  # hidden states of the previous stage: device to device
-            x = self._to_stage(x, s_idx - 1, s_idx) if shard is not None else x
+            x = self._to_stage(x, s_idx - 1, s_idx) if shard is not None and not on_stage else x
         else:
             x = dev["x"]
         extra = (w["tok_in"], dev["src"]) if st.first else ()

@@ -194,6 +194,11 @@ llm = LLM(sys.argv[2], dtype="float32", max_model_len=128, max_num_batched_token
           token_buckets=(8, 32), use_tqdm_on_load=False, **kw)
 print("BLOCKS", llm.llm_engine.runner.num_blocks)
 prompts = json.loads(sys.argv[4])
+if llm.llm_engine.runner.multiprocess:  # stages over processes: logprobs refused, naming the values
+    try:
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2, logprobs=1), use_tqdm=False)
+    except ValueError as e:
+        print("LPERR", e)
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                     SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
 print("ASYNC", llm.llm_engine.async_scheduling)
@@ -203,15 +208,21 @@ print("RESULT", json.dumps([o.outputs[0].token_ids for o in outs]), jax.process_
 
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=4, blocks_per_process=[40, 30]),
                                 dict(tensor_parallel_size=4, async_scheduling=False),
-                                dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+                                dict(tensor_parallel_size=2, pipeline_parallel_size=2, blocks_per_process=[24, 30]),
+                                dict(tensor_parallel_size=2, pipeline_parallel_size=2, async_scheduling=False),
+                                dict(pipeline_parallel_size=2),
                                 dict(tensor_parallel_size=2, data_parallel_size=2)],
-                         ids=["tp4_async", "tp4_sync", "tp2_pp2_refused", "tp2_dp2_refused"])
+                         ids=["tp4_async", "tp4_sync", "tp2_pp2_async", "tp2_pp2_sync", "pp2_one_owner_refused",
+                              "tp2_dp2_refused"])
 def test_two_processes(base, tmp_path, kw):
-    """TP=4 over two processes of two CPU devices each (gloo collectives): the single-device
-    tokens, with the async loop (the default) and the synchronous one. Processes that size their
-    KV pools differently agree on the smallest before compiling (on GPUs each process measures its
-    own device; different shapes hung both in XLA's shared autotuning). Pipeline stages and
-    data-parallel replicas across processes are refused at start-up, naming the sizes."""
+    """Two processes of two CPU devices each (gloo collectives). TP=4 across them, and TP=2 x PP=2
+    with one stage per process (hidden states and sampled ids cross through collective-permute
+    programs both processes call): the single-device tokens, with the async loop (the default)
+    and the synchronous one; with stages over processes logprobs are refused. Processes that
+    size their KV pools differently agree on the smallest before compiling (on GPUs each process
+    measures its own device; different shapes hung both in XLA's shared autotuning). PP=2 on the
+    first two devices (both in process 0, process 1 would own no stage) and data-parallel
+    replicas across processes are refused at start-up, naming the sizes."""
     path, expected = base
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -225,10 +236,15 @@ def test_two_processes(base, tmp_path, kw):
     results = []
     for p in procs:
         out, _ = p.communicate(timeout=300)
-        refused = [k for k in ("pipeline_parallel_size", "data_parallel_size") if kw.get(k, 1) > 1]
-        if refused:  # stages and replicas cannot span processes: a clear start-up error
-            assert f"{refused[0]}=2 needs a single-process run (got 2 processes)" in out, out[-3000:]
+        if kw.get("data_parallel_size", 1) > 1:  # replicas cannot span processes: a clear start-up error
+            assert "data_parallel_size=2 needs a single-process run (got 2 processes)" in out, out[-3000:]
             continue
+        if kw.get("tensor_parallel_size", 1) == 1 and kw.get("pipeline_parallel_size", 1) > 1:
+            assert "pipeline_parallel_size=2 over 2 processes: process(es) [1] would own neither" in out, out[-3000:]
+            continue
+        if kw.get("pipeline_parallel_size", 1) > 1:
+            assert "LPERR logprobs=1, prompt_logprobs=None: logprobs are not available with pipeline stages" in out, \
+                out[-3000:]
         line = [x for x in out.splitlines() if x.startswith("RESULT")]
         assert line, out[-3000:]
         assert f"ASYNC {kw.get('async_scheduling', True)}" in out, out[-3000:]

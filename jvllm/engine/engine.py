@@ -237,17 +237,12 @@ class LLMEngine:
         from jvllm.models import param_specs, stage_layers, stage_names
         from jvllm.sharding import make_mesh, partition_spec, stage_mesh, tensor_parallel_rules
 
-        if pp > 1 and jax.process_count() > 1:
-            # each stage's programs run on its own devices only, and a stage that lives in another
-            # process cannot be launched from this one (multi-controller JAX runs every program in
-            # every process); nor can a stage's hidden states be handed to another process's devices
-            raise ValueError(f"pipeline_parallel_size={pp} needs a single-process run (got {jax.process_count()} "
-                             f"processes); across processes use tensor parallelism (tensor_parallel_size up to "
-                             f"{jax.device_count()}) and pipeline stages within one process")
         rules = tensor_parallel_rules(mc, tp)
         mesh = make_mesh(tensor=tp, stage=pp, data=1, devices=devices)
         ranges = stage_layers(mc.num_layers, pp)
         meshes = [stage_mesh(mesh, 0, s) for s in range(pp)]
+        if pp > 1 and jax.process_count() > 1:
+            self._check_multiprocess_stages(config, meshes)
         shardings = {}
         for m, r in zip(meshes, ranges):
             local = param_specs(mc, self.dtype, r)
@@ -255,6 +250,33 @@ class LLMEngine:
                 shardings[g] = NamedSharding(m, partition_spec(local[name][2], rules))
         self.mesh = mesh
         return dict(shardings=shardings, stage_meshes=meshes, ranges=ranges, rules=rules)
+
+    def _check_multiprocess_stages(self, config: EngineConfig, meshes):
+        """Pipeline stages over several processes (`jvllm launch`): each process launches its own
+        stages and hands hidden states and sampled ids to the others through collective-permute
+        programs. Refused, naming the sizes, where a stage would span processes, where a process
+        would own neither the first nor the last stage (the sampled ids reach only those two), with
+        tied embeddings (the last stage's copy of the embedding would have to cross processes at
+        load time) and with stage threads."""
+        nproc = jax.process_count()
+        owners = [sorted({d.process_index for d in m.devices.flat}) for m in meshes]
+        pp, tp = config.pipeline_parallel_size, config.tensor_parallel_size
+        per = jax.local_device_count()
+        if any(len(o) > 1 for o in owners):
+            raise ValueError(f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} over {nproc} processes of "
+                             f"{per} device(s): stage(s) {[s for s, o in enumerate(owners) if len(o) > 1]} would span "
+                             f"processes; give each process whole stages (tensor_parallel_size a divisor of {per})")
+        ends = {owners[0][0], owners[-1][0]}
+        idle = sorted(set(range(nproc)) - ends)
+        if idle:
+            raise ValueError(f"pipeline_parallel_size={pp} over {nproc} processes: process(es) {idle} would own "
+                             f"neither the first nor the last stage; use at most 2 processes for the stages")
+        if self.model_config.tie_word_embeddings and owners[0] != owners[-1]:
+            raise ValueError(f"pipeline stages over {nproc} processes need a model with its own LM head; "
+                             f"{config.model!r} ties it to the embedding: run its pipeline stages in one process")
+        if config.pipeline_stage_threads:
+            raise ValueError("pipeline_stage_threads needs a single-process run (each process already launches "
+                             "only its own stages)")
 
     def _build_stages(self, layout, params):
         from jvllm.models import bind, stage_names
@@ -319,6 +341,7 @@ class LLMEngine:
         T = probe.token_buckets[-1]
         peak = 0
         keys = [("step", (s, T, False)) for s in range(len(probe.stages))] + [("sample", (probe.seq_bucket(T), True))]
+        keys = [k for k in keys if probe.owns(*k)]  # this process's programs (stages over processes)
         for kind, key in keys:
             exe = probe.compile(kind, key)
             temp = jcompile.temp_bytes(exe)
@@ -327,7 +350,7 @@ class LLMEngine:
             else:  # no memory analysis on this backend: keep a 5% margin of the device
                 limit = (device_memory_stats() or {}).get("bytes_limit", 0)
                 peak = max(peak, int(0.05 * limit))
-        for k, v in probe.kv:
+        for k, v in probe.kv:  # this process's pools (others' are None)
             k.delete()
             v.delete()
         return int(peak * 1.1)
@@ -383,6 +406,11 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {L}, which leaves no room "
                              f"to generate")
         params.validate_for_vocab(V)
+        if getattr(self.runner, "multiprocess", False) and (params.logprobs is not None
+                                                             or params.prompt_logprobs is not None):
+            raise ValueError(f"logprobs={params.logprobs}, prompt_logprobs={params.prompt_logprobs}: logprobs are "
+                             f"not available with pipeline stages over {jax.process_count()} processes (only the "
+                             f"sampled ids cross between them); run the stages in one process for logprobs")
         seqs = []
         for i in range(params.n):
             if params.seed is not None:
