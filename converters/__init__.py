@@ -164,6 +164,8 @@ def load_checkpoint(spec: ModelSpec | str, dtype="float32",
     if put is None:
         def put(name, a):
             s = (shardings or {}).get(name)
+            if s is not None and not s.addressable_devices:  # another process's stage: nothing to place here
+                return remote_placeholder(tuple(a.shape), jdtype, s)
             return jax.device_put(jnp.asarray(a, jdtype), s) if s is not None else jnp.asarray(a, jdtype)
 
     if spec.kind == "gguf":
@@ -193,6 +195,15 @@ def convert_to_orbax(src: str, dst: str, dtype="float32") -> dict:
     return {"load_s": ck.load_seconds, "save_s": time.perf_counter() - t0}
 
 
+def remote_placeholder(shape: tuple, dtype, sharding):
+    """A global array on devices that all belong to other processes (pipeline stages over
+    processes): this process holds none of its data and never computes with it; the owners load
+    the values. No device memory, no program."""
+    import jax
+
+    return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
+
+
 def random_device_params(specs: dict, dtype, shardings: dict | None = None, seed: int = 0, std: float = 0.02) -> dict:
     """Random weights generated on the device(s) in their target dtype and sharding (no host copy):
     normal(0, std) for matrices, 1 for norm weights, 0 for biases."""
@@ -205,6 +216,9 @@ def random_device_params(specs: dict, dtype, shardings: dict | None = None, seed
     for i, (name, (shape, _, _)) in enumerate(sorted(specs.items())):
         kind = "ones" if name.endswith("norm.weight") else ("zeros" if "bias" in name else "normal")
         sh = (shardings or {}).get(name)
+        if sh is not None and not sh.addressable_devices:  # another process's stage (its own key i there)
+            out[name] = remote_placeholder(tuple(shape), dtype, sh)
+            continue
         fk = (shape, kind, sh)
         if fk not in fns:
             def make(k, shape=shape, kind=kind):

@@ -61,15 +61,17 @@ def test_serve_refuses_several_processes(tmp_path):
     assert "jvllm serve runs in one process (this run has 2 processes)" in p.stderr, p.stderr[-3000:]
 
 
-def test_bench_under_launch_reports_from_process_0(tmp_path):
-    """`jvllm bench` as two processes (TP=2, one CPU device each): process 0 writes the JSON,
-    with the memory table gathered from both processes (empty on CPUs, which have no allocator
-    stats), and the other process says it left the report to process 0."""
+@pytest.mark.parametrize("flag", ["-tp", "-pp"])
+def test_bench_under_launch_reports_from_process_0(tmp_path, flag):
+    """`jvllm bench` on random weights as two processes (TP=2, or PP=2 with one stage per process,
+    one CPU device each): process 0 writes the JSON, with the memory table gathered from both
+    processes (empty on CPUs, which have no allocator stats), and the other process says it left
+    the report to process 0."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = tmp_path / "b.json"
     p = subprocess.run([sys.executable, "-m", "jvllm.cli", "launch", "--nproc", "2", "--log-dir", str(tmp_path), "--",
-                        sys.executable, "-m", "jvllm.cli", "bench", "latency", "--model", "random:tiny", "-tp", "2",
+                        sys.executable, "-m", "jvllm.cli", "bench", "latency", "--model", "random:tiny", flag, "2",
                         "--input-len", "12", "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
                         "--max-model-len", "64", "--token-buckets", "8,16", "--no-xla-report", "--output-json", str(out)],
                        capture_output=True, text=True, timeout=400, env=env)
