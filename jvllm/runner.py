@@ -149,10 +149,33 @@ class _Pending:
     future: object
 
 
+class _Deferred:
+    """A micro-batch of pipeline stages over processes whose sampled ids cross from the last
+    stage's process to the first stage's by a hop issued later (`ModelRunner._flush_deferred`):
+    right after the next micro-batch's stage 0 is queued, so that the first stage's GPU is not
+    held in a collective while the last stage still computes. Every process issues the same hops
+    in the same order (the collectives must match); `result()` issues any still due."""
+
+    def __init__(self, group, runner, own=None):
+        self.group, self.runner, self.own, self.value = group, runner, own, None
+
+    def result(self) -> tuple:
+        if self.value is None:
+            self.runner._flush_deferred()
+        return self.value
+
+
 def _entry(e) -> tuple:
     """A pending micro-batch's (group, ids, logprobs, prompt logprobs, padded ids), waiting for
-    its stage threads to enqueue it if it is a _Pending."""
-    return e.future.result() if isinstance(e, _Pending) else e
+    its stage threads to enqueue it if it is a _Pending, issuing its ids' hand-off if _Deferred."""
+    if isinstance(e, _Pending):
+        return e.future.result()
+    return e.result() if isinstance(e, _Deferred) else e
+
+
+def _group(e) -> list:
+    """A pending micro-batch's group, without waiting for anything."""
+    return e.group if isinstance(e, (_Pending, _Deferred)) else e[0]
 
 
 class ModelRunner:
@@ -184,6 +207,7 @@ class ModelRunner:
             self.handoff = "ppermute"
         self._hop_programs: dict = {}  # (src, dst) -> (mesh, program, dst devices)
         self._hop_fillers: dict = {}   # (src, dst, shape, dtype) -> dst-half buffers of a hop's input
+        self._deferred: list = []      # stages over processes: micro-batches whose ids are still due
         self._stage_pools = None
         self._timer_lock = threading.Lock()
         attention_backend, self.attention_modes = attention_modes(attention_backend)
@@ -608,7 +632,7 @@ class ModelRunner:
                 groups.append(cur)
             return [(g, None) for g in groups]
         owner = {s.req.request_id: p for p, e in enumerate(prev_groups)
-                 for _, s in (e.group if isinstance(e, _Pending) else e[0])}  # no wait for threads
+                 for _, s in _group(e)}  # no wait for stage threads or deferred hand-offs
         pinned: dict[int, list] = {}
         free = []
         for i, s in enumerate(scheduled):
@@ -637,9 +661,12 @@ class ModelRunner:
         work = []  # host-side inputs of every micro-batch first, then the launches
         for group, p in self._microbatches(scheduled, prev_groups):
             sched = [s for _, s in group]
-            prev_tok, prev_rows = None, None
+            prev_tok, prev_rows, prev_entry = None, None, None
             if p is not None:
-                p_group, *_, prev_tok = _entry(prev_groups[p])
+                if self.multiprocess:  # its ids may still be due to cross processes: resolved at launch
+                    p_group, prev_entry = _group(prev_groups[p]), prev_groups[p]
+                else:
+                    p_group, *_, prev_tok = _entry(prev_groups[p])
                 prev_rows = {s.req.request_id: row for row, (_, s) in enumerate(p_group)}
             t0 = time.perf_counter()
             T, R, decode, tokens, md, src = self.prepare(sched, prev_rows=prev_rows)
@@ -648,11 +675,10 @@ class ModelRunner:
             greedy = ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
             tm["prepare_s"] += t1 - t0
             tm["sample_inputs_s"] += time.perf_counter() - t1
-            if prev_tok is not None and bool((src >= 0).any()):
-                if self.multiprocess:  # already on stage 0 (_launch_multiprocess hands the ids over)
-                    tok_in = prev_tok
-                else:
-                    tok_in = prev_tok if first_shard is None else self._to_stage(prev_tok, len(self.stages) - 1, 0)
+            if prev_entry is not None and bool((src >= 0).any()):
+                tok_in = prev_entry  # _launch_multiprocess takes its ids (on stage 0) at launch
+            elif prev_tok is not None and bool((src >= 0).any()):
+                tok_in = prev_tok if first_shard is None else self._to_stage(prev_tok, len(self.stages) - 1, 0)
             else:
                 tok_in = self._no_prev
             work.append(dict(group=group, sched=sched, T=T, R=R, decode=decode, x=tokens, md=md, src=src,
@@ -673,11 +699,18 @@ class ModelRunner:
 
     def _launch_multiprocess(self, w):
         """Micro-batch `w` through stages spread over processes: this process's stages launched,
-        each stage's hidden states handed to the next stage's process, the last stage's sampled
-        ids (padded) handed to the first stage's process. Both hand-off ends call the hop, in the
-        same order in every process. Returns the pending entry; its ids are this process's copy
-        (the last stage's own, or the first stage's received one)."""
+        each stage's hidden states handed to the next stage's process (both ends call the hop, in
+        the same order in every process), the sampler in the last stage's process. Its sampled ids
+        go to the first stage's process later (`_Deferred`), after the next micro-batch's stage 0:
+        on 2 GPUs the order per step (micro-batches a, b) is then GPU 0: s0(a), send h(a), s0(b),
+        send h(b), receive ids(a); GPU 1: receive h(a), s1(a), sample(a), receive h(b), send
+        ids(a), s1(b), ... and neither GPU waits in a collective while the other computes."""
         n = len(self.stages)
+        prev = w["tok_in"]
+        if isinstance(prev, _Deferred):  # this micro-batch's input ids are still due: hand them over now
+            w["tok_in"] = _entry(prev)[4] if self.local(0) else self._no_prev
+            if not self.local(0):
+                _entry(prev)
         out = None
         for s_idx in range(n):
             if self.local(s_idx):
@@ -685,17 +718,26 @@ class ModelRunner:
             if s_idx < n - 1 and (self.local(s_idx) or self.local(s_idx + 1)):
                 w["x"] = self._to_stage(w["x"] if self.local(s_idx) else None, s_idx, s_idx + 1,
                                         shape=(w["T"], self.cfg.hidden_size), dtype=self.dtype)
-        tok_pad = None
-        if self.local(n - 1):
-            entry = self._launch_sample(w, out)
-            tok_pad = entry[4]
-        if self.local(n - 1) or self.local(0):
+            if s_idx == 0:  # stage 0 of this micro-batch is queued: earlier micro-batches' ids may cross
+                self._flush_deferred()
+        own = self._launch_sample(w, out)[4] if self.local(n - 1) else None
+        entry = _Deferred(w["group"], self, own)
+        self._deferred.append(entry)
+        return entry
+
+    def _flush_deferred(self):
+        """Hand every deferred micro-batch's sampled ids from the last stage's process to the first
+        stage's, oldest first (all processes call this at the same points)."""
+        n = len(self.stages)
+        while self._deferred:
+            e = self._deferred.pop(0)
             t = time.perf_counter()
-            moved = self._to_stage(tok_pad, n - 1, 0, shape=(self.max_num_seqs,), dtype=jnp.int32)
+            moved = None
+            if self.local(n - 1) or self.local(0):
+                moved = self._to_stage(e.own, n - 1, 0, shape=(self.max_num_seqs,), dtype=jnp.int32)
             self._add_time("sample_call_s", time.perf_counter() - t)
-            if not self.local(n - 1):
-                tok_pad = moved
-        return (w["group"], tok_pad, None, None, tok_pad)
+            tok = e.own if self.local(n - 1) else moved
+            e.value = (e.group, tok, None, None, tok)
 
     def _launch_stage(self, s_idx, w, on_stage: bool = False):
         """Enqueue stage `s_idx` of micro-batch `w` (moving its input onto the stage's devices)."""
