@@ -3,7 +3,7 @@
 function into JSON, so design questions (small kernels around the matmuls at batch 1, attention
 share at batch 256, what the host blocks on in a step call) are settled by a profile.
 
-    python benchmarks/profile_steps.py --workload b1|w1 --model random:llama3-8b --dtype bfloat16 \
+    [jvllm launch --nproc 2 --] python benchmarks/profile_steps.py --workload b1|w1 --model random:llama3-8b --dtype bfloat16 \
         [--steps 20] [--out $OUT/profile_b1.json] [--keep-trace] [engine flags, as for jvllm bench]
 
 JSON: per device track, busy time per step (the union of its kernels' intervals) and the top
@@ -144,6 +144,7 @@ def main(argv=None):
     opts = jax.profiler.ProfileOptions()
     if a.no_python_trace:
         opts.python_tracer_level = 0
+    t_wall = time.time()
     with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=opts):
         t = time.perf_counter()
         for _ in range(a.steps):
@@ -160,10 +161,16 @@ def main(argv=None):
                engine_stats_delta={k: s1[k] - s0[k] for k in s1 if isinstance(s1.get(k), (int, float))
                                    and isinstance(s0.get(k), (int, float))},
                **summarize(trace, a.steps))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    json.dump(res, open(a.out, "w"), indent=1, default=str)
+    out = a.out
+    if jax.process_count() > 1:  # under jvllm launch each process profiles its own devices: a file each
+        res["process_index"] = jax.process_index()
+        res["trace_start_unix_s"] = t_wall  # to line the processes' timelines up
+        if jax.process_index():
+            out = f"{os.path.splitext(a.out)[0]}.p{jax.process_index()}.json"
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    json.dump(res, open(out, "w"), indent=1, default=str)
     if a.keep_trace:
-        shutil.copy(paths[0], os.path.splitext(a.out)[0] + ".perfetto.json.gz")
+        shutil.copy(paths[0], os.path.splitext(out)[0] + ".perfetto.json.gz")
     print(f"{a.workload}: {res['wall_ms_per_step']:.2f} ms/step wall, batch {res['batch']}")
     if "devices" in res:
         print(f"  devices busy ms/step {res['devices']['busy_ms_per_step']}, all at once "
