@@ -96,7 +96,8 @@ def launch(cmd: list[str], nproc: int, devices_per_process: int = 1, log_dir: st
             path = os.path.join(log_dir, f"process_{failed}.log")
             for f in logs:
                 f.flush()
-            tail = open(path, errors="replace").read()[-3000:]
+            with open(path, errors="replace") as f:
+                tail = f.read()[-3000:]
             print(f"--- last lines of {path} ---\n{tail}", file=sys.stderr, flush=True)
         return rc if rc else 1
     except KeyboardInterrupt:

@@ -215,6 +215,9 @@ class ModelRunner:
         max_blocks = cdiv(max_model_len, block_size)
         self.kv_chunk_blocks = min(kv_chunk_blocks, max_blocks)
         self.table_width = cdiv(max_blocks, self.kv_chunk_blocks) * self.kv_chunk_blocks
+        # which stages run in this process (all of them in a single-process run)
+        self._local = [not self.multiprocess or st.mesh is None
+                       or next(iter(st.mesh.devices.flat)).process_index == self.pid for st in self.stages]
         for i, st in enumerate(self.stages):
             st.kv = self._alloc_kv(st) if self.local(i) else None  # another process's pool
         self._step_fns = {(i, dec): jax.jit(functools.partial(
@@ -237,8 +240,7 @@ class ModelRunner:
 
     def local(self, s_idx: int) -> bool:
         """Whether stage `s_idx` runs in this process (always, in a single-process run)."""
-        mesh = self.stages[s_idx].mesh
-        return mesh is None or not self.multiprocess or next(iter(mesh.devices.flat)).process_index == self.pid
+        return self._local[s_idx]
 
     def owns(self, kind, key) -> bool:
         """Whether this process compiles and runs program (kind, key): a stage's step programs in
@@ -484,7 +486,7 @@ class ModelRunner:
         process, None in src's."""
         dst_shard = self.stages[dst].sharding()
         if not self.multiprocess and (self.handoff != "ppermute" or src == dst or not isinstance(x, jax.Array)
-                                      or not x.sharding.is_fully_replicated or jax.process_count() > 1):
+                                      or not x.sharding.is_fully_replicated):
             return jax.device_put(x, dst_shard)
         from jax.sharding import NamedSharding, PartitionSpec
 
@@ -707,10 +709,9 @@ class ModelRunner:
         ids(a), s1(b), ... and neither GPU waits in a collective while the other computes."""
         n = len(self.stages)
         prev = w["tok_in"]
-        if isinstance(prev, _Deferred):  # this micro-batch's input ids are still due: hand them over now
-            w["tok_in"] = _entry(prev)[4] if self.local(0) else self._no_prev
-            if not self.local(0):
-                _entry(prev)
+        if isinstance(prev, _Deferred):  # its input ids may still be due: every process hands them over now
+            ids = _entry(prev)[4]
+            w["tok_in"] = ids if self.local(0) else self._no_prev
         out = None
         for s_idx in range(n):
             if self.local(s_idx):

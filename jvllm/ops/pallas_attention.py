@@ -140,12 +140,13 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     - one-query tiles (decode-only steps) with at least 512 programs (64 requests x 8 KV heads):
       128 keys per inner step, 4 warps, 1 stage: 0.475 ms against 0.713 ms for the prefill launch
       at 256 decodes of context 800, 16-token pages, and 0.49 ms with 64-token pages
-      (benchmarks/results/h200_gpu_decode_sweep_dcbef8f.json; a kernel measurement, the
-      engine-level W1 effect is not yet measured). Smaller decode batches (B1) keep the prefill
-      launch: the sweep measured nothing better for them;
-    - one-query tiles with fewer than 512 programs are split-K (`decode_splits`): B1 went from
-      186.9 to 198.6 tok/s (benchmarks/results/h200_b1_split_*.json against h200x2_tp1_*.json,
-      Llama-3-8B bf16, where 8 unsplit programs left the GPU idle: 0.79 ms of attention per step).
+      (benchmarks/results/h200_gpu_decode_sweep_dcbef8f.json); in the engine W1 went from 7,448
+      to 7,774 out tok/s (h200_jvllm_all_block64_dcbef8f.json, h200x2_tp1_a78ae13.json);
+    - one-query tiles with fewer than 512 programs (small decode batches, B1) keep the 64-key,
+      2-stage launch (the sweep found nothing better for them) but are split-K (`decode_splits`):
+      B1 went from 186.9 to 198.1-198.6 tok/s on H200s (h200x2_tp1_a78ae13.json before;
+      h200_b1_split_a0626a7.json, h200x2_b1_tp1_0e2cbac.json after; separate calls, Llama-3-8B
+      bf16), where 8 unsplit programs left the GPU idle (0.79 ms of attention per step).
     `prefetch_ids` loads the next inner step's page ids one iteration ahead (experimental; it
     did not beat the defaults in that sweep).
 
