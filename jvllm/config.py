@@ -213,12 +213,17 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
+    """`max_num_batched_tokens` is the token budget of one micro-batch: with pipeline stages a step
+    is `num_microbatches` micro-batches, each up to that budget (as vLLM's budget is per virtual
+    engine), so each micro-batch fills the same bucket one step fills without stages.
+    `max_num_seqs` bounds the running requests of the whole step."""
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 2048
+    num_microbatches: int = 1
 
     def __post_init__(self):
-        for f in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        for f in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_microbatches"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")

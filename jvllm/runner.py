@@ -607,8 +607,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execute
     def _microbatches(self, scheduled, prev_groups=None):
-        """Split a step into up to `num_microbatches` groups of (index, ScheduledRequest), balanced
-        by tokens (several pipeline stages; one group otherwise). Returns [(group, p)] where p is
+        """Split a step into up to `num_microbatches` groups of (index, ScheduledRequest): the
+        scheduler's micro-batches (`Request.microbatch`, engine runs), else balanced by tokens
+        (several pipeline stages; one group otherwise). Returns [(group, p)] where p is
         the index of the group of `prev_groups` (the step still in flight) whose sampled ids this
         group's pending tokens come from, or None.
 
@@ -619,6 +620,21 @@ class ModelRunner:
         while the last stage still works on step N's second one, so the pipeline stays full
         across steps, not only within one. New requests go to the group with the fewest tokens."""
         m = min(self.num_microbatches, len(scheduled)) if len(self.stages) > 1 else 1
+        owner = {} if prev_groups is None else {s.req.request_id: p for p, e in enumerate(prev_groups)
+                                                for _, s in _group(e)}  # no wait for stage threads or deferred hand-offs
+        if m > 1 and all(getattr(s.req, "microbatch", None) is not None for s in scheduled):
+            # the scheduler's micro-batches (each within the token budget, members stable while running)
+            by: dict[int, list] = {}
+            for i, s in enumerate(scheduled):
+                by.setdefault(s.req.microbatch, []).append((i, s))
+            out = []
+            for g in sorted(by):
+                ps = {owner[s.req.request_id] for _, s in by[g] if s.req.request_id in owner}
+                if len(ps) > 1:
+                    raise RuntimeError(f"micro-batch {g} draws pending tokens from micro-batches {sorted(ps)} "
+                                       "of the step in flight; a request changed micro-batch while running")
+                out.append((by[g], ps.pop() if ps else None))
+            return out
         if prev_groups is None:
             if m <= 1:
                 return [(list(enumerate(scheduled)), None)]
@@ -633,8 +649,6 @@ class ModelRunner:
             if cur:
                 groups.append(cur)
             return [(g, None) for g in groups]
-        owner = {s.req.request_id: p for p, e in enumerate(prev_groups)
-                 for _, s in _group(e)}  # no wait for stage threads or deferred hand-offs
         pinned: dict[int, list] = {}
         free = []
         for i, s in enumerate(scheduled):

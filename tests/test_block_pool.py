@@ -180,3 +180,43 @@ def test_schedule_ahead_counts_pending_tokens_skips_and_never_preempts():
     assert not ahead.preempted and sched.num_preemptions == 0 and b.status is Status.RUNNING
     sync = sched.schedule()                    # the synchronous path preempts the newest instead
     assert [r.request_id for r in sync.preempted] == ["b"] and b.status is Status.PREEMPTED
+
+
+def test_scheduler_microbatches_budget_each_and_keep_members():
+    """Pipeline micro-batches: the budget is per micro-batch (a chunk is cut to what its micro-batch
+    has left), a new request joins the micro-batch with the fewest running requests, a request
+    keeps its micro-batch while running, and preemption frees it to join another."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64,
+                                      num_microbatches=2), kv)
+    a, b, c = req("a", list(range(6)), max_tokens=4), req("b", list(range(20, 32)), max_tokens=4), \
+        req("c", list(range(40, 43)), max_tokens=4)
+    for r in (a, b, c):
+        sched.add(r)
+    out = sched.schedule()
+    got = [(s.req.request_id, s.req.microbatch, s.num_tokens) for s in out.scheduled]
+    # a -> mb 0 (6 of 8), b -> mb 1 (cut to 8), c -> mb 0 (its 2 remaining tokens of 3)
+    assert got == [("a", 0, 6), ("b", 1, 8), ("c", 0, 2)]
+    assert out.num_tokens == 16
+    for mb in (0, 1):
+        assert sum(s.num_tokens for s in out.scheduled if s.req.microbatch == mb) <= 8
+    sched.update_after_step(out)
+    a.append_token(7, None, None)
+    nxt = sched.schedule()
+    assert [(s.req.request_id, s.req.microbatch, s.num_tokens) for s in nxt.scheduled] == \
+        [("a", 0, 1), ("b", 1, 4), ("c", 0, 1)]
+    with pytest.raises(ValueError, match="num_microbatches"):
+        SchedulerConfig(num_microbatches=0)
+    sched._preempt(b)
+    assert b.microbatch is None and b.status is Status.PREEMPTED
+
+
+def test_scheduler_one_microbatch_unchanged():
+    """num_microbatches=1 (no stages) is the plain token budget: same steps as before."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64), kv)
+    a, b = req("a", list(range(5)), max_tokens=3), req("b", list(range(100, 120)), max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    assert _drive(sched, kv)[:2] == [[("a", 5), ("b", 3)], [("a", 1), ("b", 7)]]
+    assert {a.microbatch, b.microbatch} == {0}

@@ -55,6 +55,34 @@ def test_parallel_greedy_identical(base, kw):
     assert _run(path, **kw) == expected
 
 
+def test_pipeline_budget_is_per_microbatch(base):
+    """PP=2: the scheduler fills each micro-batch up to max_num_batched_tokens (32 here), so one
+    step carries more than 32 tokens while no micro-batch exceeds the largest bucket; tokens as on
+    one device."""
+    from jvllm.runner import ModelRunner
+
+    path, expected = base
+    llm = _llm(path, pipeline_parallel_size=2, async_scheduling=False)
+    runner = llm.llm_engine.runner
+    sizes = []
+    orig = ModelRunner._microbatches
+
+    def spy(scheduled, prev_groups=None):
+        out = orig(runner, scheduled, prev_groups)
+        sizes.append([sum(s.num_tokens for _, s in g) for g, _ in out])
+        return out
+
+    runner._microbatches = spy
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(n <= 32 for step in sizes for n in step), sizes
+    assert sizes[0] == [23, 27], sizes  # 5 + 18 prompt tokens in micro-batch 0, 27 in micro-batch 1
+    assert all(len(step) == 2 for step in sizes), sizes
+
+
 @pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2, pipeline_parallel_size=2)],
                          ids=["pp2", "tp2pp2"])
 def test_ppermute_handoff(base, kw):

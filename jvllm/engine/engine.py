@@ -175,7 +175,11 @@ class LLMEngine:
                              f"({mc.max_position_embeddings})")
         mnbt = config.max_num_batched_tokens or (2048 if acc else 512)
         mns = config.max_num_seqs or min(256 if acc else 32, mnbt)
-        self.sched_config = SchedulerConfig(max_num_batched_tokens=mnbt, max_num_seqs=mns, max_model_len=max_model_len)
+        # with pipeline stages the budget is per micro-batch (SchedulerConfig), so the runner's
+        # micro-batches are the scheduler's and each one fits the largest bucket
+        n_mb = (config.num_microbatches or self.num_stages) if self.num_stages > 1 else 1
+        self.sched_config = SchedulerConfig(max_num_batched_tokens=mnbt, max_num_seqs=mns, max_model_len=max_model_len,
+                                            num_microbatches=n_mb)
         buckets = tuple(sorted(set(config.token_buckets or pow2_buckets(8, mnbt))))
         if buckets[-1] < mnbt:
             buckets = buckets + (mnbt,)

@@ -72,6 +72,7 @@ class Request:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_computed_tokens = 0
         self.num_pending = 0  # tokens sampled by dispatched steps, not yet appended (0, 1 or 2)
+        self.microbatch: int | None = None  # pipeline micro-batch, fixed from admission to preemption
         self.length_cap = length_cap  # max_model_len - prompt length
         self.status = Status.WAITING
         self.block_hashes: list[bytes] = []
