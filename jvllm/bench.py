@@ -567,7 +567,10 @@ def memory_report(llm) -> dict:
     if jax.process_count() > 1:  # every process's GPUs, not only process 0's (a collective: all call it)
         from jax.experimental import multihost_utils
 
-        table = np.asarray(multihost_utils.process_allgather(table[0]))
+        # as bytes: without jax_enable_x64 an int64 array is gathered as int32 (an 80 GiB peak came
+        # back as 0 on 2 H200s, build 479b533), while uint8 travels as it is
+        raw = np.asarray(multihost_utils.process_allgather(table[0].view(np.uint8)))
+        table = raw.reshape(raw.shape[0], -1).view(np.int64).reshape(raw.shape[0], len(rows), len(keys))
     per_device = [dict(device=f"process {p} local device {i}" if jax.process_count() > 1 else str(jax.local_devices()[i]),
                        **{k: (int(v) if v >= 0 else None) for k, v in zip(keys, row)})
                   for p, proc in enumerate(table) for i, row in enumerate(proc) if (row >= 0).any()]
