@@ -325,8 +325,9 @@ def test_jvllm_launch_tp4_over_two_processes(base, tmp_path):
                          ids=["pp2", "tp2", "pp2_threads", "pp2_ppermute"])
 def test_parallel_async_scheduling_matches_sync(base, kw):
     """Async scheduling on a mesh: TP (one stage over two devices) and PP (two stages, two
-    micro-batches whose pending tokens stay in their own group and cross from the last stage's
-    devices to the first's on the device) give the synchronous loop's outputs exactly, with
+    micro-batches, each with its own step in flight, whose pending tokens stay in their own group
+    and cross from the last stage's devices to the first's on the device) give the synchronous
+    loop's outputs exactly, with
     sampling, n=2, stop ids, logprobs and a pool too small for every request at once."""
     from jvllm.runner import ModelRunner
 
@@ -344,7 +345,7 @@ def test_parallel_async_scheduling_matches_sync(base, kw):
 
         def spy(sched, prev=None):
             h = orig(runner, sched, prev)
-            seen.append((prev is not None, len(h[1])))
+            seen.append((prev is not None, len(h[1]), frozenset(s.req.microbatch for s in sched)))
             return h
 
         runner.dispatch = spy
@@ -367,9 +368,14 @@ def test_parallel_async_scheduling_matches_sync(base, kw):
               SamplingParams(max_tokens=9, temperature=0.7, seed=5, ignore_eos=True)]
     sync_out, sync_seen = run(False, params)
     async_out, async_seen = run(True, params)
-    assert not any(a for a, _ in sync_seen) and sum(a for a, _ in async_seen) > 5, async_seen
-    if "pipeline_parallel_size" in kw:  # steps ahead really ran as two micro-batches
-        assert sum(a and n == 2 for a, n in async_seen) > 3, async_seen
+    assert not any(a for a, *_ in sync_seen) and sum(a for a, *_ in async_seen) > 5, async_seen
+    if "pipeline_parallel_size" in kw:
+        # synchronous steps carry both micro-batches; async ones are one micro-batch's step each,
+        # dispatched ahead of that micro-batch's step in flight, both micro-batches in turn
+        assert sum(n == 2 for _, n, _ in sync_seen) > 3, sync_seen
+        ahead = [mb for a, n, mb in async_seen if a]
+        assert all(len(mb) == 1 for mb in ahead), async_seen
+        assert ahead.count(frozenset({0})) > 3 and ahead.count(frozenset({1})) > 3, async_seen
     assert async_out == sync_out
     assert async_out[0][0][1] == "stop" and async_out[0][0][0][-1] == stop_id
 

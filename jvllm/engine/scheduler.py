@@ -9,8 +9,8 @@ waiting queue and recomputed later, prefix cache permitting). Sampling is keyed 
 (seed, output index), so a preempted request resumes with exactly the output it would have had.
 
 Pipeline micro-batches (`num_microbatches` > 1): each admitted request joins one micro-batch
-(`Request.microbatch`: the one with budget left and the fewest running requests) and stays in it
-until it finishes or is preempted, so its next step's input token is in that micro-batch's
+(`Request.microbatch`: the one with budget left and the fewest running requests; at most
+ceil(max_num_seqs / num_microbatches) each) and stays in it until it finishes or is preempted, so its next step's input token is in that micro-batch's
 sampled ids (async scheduling). The budget is per micro-batch: a prefill chunk is cut to what its
 micro-batch has left, so no micro-batch exceeds `max_num_batched_tokens` (the largest bucket).
 Measured on 2 H200s (W1, PP=2 over processes, build 479b533): splitting one 2048-token step into
@@ -42,6 +42,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     num_tokens: int
+    microbatch: int | None = None  # the one micro-batch this step schedules (`only`), else None
 
     @property
     def empty(self) -> bool:
@@ -90,13 +91,19 @@ class Scheduler:
         return ScheduledRequest(req, n, start, self.kv.block_ids(req),
                                 samples=start + n == req.num_tokens + req.num_pending)
 
-    def schedule(self, skip: frozenset = frozenset(), allow_preempt: bool = True) -> SchedulerOutput:
+    def schedule(self, skip: frozenset = frozenset(), allow_preempt: bool = True,
+                 only: int | None = None) -> SchedulerOutput:
         """`skip`: running requests to leave out of this step (async scheduling: their token in
         flight is their last). A request's length counts its pending token (`num_pending`).
         `allow_preempt=False` (scheduling ahead of a step in flight): when blocks run out the step
-        ends there instead of preempting; the requests left out run in a later step."""
+        ends there instead of preempting; the requests left out run in a later step.
+        `only`: schedule that one micro-batch (its running requests, new ones join it), the others
+        keep their steps in flight (the engine's pipelined async loop)."""
         m = self.cfg.num_microbatches
-        budget = [self.cfg.max_num_batched_tokens] * m  # per micro-batch
+        if only is not None and not 0 <= only < m:
+            raise ValueError(f"micro-batch {only} out of range: num_microbatches is {m}")
+        budget = [self.cfg.max_num_batched_tokens if only in (None, k) else 0 for k in range(m)]
+        cap = -(-self.cfg.max_num_seqs // m)  # running requests per micro-batch, so they stay balanced
         members = [0] * m  # running requests per micro-batch
         for r in self.running:
             if r.microbatch is None or r.microbatch >= m:
@@ -145,8 +152,11 @@ class Scheduler:
             req = self.waiting[0]
             if share and req.group_id in in_flight_groups:
                 break
-            # the micro-batch with budget left and the fewest running requests (then the most budget)
-            g = min((k for k in range(m) if budget[k]), key=lambda k: (members[k], -budget[k], k))
+            # the micro-batch with budget and room left and the fewest running requests (then the most budget)
+            open_ = [k for k in range(m) if budget[k] and members[k] < cap]
+            if not open_:
+                break
+            g = min(open_, key=lambda k: (members[k], -budget[k], k))
             hits, n_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - n_hit, budget[g])
             if not self.kv.allocate_slots(req, n, hits):
@@ -164,7 +174,8 @@ class Scheduler:
             if n_hit < full_prompt(req):
                 in_flight_groups.add(req.group_id)
             budget[g] -= n
-        return SchedulerOutput(scheduled, preempted, m * self.cfg.max_num_batched_tokens - sum(budget))
+        used = sum(s.num_tokens for s in scheduled)
+        return SchedulerOutput(scheduled, preempted, used, only)
 
     def update_after_step(self, out: SchedulerOutput):
         """Advance computed counts and register newly full blocks in the prefix cache."""
