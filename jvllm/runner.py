@@ -10,11 +10,14 @@ once per step; the host receives sampled ids (and logprobs only when some reques
 
 Parallelism: the runner holds one or more pipeline *stages* (`Stage`), each a model slice with its
 own weights, KV pages and device sub-mesh (axis "tensor": tensor parallelism inside a stage is
-GSPMD over NamedSharding'd params and KV pages). With several stages a step is split into
-micro-batches that are dispatched asynchronously stage after stage, so stage s works on
-micro-batch m while stage s+1 works on m-1 (JAX's async dispatch pipelines them; chosen over one
-SPMD program with a stage axis because each stage keeps plain per-device programs and no
-collective-permute schedule is needed).
+GSPMD over NamedSharding'd params and KV pages). With several stages the work comes as
+micro-batches (the scheduler's: `Request.microbatch`, each within the token budget; the engine's
+async loop gives each micro-batch its own step) that are dispatched asynchronously stage after
+stage, so stage s works on micro-batch m while stage s+1 works on m-1 (JAX's async dispatch
+pipelines them; chosen over one SPMD program with a stage axis because each stage keeps plain
+per-device programs and no collective-permute schedule is needed). Fastest with one process per
+stage (measured on 2 H200s, W1: 13,142 out tok/s against 10,809 with both stages in one process,
+h200x2_w1_pp2mp_07bfa10.json / h200x2_w1_pp2_07bfa10.json).
 
 Hazard: anything here that calls a jnp function eagerly with a new shape compiles a tiny XLA
 program at serving time; the compile counter (`jvllm.compile`) catches that in tests.
