@@ -83,6 +83,38 @@ def test_pipeline_budget_is_per_microbatch(base):
     assert all(len(step) == 2 for step in sizes), sizes
 
 
+def test_pipelined_loop_abort_and_late_arrivals(base):
+    """PP=2 with async scheduling (one step in flight per micro-batch): a request aborted while its
+    micro-batch's step is in flight and requests added mid-run leave the others' tokens as on one
+    device, every block returns to the pool and nothing compiles."""
+    path, expected = base
+    llm = _llm(path, pipeline_parallel_size=2)
+    eng = llm.llm_engine
+    try:
+        assert eng.async_scheduling and eng.sched_config.num_microbatches == 2
+        eng.add_request("p0", {"prompt_token_ids": PROMPTS[0]}, SP)
+        eng.add_request("x", {"prompt_token_ids": list(range(40, 70))}, SamplingParams(max_tokens=50, ignore_eos=True))
+        got, steps = {}, 0
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    got[out.request_id] = out.outputs[0]
+            steps += 1
+            if steps == 3:
+                assert len(eng._inflight_q) == 2  # both micro-batches have a step in flight
+                eng.abort_request("x")
+                eng.add_request("p1", {"prompt_token_ids": PROMPTS[1]}, SP)
+            if steps == 5:
+                eng.add_request("p2", {"prompt_token_ids": PROMPTS[2]}, SP)
+        eng.drain()
+        assert [got[f"p{i}"].token_ids for i in range(3)] == expected
+        assert "x" not in got and "x" not in eng.groups  # aborted: no final output, nothing kept
+        st = eng.get_stats()
+        assert st["num_free_blocks"] == st["num_blocks"] - 1 and st["compiles_after_warmup"] == 0
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2, pipeline_parallel_size=2)],
                          ids=["pp2", "tp2pp2"])
 def test_ppermute_handoff(base, kw):

@@ -10,7 +10,7 @@ waiting queue and recomputed later, prefix cache permitting). Sampling is keyed 
 
 Pipeline micro-batches (`num_microbatches` > 1): each admitted request joins one micro-batch
 (`Request.microbatch`: the one with budget left and the fewest running requests; at most
-ceil(max_num_seqs / num_microbatches) each) and stays in it until it finishes or is preempted, so its next step's input token is in that micro-batch's
+ceil(max_num_seqs / num_microbatches) each, and at most an eighth of that above the emptiest one) and stays in it until it finishes or is preempted, so its next step's input token is in that micro-batch's
 sampled ids (async scheduling). The budget is per micro-batch: a prefill chunk is cut to what its
 micro-batch has left, so no micro-batch exceeds `max_num_batched_tokens` (the largest bucket).
 Measured on 2 H200s (W1, PP=2 over processes, build 479b533): splitting one 2048-token step into
@@ -104,6 +104,10 @@ class Scheduler:
             raise ValueError(f"micro-batch {only} out of range: num_microbatches is {m}")
         budget = [self.cfg.max_num_batched_tokens if only in (None, k) else 0 for k in range(m)]
         cap = -(-self.cfg.max_num_seqs // m)  # running requests per micro-batch, so they stay balanced
+        # a micro-batch takes new requests while it is at most `slack` above the emptiest one: with
+        # one micro-batch scheduled at a time (`only`) the first would otherwise take every waiting
+        # request its budget fits, yet a slack of cap/8 still lets a prefill fill its budget
+        slack = -(-cap // 8)
         members = [0] * m  # running requests per micro-batch
         for r in self.running:
             if r.microbatch is None or r.microbatch >= m:
@@ -153,7 +157,8 @@ class Scheduler:
             if share and req.group_id in in_flight_groups:
                 break
             # the micro-batch with budget and room left and the fewest running requests (then the most budget)
-            open_ = [k for k in range(m) if budget[k] and members[k] < cap]
+            low = min(members)
+            open_ = [k for k in range(m) if budget[k] and members[k] < cap and members[k] - low < slack]
             if not open_:
                 break
             g = min(open_, key=lambda k: (members[k], -budget[k], k))
