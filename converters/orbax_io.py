@@ -63,7 +63,10 @@ def save(dst: str, params: dict, hf_config: dict, tokenizer=None, source: str = 
 
 
 def restore(src: str, specs: dict, dtype, shardings: dict | None = None) -> dict:
-    """Restore {name: jax.Array}; `specs` from `jvllm.models.param_specs`, `shardings` {name: Sharding}."""
+    """Restore {name: jax.Array}; `specs` from `jvllm.models.param_specs`, `shardings` {name: Sharding}.
+    Each tensor is read straight into its sharding (no copy of the whole model on one device); a
+    tensor whose devices all belong to other processes (pipeline stages over processes) is not
+    read here but becomes a placeholder (`remote_placeholder`)."""
     import orbax.checkpoint as ocp
 
     from .name_map import CheckpointError
@@ -91,5 +94,16 @@ def restore(src: str, specs: dict, dtype, shardings: dict | None = None) -> dict
             if tuple(getattr(m, "shape", abstract[k].shape)) != abstract[k].shape:
                 raise CheckpointError(f"{src}: tensor {k!r} has shape {tuple(m.shape)}, model expects "
                                       f"{abstract[k].shape}")
-    restored = ckpt.restore(path, _nest(abstract))
-    return _flatten(restored)
+    remote = {k for k, a in abstract.items() if not a.sharding.addressable_devices}
+    if not remote:
+        return _flatten(ckpt.restore(path, _nest(abstract)))
+    # pipeline stages over processes: this process reads only the tensors of its own stages;
+    # the others become placeholders on their owners' devices (the owners read them)
+    from . import remote_placeholder
+
+    item = _nest({k: a for k, a in abstract.items() if k not in remote})
+    restored = _flatten(ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+    for k in remote:
+        restored[k] = remote_placeholder(abstract[k].shape, abstract[k].dtype, abstract[k].sharding)
+    return restored

@@ -270,9 +270,10 @@ print("RESULT", json.dumps([o.outputs[0].token_ids for o in outs]), jax.process_
                                 dict(tensor_parallel_size=4, async_scheduling=False),
                                 dict(tensor_parallel_size=2, pipeline_parallel_size=2, blocks_per_process=[24, 30]),
                                 dict(tensor_parallel_size=2, pipeline_parallel_size=2, async_scheduling=False),
+                                dict(tensor_parallel_size=2, pipeline_parallel_size=2, orbax=True),
                                 dict(pipeline_parallel_size=2),
                                 dict(tensor_parallel_size=2, data_parallel_size=2)],
-                         ids=["tp4_async", "tp4_sync", "tp2_pp2_async", "tp2_pp2_sync", "pp2_one_owner_refused",
+                         ids=["tp4_async", "tp4_sync", "tp2_pp2_async", "tp2_pp2_sync", "tp2_pp2_orbax", "pp2_one_owner_refused",
                               "tp2_dp2_refused"])
 def test_two_processes(base, tmp_path, kw):
     """Two processes of two CPU devices each (gloo collectives). TP=4 across them, and TP=2 x PP=2
@@ -282,8 +283,15 @@ def test_two_processes(base, tmp_path, kw):
     size their KV pools differently agree on the smallest before compiling (on GPUs each process
     measures its own device; different shapes hung both in XLA's shared autotuning). PP=2 on the
     first two devices (both in process 0, process 1 would own no stage) and data-parallel
-    replicas across processes are refused at start-up, naming the sizes."""
+    replicas across processes are refused at start-up, naming the sizes. `orbax`: the params
+    saved by `jvllm convert` at TP=1, restored by each process straight into its own stage."""
     path, expected = base
+    kw = dict(kw)
+    if kw.pop("orbax", False):
+        from jvllm.converters import convert_to_orbax
+
+        path = str(tmp_path / "orbax")
+        convert_to_orbax(base[0], path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
