@@ -53,7 +53,7 @@ VARIANTS = {"default": {}, "p2p_disabled": {"NCCL_P2P_DISABLE": "1"}, "cumem_off
             "nccl_ll_mp": {"NCCL_PROTO": "LL"}}
 
 
-def _run(name, env, timeout):
+def _run(name, env):
     """One child (or, for *_mp, one child per GPU, process 0's result reported)."""
     if not name.endswith("_mp"):
         return [subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
@@ -74,7 +74,7 @@ def main():
     for name in a.variants.split(","):
         env = dict(os.environ, **VARIANTS[name])
         env.setdefault("NCCL_DEBUG", "WARN")
-        procs = _run(name, env, a.timeout)
+        procs = _run(name, env)
         outs = []
         for p in procs:
             try:

@@ -113,6 +113,7 @@ def test_scheduler_chunked_prefill_and_decode_first():
     assert order[4] == [("b", 1)]
     assert a.output_token_ids == [7, 7, 7] and b.output_token_ids == [7, 7]
     assert kv.pool.num_free == 31 and not kv.tables
+    assert {a.microbatch, b.microbatch} == {0}  # num_microbatches=1 (no stages): one plain budget
 
 
 def test_scheduler_preempts_newest_and_resumes():
@@ -209,14 +210,3 @@ def test_scheduler_microbatches_budget_each_and_keep_members():
         SchedulerConfig(num_microbatches=0)
     sched._preempt(b)
     assert b.microbatch is None and b.status is Status.PREEMPTED
-
-
-def test_scheduler_one_microbatch_unchanged():
-    """num_microbatches=1 (no stages) is the plain token budget: same steps as before."""
-    kv = KVCacheManager(num_blocks=32, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64), kv)
-    a, b = req("a", list(range(5)), max_tokens=3), req("b", list(range(100, 120)), max_tokens=2)
-    sched.add(a)
-    sched.add(b)
-    assert _drive(sched, kv)[:2] == [[("a", 5), ("b", 3)], [("a", 1), ("b", 7)]]
-    assert {a.microbatch, b.microbatch} == {0}

@@ -10,8 +10,9 @@ waiting queue and recomputed later, prefix cache permitting). Sampling is keyed 
 
 Pipeline micro-batches (`num_microbatches` > 1): each admitted request joins one micro-batch
 (`Request.microbatch`: the one with budget left and the fewest running requests; at most
-ceil(max_num_seqs / num_microbatches) each, and at most an eighth of that above the emptiest one) and stays in it until it finishes or is preempted, so its next step's input token is in that micro-batch's
-sampled ids (async scheduling). The budget is per micro-batch: a prefill chunk is cut to what its
+ceil(max_num_seqs / num_microbatches) each, and at most an eighth of that above the emptiest one)
+and stays in it until it finishes or is preempted, so its next step's input token is in that
+micro-batch's sampled ids (async scheduling). The budget is per micro-batch: a prefill chunk is cut to what its
 micro-batch has left, so no micro-batch exceeds `max_num_batched_tokens` (the largest bucket).
 Measured on 2 H200s (W1, PP=2 over processes, build 479b533): splitting one 2048-token step into
 two micro-batches afterwards gave pieces of about 1,100 and 950 tokens, padded to the 2048 and
@@ -109,9 +110,7 @@ class Scheduler:
         # request its budget fits, yet a slack of cap/8 still lets a prefill fill its budget
         slack = -(-cap // 8)
         members = [0] * m  # running requests per micro-batch
-        for r in self.running:
-            if r.microbatch is None or r.microbatch >= m:
-                r.microbatch = 0 if m == 1 else min(range(m), key=members.__getitem__)
+        for r in self.running:  # every running request got its micro-batch on admission
             members[r.microbatch] += 1
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
