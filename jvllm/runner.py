@@ -99,24 +99,19 @@ class Stage:
         return NamedSharding(self.mesh, spec if spec is not None else PartitionSpec())
 
 
+def _plain_greedy(p) -> bool:
+    """Sampling params that the argmax-only program serves (no temperature, logprobs, penalties)."""
+    return p.greedy and p.logprobs is None and not p.needs_extras
+
+
 def _put(x, sharding):
-    """numpy -> device array with `sharding` (also across processes in a multi-host run)."""
+    """numpy -> device array with `sharding` (also across processes in a multi-host run: a
+    sharding with devices of other processes is built from this process's slices)."""
     if sharding is None:
         return x
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and not sharding.is_fully_addressable:
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx], dtype=x.dtype)
     return jax.device_put(x, sharding)
-
-
-def _put_tree(tree, sharding):
-    """A pytree of numpy arrays -> device arrays with `sharding`, in one batched `device_put`
-    (per-leaf calls cost ~55 us each on 2 CPU devices; one call for a 10-leaf tree ~35% less);
-    per leaf in a multi-host run."""
-    if sharding is None:
-        return tree
-    if jax.process_count() > 1:
-        return jax.tree_util.tree_map(lambda a: _put(a, sharding), tree)
-    return jax.device_put(tree, sharding)
 
 
 def _to_host(x) -> np.ndarray:
@@ -224,12 +219,17 @@ class ModelRunner:
         for i, st in enumerate(self.stages):
             st.kv = self._alloc_kv(st) if self.local(i) else None  # another process's pool
         self._step_fns = {(i, dec): jax.jit(functools.partial(
-            self._step_impl, st.graphdef, st.treedef, st.first, st.last, self.attention_modes[dec], st.mesh),
-            donate_argnums=(1,)) for i, st in enumerate(self.stages) for dec in (False, True)}
-        # first-stage programs also take (prev_tok [max_num_seqs], src [T]): token t of the batch is
-        # prev_tok[src[t]] where src[t] >= 0, the id sampled on the device by the step before,
-        # not yet seen by the host (async scheduling); with nothing pending src is all -1 and
-        # prev_tok this zero array
+            self._step_impl, st.graphdef, st.treedef, st.first, st.last, self.attention_modes[dec], st.mesh, dec),
+            donate_argnums=(1,), static_argnames=("T",)) for i, st in enumerate(self.stages) for dec in (False, True)}
+        # A step's host inputs travel as ONE packed int32 vector (`pack_inputs`: tokens, src and the
+        # attention metadata), so a step costs one host-to-device transfer per stage instead of
+        # eight (the 8-leaf device_put took 0.26 ms of every TP=2 B1 step on an H200,
+        # h200x2_profile_tp2mp_b1_oneshot_07bfa10.json; across processes each leaf was a
+        # make_array_from_callback of its own). First-stage programs also take prev_tok
+        # [max_num_seqs]: token t of the batch is prev_tok[src[t]] where src[t] >= 0, the id sampled
+        # on the device by the step before, not yet seen by the host (async scheduling); with
+        # nothing pending src is all -1 and prev_tok this zero array. Later stages take the
+        # previous stage's hidden states instead.
         first = self.stages[0]
         z = np.zeros(self.max_num_seqs, np.int32)
         self._no_prev = _put(z, first.sharding()) if first.sharding() is not None else jnp.asarray(z)
@@ -296,9 +296,12 @@ class ModelRunner:
         self._stage_pools = None
 
     # ------------------------------------------------------------------ programs
-    def _step_impl(self, graphdef, treedef, first, last, attention, mesh, leaves, kv, x, md, prev_tok=None, src=None):
+    def _step_impl(self, graphdef, treedef, first, last, attention, mesh, decode, leaves, kv, packed, x, *, T):
+        """packed: `pack_inputs` of bucket (T, decode); x: prev_tok [max_num_seqs] (first stage) or
+        the previous stage's hidden states [T, hidden] (later stages)."""
+        tokens, src, md = self.unpack_inputs(packed, T, decode)
         if first:
-            x = jnp.where(src >= 0, prev_tok[jnp.maximum(src, 0)], x)
+            x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], tokens)
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
         with tensor_parallel_mesh(mesh):  # Pallas kernels run per device on local KV heads
             h, kv = model(x, kv, md, self.kv_chunk_blocks, attention)
@@ -366,6 +369,38 @@ class ModelRunner:
                                logits_indices=sds((R,), i32))
         return sds((T,), i32), md, R
 
+    def input_layout(self, T: int, decode: bool) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of each int32 field of a step's packed input vector, in order."""
+        R = self.seq_bucket(T)
+        Qt, NT = self.tiling(T, decode)
+        return [("tokens", (T,)), ("src", (T,)), ("positions", (T,)), ("slot_mapping", (T,)),
+                ("block_tables", (R, self.table_width)), ("tile_token_idx", (NT, Qt)), ("tile_req", (NT,)),
+                ("logits_indices", (R,))]
+
+    def packed_size(self, T: int, decode: bool) -> int:
+        return sum(int(np.prod(shape)) for _, shape in self.input_layout(T, decode))
+
+    def pack_inputs(self, T: int, decode: bool, tokens, src, md: AttentionMetadata) -> np.ndarray:
+        """One int32 vector of a step's host inputs (layout `input_layout`), checked field by field."""
+        fields = dict(tokens=tokens, src=src, **{k: getattr(md, k) for k in AttentionMetadata.__dataclass_fields__})
+        parts = []
+        for name, shape in self.input_layout(T, decode):
+            a = np.asarray(fields[name])
+            if a.shape != shape:
+                raise ValueError(f"step input {name}: shape {a.shape}, bucket (T={T}, decode={decode}) needs {shape}")
+            parts.append(a.reshape(-1).astype(np.int32, copy=False))
+        return np.concatenate(parts)
+
+    def unpack_inputs(self, packed, T: int, decode: bool):
+        """(tokens, src, AttentionMetadata) from a packed vector (static slices, inside programs)."""
+        out, off = {}, 0
+        for name, shape in self.input_layout(T, decode):
+            n = int(np.prod(shape))
+            out[name] = packed[off:off + n].reshape(shape)
+            off += n
+        tokens, src = out.pop("tokens"), out.pop("src")
+        return tokens, src, AttentionMetadata(**out)
+
     def _abstract_sampling(self, R: int, extras: bool):
         sds, f32, i32 = jax.ShapeDtypeStruct, jnp.float32, jnp.int32
         sb = SamplingBatch(temperature=sds((R,), f32), top_k=sds((R,), i32), top_p=sds((R,), f32),
@@ -413,14 +448,15 @@ class ModelRunner:
         def like(tree):
             return jax.tree_util.tree_map(lambda a: sds(a.shape, a.dtype, sharding=a.sharding), tree)
 
+        kwargs = {}
         if kind == "step":
             s_idx, T, decode = key
             st = self.stages[s_idx]
-            tokens, md, R = self._abstract_inputs(T, decode)
-            x = tokens if st.first else sds((T, hidden), self.dtype)
-            extra = (on(st, sds((self.max_num_seqs,), jnp.int32)), on(st, sds((T,), jnp.int32))) if st.first else ()
-            fn, args = self._step_fns[(s_idx, decode)], (like(st.leaves), like(st.kv), on(st, x), on(st, md), *extra)
-            static = (self.attention_modes[decode], st.first, st.last, repr(st.treedef))
+            packed = sds((self.packed_size(T, decode),), jnp.int32)
+            x = sds((self.max_num_seqs,), jnp.int32) if st.first else sds((T, hidden), self.dtype)
+            fn, args = self._step_fns[(s_idx, decode)], (like(st.leaves), like(st.kv), on(st, packed), on(st, x))
+            kwargs = dict(T=T)
+            static = (self.attention_modes[decode], st.first, st.last, repr(st.treedef), "packed-v1")
         elif kind == "sample" and key[1] == "greedy":
             fn, args = self._greedy_fn, (like(self.head_w), on(last, sds((key[0], hidden), self.dtype)))
             static = ()
@@ -456,7 +492,7 @@ class ModelRunner:
                 devs = list(self._hop_program(key[0], key[1])[0].devices.flat)
             exe = jcompile.load_executable(cache_key, devices=devs)
         if exe is None:
-            exe = fn.lower(*args).compile()
+            exe = fn.lower(*args, **kwargs).compile()
             if cache_key is not None:
                 jcompile.store_executable(cache_key, exe)
         self._compiled[(kind, key)] = exe
@@ -538,22 +574,35 @@ class ModelRunner:
         tokens = np.zeros(T, np.int32)
         src = np.full(T, -1, np.int32)
         tables = np.zeros((R, self.table_width), np.int32)
-        # one pass over the requests (token ids and block tables live in Python lists); the
-        # per-token and per-tile arrays are built vectorized by build_metadata
-        ns = np.empty(len(scheduled), np.int64)
-        starts = np.empty(len(scheduled), np.int64)
-        off = 0
-        for r, s in enumerate(scheduled):
+        # one pass over the requests gathers Python lists (token ids and block tables live in
+        # lists); each array is then filled by one numpy call, and the per-token and per-tile
+        # arrays are built vectorized by build_metadata
+        toks: list[int] = []
+        ids: list[int] = []
+        lens = []
+        pend_at, pend_row = [], []
+        for s in scheduled:
             n, start = s.num_tokens, s.start
-            ns[r], starts[r] = n, start
             known = s.req.all_token_ids[start:start + n]
-            tokens[off:off + len(known)] = known
+            toks += known
             if len(known) < n:  # the one pending token (async scheduling)
                 if len(known) != n - 1 or prev_rows is None or s.req.request_id not in prev_rows:
                     raise RuntimeError(f"request {s.req.request_id}: {n - len(known)} input tokens are not known")
-                src[off + n - 1] = prev_rows[s.req.request_id]
-            tables[r, :len(s.block_ids)] = s.block_ids
-            off += n
+                pend_at.append(len(toks))
+                pend_row.append(prev_rows[s.req.request_id])
+                toks.append(0)
+            ids += s.block_ids
+            lens.append(len(s.block_ids))
+        ns = np.fromiter((s.num_tokens for s in scheduled), np.int64, len(scheduled))
+        starts = np.fromiter((s.start for s in scheduled), np.int64, len(scheduled))
+        tokens[:len(toks)] = toks
+        if pend_at:
+            src[pend_at] = pend_row
+        if ids:
+            lens_a = np.asarray(lens)
+            row_of = np.repeat(np.arange(len(lens)), lens_a)
+            col = np.arange(len(ids)) - np.repeat(np.cumsum(lens_a) - lens_a, lens_a)
+            tables[row_of, col] = ids
         md = build_metadata(starts, ns, tables, T=T, query_tile=Qt, num_tiles=NT, block_size=self.block_size,
                             num_blocks=self.num_blocks)
         return T, R, decode, tokens, md, src
@@ -689,18 +738,23 @@ class ModelRunner:
                 prev_rows = {s.req.request_id: row for row, (_, s) in enumerate(p_group)}
             t0 = time.perf_counter()
             T, R, decode, tokens, md, src = self.prepare(sched, prev_rows=prev_rows)
+            packed = self.pack_inputs(T, decode, tokens, src, md)
             t1 = time.perf_counter()
-            sb, ex, want_lp = self._sampling_inputs(sched, R)
-            greedy = ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
+            if all(_plain_greedy(s.req.params) for s in sched):  # the argmax program needs no inputs
+                sb, ex, want_lp, greedy = None, None, False, True
+            else:
+                sb, ex, want_lp = self._sampling_inputs(sched, R)
+                greedy = ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
             tm["prepare_s"] += t1 - t0
             tm["sample_inputs_s"] += time.perf_counter() - t1
-            if prev_entry is not None and bool((src >= 0).any()):
+            has_src = bool((src >= 0).any())
+            if prev_entry is not None and has_src:
                 tok_in = prev_entry  # _launch_multiprocess takes its ids (on stage 0) at launch
-            elif prev_tok is not None and bool((src >= 0).any()):
+            elif prev_tok is not None and has_src:
                 tok_in = prev_tok if first_shard is None else self._to_stage(prev_tok, len(self.stages) - 1, 0)
             else:
                 tok_in = self._no_prev
-            work.append(dict(group=group, sched=sched, T=T, R=R, decode=decode, x=tokens, md=md, src=src,
+            work.append(dict(group=group, sched=sched, T=T, R=R, decode=decode, packed=packed, x=None,
                              tok_in=tok_in, sb=sb, ex=ex, want_lp=want_lp, greedy=greedy))
         # Launch order: micro-batch by micro-batch, each through all stages, then its sampler.
         # Measured on 2 H200s (PP=2, W1): 8,688 out tok/s this way against 7,503 stage-major (every
@@ -762,17 +816,13 @@ class ModelRunner:
         st = self.stages[s_idx]
         shard = st.sharding()
         t1 = time.perf_counter()
-        x = w["x"]
-        host = dict(md=w["md"], src=w["src"] if st.first else None, x=x if isinstance(x, np.ndarray) else None)
-        dev = _put_tree(host, shard)  # this stage's host inputs in one transfer call
-        md_s = dev["md"]
-        if not isinstance(x, np.ndarray):  # hidden states of the previous stage: device to device
-            x = self._to_stage(x, s_idx - 1, s_idx) if shard is not None and not on_stage else x
-        else:
-            x = dev["x"]
-        extra = (w["tok_in"], dev["src"]) if st.first else ()
+        packed = _put(w["packed"], shard)  # this stage's host inputs: one transfer
+        if st.first:
+            x = w["tok_in"]
+        else:  # hidden states of the previous stage: device to device
+            x = self._to_stage(w["x"], s_idx - 1, s_idx) if shard is not None and not on_stage else w["x"]
         self._add_time("step_call_put_s", time.perf_counter() - t1)
-        out = self.compile("step", (s_idx, w["T"], w["decode"]))(st.leaves, st.kv, x, md_s, *extra)
+        out = self.compile("step", (s_idx, w["T"], w["decode"]))(st.leaves, st.kv, packed, x)
         st.kv = out[0]
         w["x"] = out[-1]
         self._add_time("step_call_s", time.perf_counter() - t1)
@@ -897,7 +947,8 @@ class ModelRunner:
         if len(self.stages) != 1:
             raise ValueError("sequence_logits needs a single-stage runner")
         st = self.stages[0]
-        st.kv, _, h = self._step_fns[(0, False)](st.leaves, st.kv, tokens, md, np.zeros(self.max_num_seqs, np.int32), src)
+        packed = self.pack_inputs(T, False, tokens, src, md)
+        st.kv, _, h = self._step_fns[(0, False)](st.leaves, st.kv, packed, np.zeros(self.max_num_seqs, np.int32), T=T)
         return np.asarray(self._logits_fn(self.head_w, h))
 
     @functools.cached_property

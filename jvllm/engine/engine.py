@@ -118,7 +118,8 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        return seqs[0].status._finished if len(seqs) == 1 else all(s.status._finished for s in seqs)
 
 
 class LLMEngine:

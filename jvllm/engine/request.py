@@ -20,11 +20,15 @@ class Status(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value >= 3
+        return self._finished  # set per member below: the engine asks this of every request every step
 
     @property
     def reason(self) -> str | None:
         return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(self.value)
+
+
+for _m in Status:
+    _m._finished = _m.value >= 3
 
 
 class Detokenizer:
@@ -104,7 +108,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status._finished
 
     @property
     def needs_prompt_logprobs(self) -> bool:

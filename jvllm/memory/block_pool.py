@@ -164,6 +164,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[str, list[Block]] = {}
+        self.ids: dict[str, list[int]] = {}  # the tables' block ids (block_ids is asked every step)
         self.num_cached: dict[str, int] = {}  # leading blocks of a table already registered
 
     # -- prefix cache ----------------------------------------------------------------------
@@ -203,15 +204,21 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the computed ones. Returns False (and
         changes nothing) when the pool is short; `computed` are prefix hits for a new request."""
         need = self.blocks_needed(req, num_new_tokens, computed)
+        if need == 0 and not computed:  # most decode steps: the last block has room
+            return True
         # hits that are currently free leave the free queue when touched
         free_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if need > self.pool.num_free - free_hits:
             return False
         table = self.tables.setdefault(req.request_id, [])
+        ids = self.ids.setdefault(req.request_id, [])
         if computed:
             self.pool.touch(computed)
             table.extend(computed)
-        table.extend(self.pool.allocate(need))
+            ids.extend(b.id for b in computed)
+        new = self.pool.allocate(need)
+        table.extend(new)
+        ids.extend(b.id for b in new)
         return True
 
     def cache_full_blocks(self, req, num_tokens: int):
@@ -230,12 +237,13 @@ class KVCacheManager:
 
     def free(self, req):
         table = self.tables.pop(req.request_id, None)
+        self.ids.pop(req.request_id, None)
         self.num_cached.pop(req.request_id, None)
         if table:
             self.pool.release(reversed(table))
 
     def block_ids(self, req) -> list[int]:
-        return [b.id for b in self.tables.get(req.request_id, ())]
+        return list(self.ids.get(req.request_id, ()))
 
     def hit_rate(self) -> float:
         p = self.pool
