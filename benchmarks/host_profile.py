@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import sys

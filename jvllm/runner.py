@@ -205,6 +205,8 @@ class ModelRunner:
             self.handoff = "ppermute"
         self._hop_programs: dict = {}  # (src, dst) -> (mesh, program, dst devices)
         self._hop_fillers: dict = {}   # (src, dst, shape, dtype) -> dst-half buffers of a hop's input
+        self._swap_fn = None           # 2 stages over processes: both hand-offs in one program (_swap)
+        self.num_swaps = 0
         self._deferred: list = []      # stages over processes: micro-batches whose ids are still due
         self._stage_pools = None
         self._timer_lock = threading.Lock()
@@ -255,6 +257,8 @@ class ModelRunner:
             return self.local(key[0])
         if kind == "hop":
             return self.local(key[0]) or self.local(key[1])
+        if kind == "swap":
+            return self.local(0) or self.local(1)
         return self.local(len(self.stages) - 1)
 
     # single-stage conveniences (verify, tests)
@@ -430,6 +434,8 @@ class ModelRunner:
             out += [("hop", (s - 1, s, (T, self.cfg.hidden_size), str(self.dtype))) for T in self.token_buckets
                     for s in range(1, n)]
             out.append(("hop", (n - 1, 0, (self.max_num_seqs,), "int32")))  # sampled ids -> first stage
+            if self.multiprocess and n == 2:
+                out += [("swap", ((T, self.cfg.hidden_size), str(self.dtype))) for T in self.token_buckets]
         if self.multiprocess:  # prompt logprobs are refused across processes (see LLMEngine)
             out = [(k, key) for k, key in out if k != "prompt_lp" and self.owns(k, key)]
         return out
@@ -476,6 +482,15 @@ class ModelRunner:
 
             args = (sds((2 * shape[0], *shape[1:]), jnp.dtype(dtype), sharding=NamedSharding(mesh2, PartitionSpec("hop"))),)
             static = ()
+        elif kind == "swap":
+            shape, dtype = key
+            fn = self._swap_program()
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            hop = NamedSharding(self._hop_program(0, 1)[0], PartitionSpec("hop"))
+            args = (sds((2 * shape[0], *shape[1:]), jnp.dtype(dtype), sharding=hop),
+                    sds((2 * self.max_num_seqs,), jnp.int32, sharding=hop))
+            static = ()
         else:
             raise KeyError(kind)
         exe = None
@@ -488,8 +503,8 @@ class ModelRunner:
             # the executable's devices in its own order: its stage's mesh (row-major), or the one device
             owner = self.stages[key[0]] if kind == "step" else last
             devs = list(owner.mesh.devices.flat) if owner.mesh is not None else [jax.devices()[0]]
-            if kind == "hop":
-                devs = list(self._hop_program(key[0], key[1])[0].devices.flat)
+            if kind in ("hop", "swap"):
+                devs = list(self._hop_program(*(key[:2] if kind == "hop" else (0, 1)))[0].devices.flat)
             exe = jcompile.load_executable(cache_key, devices=devs)
         if exe is None:
             exe = fn.lower(*args, **kwargs).compile()
@@ -533,23 +548,69 @@ class ModelRunner:
         dtype = str(x.dtype) if x is not None else str(jnp.dtype(dtype))
         key = (src, dst, shape, dtype)
         mesh2, _, dst_devs = self._hop_program(src, dst)
+        g = self._hop_input(x, src, dst, shape, dtype, NamedSharding(mesh2, PartitionSpec("hop")))
+        out = self.compile("hop", key)(g)
+        if not self.local(dst):
+            return None
+        return jax.make_array_from_single_device_arrays(
+            shape, dst_shard, [sh.data for sh in out.addressable_shards if sh.device in dst_devs])
+
+    def _hop_input(self, x, src: int, dst: int, shape, dtype, sharding):
+        """The [2 * n, ...] input of a hop from stage `src` to stage `dst` on `sharding` (a mesh
+        with one row per stage): this process's pieces, `x`'s shards on src's devices and never-read
+        fillers (allocated once per shape) on dst's."""
         mine = []
         if self.local(src):
             if x is None or not x.sharding.is_fully_replicated:
                 raise ValueError(f"hand-off from stage {src}: needs the stage's output replicated on its devices")
             mine += [sh.data for sh in x.addressable_shards]
         if self.local(dst):
-            if key not in self._hop_fillers:  # the dst half of the input: never read, allocated once per shape
-                filler = jax.device_put(np.zeros(shape, dtype), dst_shard)
+            key = (src, dst, tuple(shape), str(jnp.dtype(dtype)))
+            if key not in self._hop_fillers:
+                filler = jax.device_put(np.zeros(shape, dtype), self.stages[dst].sharding())
                 self._hop_fillers[key] = [sh.data for sh in filler.addressable_shards]
             mine += self._hop_fillers[key]
-        g = jax.make_array_from_single_device_arrays((2 * shape[0], *shape[1:]),
-                                                     NamedSharding(mesh2, PartitionSpec("hop")), mine)
-        out = self.compile("hop", key)(g)
-        if not self.local(dst):
-            return None
-        return jax.make_array_from_single_device_arrays(
-            shape, dst_shard, [sh.data for sh in out.addressable_shards if sh.device in dst_devs])
+        return jax.make_array_from_single_device_arrays((2 * shape[0], *shape[1:]), sharding, mine)
+
+    def _swap_program(self):
+        """Two stages over processes: one program with both hand-offs of a pipeline step, stage
+        0's hidden states to stage 1 and stage 1's sampled ids to stage 0 (two collective-permutes
+        over the hop mesh of stages (0, 1)), so each micro-batch step launches one hop program
+        instead of two (each hop launch cost the host about 0.15 ms of execute plus the call's
+        own overhead on 2 H200s, h200x2_profile_pp2mp_w1_479b533.json)."""
+        if self._swap_fn is None:
+            from jax.sharding import PartitionSpec
+
+            mesh2 = self._hop_program(0, 1)[0]
+            hop = PartitionSpec("hop")
+            self._swap_fn = jax.jit(jax.shard_map(
+                lambda h, ids: (jax.lax.ppermute(h, "hop", [(0, 1)]), jax.lax.ppermute(ids, "hop", [(1, 0)])),
+                mesh=mesh2, in_specs=(hop, hop), out_specs=(hop, hop)))
+        return self._swap_fn
+
+    def _swap(self, h, ids, T: int):
+        """Hand stage 0's hidden states `h` [T, hidden] to stage 1 and stage 1's sampled ids `ids`
+        [max_num_seqs] to stage 0 in one program (2 stages over processes; every process calls it
+        at the same point). Returns (hidden states on stage 1 or None, ids on stage 0 or None)."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        mesh2 = self._hop_program(0, 1)[0]
+        hop = NamedSharding(mesh2, PartitionSpec("hop"))
+        shape_h = (T, self.cfg.hidden_size)
+        g_h = self._hop_input(h, 0, 1, shape_h, self.dtype, hop)
+        g_i = self._hop_input(ids, 1, 0, (self.max_num_seqs,), jnp.int32, hop)
+        out_h, out_i = self.compile("swap", (shape_h, str(self.dtype)))(g_h, g_i)
+        self.num_swaps += 1
+        rows = [frozenset(r) for r in np.asarray(mesh2.devices)]
+        h1 = ids0 = None
+        if self.local(1):
+            h1 = jax.make_array_from_single_device_arrays(
+                shape_h, self.stages[1].sharding(), [sh.data for sh in out_h.addressable_shards if sh.device in rows[1]])
+        if self.local(0):
+            ids0 = jax.make_array_from_single_device_arrays(
+                (self.max_num_seqs,), self.stages[0].sharding(),
+                [sh.data for sh in out_i.addressable_shards if sh.device in rows[0]])
+        return h1, ids0
 
     def _executable_cache_ok(self) -> bool:
         """jvllm's executable cache (jvllm.compile) serves single-process runners, TP and PP meshes
@@ -787,6 +848,18 @@ class ModelRunner:
         for s_idx in range(n):
             if self.local(s_idx):
                 out = self._launch_stage(s_idx, w, on_stage=True)
+            if n == 2 and s_idx == 0 and self._deferred:
+                # both hand-offs in one program: this micro-batch's hidden states to stage 1, the
+                # oldest deferred micro-batch's ids to stage 0
+                e = self._deferred.pop(0)
+                t = time.perf_counter()
+                h1, ids0 = self._swap(w["x"] if self.local(0) else None, e.own, w["T"])
+                self._add_time("sample_call_s", time.perf_counter() - t)
+                w["x"] = h1
+                tok = e.own if self.local(1) else ids0
+                e.value = (e.group, tok, None, None, tok)
+                self._flush_deferred()  # any older ones still due (none in the steady state)
+                continue
             if s_idx < n - 1 and (self.local(s_idx) or self.local(s_idx + 1)):
                 w["x"] = self._to_stage(w["x"] if self.local(s_idx) else None, s_idx, s_idx + 1,
                                         shape=(w["T"], self.cfg.hidden_size), dtype=self.dtype)

@@ -262,6 +262,7 @@ if llm.llm_engine.runner.multiprocess:  # stages over processes: logprobs refuse
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                     SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
 print("ASYNC", llm.llm_engine.async_scheduling)
+print("SWAPS", llm.llm_engine.runner.num_swaps)
 print("RESULT", json.dumps([o.outputs[0].token_ids for o in outs]), jax.process_count(), len(jax.devices()))
 """
 
@@ -316,6 +317,10 @@ def test_two_processes(base, tmp_path, kw):
         line = [x for x in out.splitlines() if x.startswith("RESULT")]
         assert line, out[-3000:]
         assert f"ASYNC {kw.get('async_scheduling', True)}" in out, out[-3000:]
+        if kw.get("pipeline_parallel_size", 1) > 1 and kw.get("async_scheduling", True):
+            # hidden states and the previous micro-batch's ids crossed in one program (_swap)
+            swaps = int([x for x in out.splitlines() if x.startswith("SWAPS")][0].split()[1])
+            assert swaps > 0, out[-3000:]
         if "blocks_per_process" in kw:
             assert f"BLOCKS {min(kw['blocks_per_process'])}" in out, out[-3000:]
         results.append(line[0].split(" ", 1)[1])
