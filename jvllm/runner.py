@@ -222,22 +222,7 @@ class ModelRunner:
             st.kv = self._alloc_kv(st) if self.local(i) else None  # another process's pool
         self._step_fns = {(i, dec): jax.jit(functools.partial(
             self._step_impl, st.graphdef, st.treedef, st.first, st.last, self.attention_modes[dec], st.mesh, dec),
-            donate_argnums=(1, 3), static_argnames=("T",)) for i, st in enumerate(self.stages) for dec in (False, True)}
-        # Each step program's inputs and outputs sit at the same device addresses at every call
-        # (`_bufs`): XLA re-records a command buffer (CUDA graph) before a launch whenever an
-        # allocation it references moved, and that update plus the relaunch cost the host most of
-        # a step's launch. The packed inputs (with the first stage's pending tokens resolved) and
-        # the previous stage's hidden states are written into donated persistent buffers by a
-        # small "prep" program, and the step writes its outputs into donated persistent buffers
-        # (the KV pool already was). Measured on an H200 (benchmarks/gpu_cmdbuf_probe.py, a
-        # 32-layer program of ~500 kernels, h200_cmdbuf_probe_ops4.json): 493 us of host per
-        # launch with buffers moving, 269 us with all fixed, 368 us with fixed buffers plus the
-        # prep launch. JVLLM_STABLE_BUFFERS=0 alternates two buffers of each kind instead (every
-        # launch an update: the A/B switch).
-        self._stable = os.environ.get("JVLLM_STABLE_BUFFERS", "1") != "0"
-        self._bufs: dict = {}
-        self._prep_fns = {i: jax.jit(functools.partial(self._prep_impl, st.first), donate_argnums=(0,),
-                                     static_argnames=("T",)) for i, st in enumerate(self.stages)}
+            donate_argnums=(1,), static_argnames=("T",)) for i, st in enumerate(self.stages) for dec in (False, True)}
         # A step's host inputs travel as ONE packed int32 vector (`pack_inputs`: tokens, src and the
         # attention metadata), so a step costs one host-to-device transfer per stage instead of
         # eight (the 8-leaf device_put took 0.26 ms of every TP=2 B1 step on an H200,
@@ -268,7 +253,7 @@ class ModelRunner:
         ends' (every program in a single-process run)."""
         if not self.multiprocess:
             return True
-        if kind in ("step", "prep"):
+        if kind == "step":
             return self.local(key[0])
         if kind == "hop":
             return self.local(key[0]) or self.local(key[1])
@@ -310,39 +295,23 @@ class ModelRunner:
         self.head_w = None
         self._compiled.clear()
         self._hop_fillers.clear()
-        for arrs, _ in self._bufs.values():
-            for a in arrs:
-                if isinstance(a, jax.Array) and not a.is_deleted():
-                    a.delete()
-        self._bufs.clear()
         for pool in self._stage_pools or ():
             pool.shutdown(wait=True)
         self._stage_pools = None
 
     # ------------------------------------------------------------------ programs
-    def _prep_impl(self, first, bufs, packed, x, *, T):
-        """Writes a step's inputs into its persistent buffers `bufs` (donated: the outputs take
-        their addresses). First stage: (packed inputs with tokens[t] = prev_tok[src[t]] where
-        src[t] >= 0, the ids sampled on the device by the step before; x is prev_tok); later
-        stages: (packed inputs, x = the previous stage's hidden states)."""
+    def _step_impl(self, graphdef, treedef, first, last, attention, mesh, decode, leaves, kv, packed, x, *, T):
+        """packed: `pack_inputs` of bucket (T, decode); x: prev_tok [max_num_seqs] (first stage) or
+        the previous stage's hidden states [T, hidden] (later stages)."""
+        tokens, src, md = self.unpack_inputs(packed, T, decode)
         if first:
-            tokens, src = packed[:T], packed[T:2 * T]
-            tokens = jnp.where(src >= 0, x[jnp.maximum(src, 0)], tokens)
-            return (jnp.concatenate([tokens, packed[T:]]),)
-        return packed, x
-
-    def _step_impl(self, graphdef, treedef, first, last, attention, mesh, decode, leaves, kv, inputs, outs, *, T):
-        """inputs: the prep program's buffers, (packed,) on the first stage (its tokens resolved)
-        or (packed, hidden states [T, hidden]); outs: donated buffers the outputs are written to,
-        (last_h [R, hidden], h [T, hidden]) on the last stage, (h,) on the others."""
-        tokens, _, md = self.unpack_inputs(inputs[0], T, decode)
-        x = tokens if first else inputs[1]
+            x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], tokens)
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
         with tensor_parallel_mesh(mesh):  # Pallas kernels run per device on local KV heads
             h, kv = model(x, kv, md, self.kv_chunk_blocks, attention)
         if last:
-            return kv, (h[md.logits_indices], h)
-        return kv, (h,)
+            return kv, h[md.logits_indices], h
+        return kv, h
 
     @staticmethod
     def _logits(w, h, tied):
@@ -454,8 +423,9 @@ class ModelRunner:
         """Every (kind, key) this runner compiles at warm-up."""
         out = []
         for T in self.token_buckets:
-            for dec in (False, True) if self.has_decode_variant(T) else (False,):
-                out += [(k, (s, T, dec)) for s in range(len(self.stages)) for k in ("prep", "step")]
+            out += [("step", (s, T, False)) for s in range(len(self.stages))]
+            if self.has_decode_variant(T):
+                out += [("step", (s, T, True)) for s in range(len(self.stages))]
             out.append(("prompt_lp", T))
         for R in sorted({self.seq_bucket(T) for T in self.token_buckets}):
             out += [("sample", (R, False)), ("sample", (R, True)), ("sample", (R, "greedy"))]
@@ -488,21 +458,11 @@ class ModelRunner:
         if kind == "step":
             s_idx, T, decode = key
             st = self.stages[s_idx]
-            R = self.seq_bucket(T)
-            packed = sds((self.packed_size(T, decode),), jnp.int32)
-            inputs = (packed,) if st.first else (packed, sds((T, hidden), self.dtype))
-            outs = ((sds((R, hidden), self.dtype),) if st.last else ()) + (sds((T, hidden), self.dtype),)
-            fn, args = self._step_fns[(s_idx, decode)], (like(st.leaves), like(st.kv), on(st, inputs), on(st, outs))
-            kwargs = dict(T=T)
-            static = (self.attention_modes[decode], st.first, st.last, repr(st.treedef), "stable-v1")
-        elif kind == "prep":
-            s_idx, T, decode = key
-            st = self.stages[s_idx]
             packed = sds((self.packed_size(T, decode),), jnp.int32)
             x = sds((self.max_num_seqs,), jnp.int32) if st.first else sds((T, hidden), self.dtype)
-            bufs = (packed,) if st.first else (packed, x)
-            fn, args, kwargs = self._prep_fns[s_idx], (on(st, bufs), on(st, packed), on(st, x)), dict(T=T)
-            static = (st.first,)
+            fn, args = self._step_fns[(s_idx, decode)], (like(st.leaves), like(st.kv), on(st, packed), on(st, x))
+            kwargs = dict(T=T)
+            static = (self.attention_modes[decode], st.first, st.last, repr(st.treedef), "packed-v1")
         elif kind == "sample" and key[1] == "greedy":
             fn, args = self._greedy_fn, (like(self.head_w), on(last, sds((key[0], hidden), self.dtype)))
             static = ()
@@ -541,7 +501,7 @@ class ModelRunner:
                 "jvllm-exe-v1", kind, key, static, sig, jax.tree_util.tree_structure(args), repr(self.cfg),
                 str(self.dtype), self.kv_chunk_blocks, self.max_num_seqs, self.cfg.tie_word_embeddings)
             # the executable's devices in its own order: its stage's mesh (row-major), or the one device
-            owner = self.stages[key[0]] if kind in ("step", "prep") else last
+            owner = self.stages[key[0]] if kind == "step" else last
             devs = list(owner.mesh.devices.flat) if owner.mesh is not None else [jax.devices()[0]]
             if kind in ("hop", "swap"):
                 devs = list(self._hop_program(*(key[:2] if kind == "hop" else (0, 1)))[0].devices.flat)
@@ -928,7 +888,6 @@ class ModelRunner:
         """Enqueue stage `s_idx` of micro-batch `w` (moving its input onto the stage's devices)."""
         st = self.stages[s_idx]
         shard = st.sharding()
-        T, dec, hidden = w["T"], w["decode"], self.cfg.hidden_size
         t1 = time.perf_counter()
         packed = _put(w["packed"], shard)  # this stage's host inputs: one transfer
         if st.first:
@@ -936,41 +895,11 @@ class ModelRunner:
         else:  # hidden states of the previous stage: device to device
             x = self._to_stage(w["x"], s_idx - 1, s_idx) if shard is not None and not on_stage else w["x"]
         self._add_time("step_call_put_s", time.perf_counter() - t1)
-        in_keys = [(("in", s_idx, packed.shape[0]), packed.shape, jnp.int32)]
-        if not st.first:
-            in_keys.append((("x", s_idx, T), (T, hidden), self.dtype))
-        inputs = self.compile("prep", (s_idx, T, dec))(self._take(st, in_keys), packed, x)
-        self._give(in_keys, inputs)
-        out_keys = [(("h", s_idx, T), (T, hidden), self.dtype)]
-        if st.last:
-            out_keys.insert(0, (("lh", s_idx, self.seq_bucket(T)), (self.seq_bucket(T), hidden), self.dtype))
-        st.kv, outs = self.compile("step", (s_idx, T, dec))(st.leaves, st.kv, inputs, self._take(st, out_keys))
-        self._give(out_keys, outs)
-        w["x"] = outs[-1]
+        out = self.compile("step", (s_idx, w["T"], w["decode"]))(st.leaves, st.kv, packed, x)
+        st.kv = out[0]
+        w["x"] = out[-1]
         self._add_time("step_call_s", time.perf_counter() - t1)
-        return (st.kv, *outs)
-
-    def _take(self, st: Stage, keys) -> tuple:
-        """The persistent device buffers of `keys` ((key, shape, dtype), replicated on the stage's
-        devices, made on first use) for one call that donates them; `_give` stores what the call
-        returned in their place (the same addresses). With JVLLM_STABLE_BUFFERS=0 each key has
-        two buffers used in turn, so every launch sees moved buffers (the A/B switch)."""
-        out = []
-        for key, shape, dtype in keys:
-            slot = self._bufs.get(key)
-            if slot is None:
-                z = np.zeros(shape, dtype)
-                shard = st.sharding()
-                slot = self._bufs[key] = [[jax.device_put(z) if shard is None else _put(z, shard)
-                                           for _ in range(1 if self._stable else 2)], 0]
-            out.append(slot[0][slot[1]])
-        return tuple(out)
-
-    def _give(self, keys, arrays):
-        for (key, _, _), a in zip(keys, arrays):
-            slot = self._bufs[key]
-            slot[0][slot[1]] = a
-            slot[1] = (slot[1] + 1) % len(slot[0])
+        return out
 
     def _launch_sample(self, w, out):
         """Enqueue the sampler (and prompt logprobs) of micro-batch `w` after its last stage; returns
@@ -1092,9 +1021,7 @@ class ModelRunner:
             raise ValueError("sequence_logits needs a single-stage runner")
         st = self.stages[0]
         packed = self.pack_inputs(T, False, tokens, src, md)
-        inputs = self._prep_fns[0]((np.zeros_like(packed),), packed, np.zeros(self.max_num_seqs, np.int32), T=T)
-        outs = (np.zeros((R, self.cfg.hidden_size), self.dtype), np.zeros((T, self.cfg.hidden_size), self.dtype))
-        st.kv, (_, h) = self._step_fns[(0, False)](st.leaves, st.kv, inputs, outs, T=T)
+        st.kv, _, h = self._step_fns[(0, False)](st.leaves, st.kv, packed, np.zeros(self.max_num_seqs, np.int32), T=T)
         return np.asarray(self._logits_fn(self.head_w, h))
 
     @functools.cached_property
