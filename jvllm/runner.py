@@ -1,12 +1,14 @@
 """ModelRunner: turns a SchedulerOutput into device inputs, runs the compiled programs, returns ids.
 
 Programs (all compiled ahead of time at start-up, one executable per bucket, see `warmup`):
-  step[T]        (state, kv, tokens[T], md) -> (kv, last_hidden[R], hidden[T]); kv donated
+  step[T]        (state, kv, packed, prev_tok | hidden[T]) -> (kv, last_hidden[R], hidden[T]); kv
+                 donated; `packed` is one int32 vector of the tokens, their sources and the
+                 attention metadata (`pack_inputs`)
   sample[R, ex]  (head_w, last_hidden[R], SamplingBatch, SamplingExtras|None) -> ids, logprobs
   prompt_lp[T]   (head_w, hidden[T], targets[T]) -> prompt logprobs (only when a request asks)
 Buckets: `token_buckets` (T); the request bucket is R = min(T, max_num_seqs), so each token bucket
 compiles exactly one model program. Inputs are numpy arrays built on the host and transferred
-once per step; the host receives sampled ids (and logprobs only when some request wants them).
+as one packed vector per stage and step; the host receives sampled ids (and logprobs only when some request wants them).
 
 Parallelism: the runner holds one or more pipeline *stages* (`Stage`), each a model slice with its
 own weights, KV pages and device sub-mesh (axis "tensor": tensor parallelism inside a stage is
