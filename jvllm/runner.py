@@ -364,17 +364,6 @@ class ModelRunner:
             return 1, R
         return self.query_tile, R + cdiv(T, self.query_tile)
 
-    def _abstract_inputs(self, T: int, decode: bool = False):
-        R = self.seq_bucket(T)
-        Qt, NT = self.tiling(T, decode)
-        i32 = jnp.int32
-        sds = jax.ShapeDtypeStruct
-        md = AttentionMetadata(positions=sds((T,), i32), slot_mapping=sds((T,), i32),
-                               block_tables=sds((R, self.table_width), i32),
-                               tile_token_idx=sds((NT, Qt), i32), tile_req=sds((NT,), i32),
-                               logits_indices=sds((R,), i32))
-        return sds((T,), i32), md, R
-
     def input_layout(self, T: int, decode: bool) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of each int32 field of a step's packed input vector, in order."""
         R = self.seq_bucket(T)
@@ -549,13 +538,18 @@ class ModelRunner:
         shape = tuple(x.shape) if x is not None else tuple(shape)
         dtype = str(x.dtype) if x is not None else str(jnp.dtype(dtype))
         key = (src, dst, shape, dtype)
-        mesh2, _, dst_devs = self._hop_program(src, dst)
+        mesh2 = self._hop_program(src, dst)[0]
         g = self._hop_input(x, src, dst, shape, dtype, NamedSharding(mesh2, PartitionSpec("hop")))
-        out = self.compile("hop", key)(g)
+        return self._hop_output(self.compile("hop", key)(g), dst, shape)
+
+    def _hop_output(self, out, dst: int, shape):
+        """The half of a hop program's output on stage `dst`'s devices as that stage's array
+        (in dst's process; None elsewhere)."""
         if not self.local(dst):
             return None
+        devs = set(self.stages[dst].mesh.devices.flat)
         return jax.make_array_from_single_device_arrays(
-            shape, dst_shard, [sh.data for sh in out.addressable_shards if sh.device in dst_devs])
+            tuple(shape), self.stages[dst].sharding(), [sh.data for sh in out.addressable_shards if sh.device in devs])
 
     def _hop_input(self, x, src: int, dst: int, shape, dtype, sharding):
         """The [2 * n, ...] input of a hop from stage `src` to stage `dst` on `sharding` (a mesh
@@ -603,16 +597,7 @@ class ModelRunner:
         g_i = self._hop_input(ids, 1, 0, (self.max_num_seqs,), jnp.int32, hop)
         out_h, out_i = self.compile("swap", (shape_h, str(self.dtype)))(g_h, g_i)
         self.num_swaps += 1
-        rows = [frozenset(r) for r in np.asarray(mesh2.devices)]
-        h1 = ids0 = None
-        if self.local(1):
-            h1 = jax.make_array_from_single_device_arrays(
-                shape_h, self.stages[1].sharding(), [sh.data for sh in out_h.addressable_shards if sh.device in rows[1]])
-        if self.local(0):
-            ids0 = jax.make_array_from_single_device_arrays(
-                (self.max_num_seqs,), self.stages[0].sharding(),
-                [sh.data for sh in out_i.addressable_shards if sh.device in rows[0]])
-        return h1, ids0
+        return self._hop_output(out_h, 1, shape_h), self._hop_output(out_i, 0, (self.max_num_seqs,))
 
     def _executable_cache_ok(self) -> bool:
         """jvllm's executable cache (jvllm.compile) serves single-process runners, TP and PP meshes

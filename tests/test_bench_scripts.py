@@ -47,3 +47,29 @@ def test_handoff_probe_dry_run(tmp_path):
     d = json.loads(out.read_text())
     assert set(d["methods"]) == {"device_put", "ppermute"}
     assert all(m["matches"] and m["result_on"].endswith(":1") for m in d["methods"].values())
+
+
+def test_host_profile_dry_run(tmp_path):
+    """host_profile.py on a tiny random model: engine timers and per-function cProfile rows per step."""
+    out = tmp_path / "host.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "host_profile.py"), "--model", "random:tiny",
+                        "--num-prompts", "4", "--input-len", "8,16", "--output-len", "4", "--max-num-seqs", "4",
+                        "--token-buckets", "16,64", "--max-model-len", "128", "--top", "5", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["steps"] > 0 and d["host_ms_per_step"] > 0 and len(d["top_self"]) == 5
+    assert any("generate" in r["function"] for r in d["top_cumulative"])  # the profiled call itself
+
+
+def test_cmdbuf_probe_dry_run(tmp_path):
+    out = tmp_path / "probe.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_cmdbuf_probe.py"), "--layers", "2", "--width", "64",
+                        "--calls", "3", "--extra-ops", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert set(d["results"]) == {"moving", "same_in", "stable", "stable_2", "moving_again"}
+    assert all(r["host_us_median"] > 0 and r["wall_us_per_call"] > 0 for r in d["results"].values())

@@ -183,11 +183,9 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput):
         """Advance computed counts and register newly full blocks in the prefix cache."""
-        bs, done, cache = self.kv.block_size, self.kv.num_cached, self.kv.cache_full_blocks
         for s in out.scheduled:
             req = s.req
             if req.status is not Status.RUNNING:
                 continue
-            n = req.num_computed_tokens = s.start + s.num_tokens
-            if n // bs > done.get(req.request_id, 0):  # a block became full (checked here: every step, every request)
-                cache(req, n)
+            req.num_computed_tokens = s.start + s.num_tokens
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
