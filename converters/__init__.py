@@ -38,6 +38,11 @@ RANDOM_PRESETS = {
     "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                       num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
                       max_position_embeddings=8192, tie_word_embeddings=True),
+    # one GPU's share of llama3-8b at TP=2 (half the heads, KV heads, MLP and vocab) with no
+    # collectives: B1 on one GPU measures the per-device work a TP=2 step cannot avoid
+    "llama3-8b-tp2-shard": dict(hidden_size=4096, intermediate_size=7168, num_hidden_layers=32, num_attention_heads=16,
+                                num_key_value_heads=4, head_dim=128, vocab_size=64128, rope_theta=500000.0,
+                                max_position_embeddings=8192),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048),
 }

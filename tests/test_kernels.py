@@ -108,3 +108,40 @@ def test_ragged_kernel_wide_decode_defaults_match_reference():
     ref = paged_attention(q, kp, vp, md, scale=16 ** -0.5, kv_chunk_blocks=4)
     out = ragged_paged_attention(q, kp, vp, md, scale=16 ** -0.5, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def test_one_query_tiles_are_tokens():
+    """The ragged kernel reads q and writes o without gathers for one-query tiles because
+    build_metadata puts token n in tile n (requests of several tokens included); padding tiles
+    point at T."""
+    from jvllm.ops.attention import build_metadata
+
+    rng = np.random.default_rng(3)
+    ns = rng.integers(1, 5, 6)
+    tables = np.arange(6 * 8, dtype=np.int32).reshape(6, 8)
+    T = int(ns.sum()) + 3
+    md = build_metadata(rng.integers(0, 20, 6), ns, tables, T=T, query_tile=1, num_tiles=T + 2, block_size=4,
+                        num_blocks=64)
+    idx = np.asarray(md.tile_token_idx)[:, 0]
+    n = int(ns.sum())
+    assert (idx[:n] == np.arange(n)).all() and (idx[n:] == T).all()
+
+
+@pytest.mark.parametrize("T,R", [(8, 8), (16, 4), (4, 12)])
+def test_split_merge_kernel_for_one_query_tiles(T, R):
+    """Small decode batches merge split-K partials in one Pallas program per (tile, KV head) when
+    S, G and D are powers of two (else XLA merges them); the output rows are the tokens, whether
+    there are fewer tiles than tokens or more."""
+    import jax
+
+    spans = [(0, 1), (9, 1), (40, 1), (63, 1)][:min(T, R)]
+    md, q, kp, vp = _inputs(8, 2, 32, 4, 1, spans, T=T, R=R)
+    md = type(md)(**{**md.__dict__, "tile_token_idx": md.tile_token_idx[:R], "tile_req": md.tile_req[:R]})
+    f = lambda q, kp, vp: ragged_paged_attention(q, kp, vp, md, scale=32 ** -0.5, num_splits=4, interpret=True)  # noqa: E731
+    assert "jvllm_split_merge_S4_G4" in str(jax.make_jaxpr(f)(q, kp, vp))
+    out = np.asarray(f(q, kp, vp))
+    ref = np.asarray(paged_attention(q, kp, vp, md, scale=32 ** -0.5, kv_chunk_blocks=4))
+    valid = np.asarray(md.positions) >= 0
+    assert out.shape == ref.shape == (T, 8, 32)
+    np.testing.assert_allclose(out[valid], ref[valid], atol=2e-5, rtol=2e-5)
+    assert not out[~valid].any()

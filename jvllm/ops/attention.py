@@ -44,9 +44,10 @@ def tensor_parallel_size() -> int:
     return 1 if m is None else int(dict(m.shape).get("tensor", 1))
 
 
-def shard_local(attend, q, k, v, k_pages, v_pages, md):
+def shard_local(attend, q, k, v, k_pages, v_pages, md, write=None):
     """Write this step's k, v [T, K, D] into the pools [K, blocks, bs, D] and run
-    `attend(q, k_pages, v_pages, md) -> o` [T, H, D], once per tensor-parallel device on its own
+    `attend(q, k_pages, v_pages, md) -> o` [T, H, D] (`write(k_pages, v_pages, k, v, slots)`
+    writes both pools when given, else two `write_kv` scatters), once per tensor-parallel device on its own
     heads (jax.shard_map over the traced stage's "tensor" axis), or directly without tensor
     parallelism. Returns (o, k_pages, v_pages).
 
@@ -64,7 +65,10 @@ def shard_local(attend, q, k, v, k_pages, v_pages, md):
     would need a per-device head offset to avoid it). Other layouts keep the GSPMD path (correct,
     slow)."""
     def write_and_attend(q, k, v, kp, vp, md, kv_heads=None):
-        kp, vp = write_kv(kp, k, md.slot_mapping), write_kv(vp, v, md.slot_mapping)
+        if write is None:
+            kp, vp = write_kv(kp, k, md.slot_mapping), write_kv(vp, v, md.slot_mapping)
+        else:
+            kp, vp = write(kp, vp, k, v, md.slot_mapping)
         o = attend(q, kp, vp, md) if kv_heads is None else attend(q, kv_heads(kp), kv_heads(vp), md)
         return o, kp, vp
 
@@ -98,7 +102,9 @@ class AttentionMetadata:
     positions: jax.Array        # [T] int32, -1 for padding tokens
     slot_mapping: jax.Array     # [T] int32, flat slot (block * block_size + offset); >= num_slots = drop
     block_tables: jax.Array     # [R, W] int32, W a multiple of kv_chunk_blocks, padded with 0
-    tile_token_idx: jax.Array   # [NT, Qt] int32 indices into the T tokens, T = padding
+    tile_token_idx: jax.Array   # [NT, Qt] int32 indices into the T tokens, T = padding; with one-query
+                                # tiles (Qt == 1) tile n is token n (build_metadata's layout, which the
+                                # ragged kernel relies on: it then reads q and writes o without gathers)
     tile_req: jax.Array         # [NT] int32 request row of each tile
     logits_indices: jax.Array   # [R] int32 token whose hidden state feeds sampling
 

@@ -171,10 +171,19 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     M = Qt * G
     Mp = max(16, _next_pow2(M))
 
-    q_ext = jnp.concatenate([q, jnp.zeros((1, H, D), q.dtype)], axis=0)
-    qt = q_ext[md.tile_token_idx].reshape(NT, Qt, KH, G, D).transpose(0, 2, 1, 3, 4).reshape(NT, KH, M, D)
-    pos_ext = jnp.concatenate([md.positions, jnp.full((1,), -1, md.positions.dtype)])
-    qpos = jnp.repeat(pos_ext[md.tile_token_idx], G, axis=1)   # [NT, M], row = token * G + head
+    one_query = Qt == 1  # tile n is token n (build_metadata's layout): no gather, no scatter back
+    if one_query:
+        n = min(NT, T)
+        qt = q[:n].reshape(n, KH, G, D)
+        qpos = jnp.broadcast_to(md.positions[:n, None], (n, G))
+        if n < NT:  # more tiles than tokens: the extra tiles are padding (position -1)
+            qt = jnp.pad(qt, ((0, NT - n), (0, 0), (0, 0), (0, 0)))
+            qpos = jnp.pad(qpos, ((0, NT - n), (0, 0)), constant_values=-1)
+    else:
+        q_ext = jnp.concatenate([q, jnp.zeros((1, H, D), q.dtype)], axis=0)
+        qt = q_ext[md.tile_token_idx].reshape(NT, Qt, KH, G, D).transpose(0, 2, 1, 3, 4).reshape(NT, KH, M, D)
+        pos_ext = jnp.concatenate([md.positions, jnp.full((1,), -1, md.positions.dtype)])
+        qpos = jnp.repeat(pos_ext[md.tile_token_idx], G, axis=1)   # [NT, M], row = token * G + head
     if Mp != M:
         qt = jnp.pad(qt, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
         qpos = jnp.pad(qpos, ((0, 0), (0, Mp - M)), constant_values=-1)
@@ -216,6 +225,20 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
         compiler_params=params,
         name=f"jvllm_ragged_paged_attention_M{Mp}_P{P}_S{S}{'_pf' if prefetch_ids else ''}",
     )(qt, qpos.astype(jnp.int32), bt, k_pages, v_pages)
+    if S > 1 and one_query and _pow2(S) and _pow2(G) and _pow2(D):  # Triton blocks: powers of 2
+        # one program per (tile, KV head) merges the splits and writes its G heads straight
+        # into the [tiles, H, D] output (one launch instead of XLA's five fusions + a copy)
+        o_s, m_s, l_s = out
+        heads = pl.pallas_call(
+            _merge_kernel, grid=(NT, KH),
+            in_specs=[pl.BlockSpec((S, None, None, G, D), lambda n, h: (0, n, h, 0, 0)),
+                      pl.BlockSpec((S, None, None, G), lambda n, h: (0, n, h, 0)),
+                      pl.BlockSpec((S, None, None, G), lambda n, h: (0, n, h, 0))],
+            out_specs=pl.BlockSpec((None, G, D), lambda n, h: (n, h, 0)),
+            out_shape=jax.ShapeDtypeStruct((NT, H, D), q.dtype),
+            interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            name=f"jvllm_split_merge_S{S}_G{G}")(o_s, m_s, l_s)
+        return _token_rows(heads, T)
     if S > 1:  # merge the splits' partial softmax states (base-2 logits, as in the kernel)
         o_s, m_s, l_s = out
         m = jnp.max(m_s, axis=0)
@@ -223,6 +246,65 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
         l = jnp.sum(w * l_s, axis=0)
         o = jnp.sum(w[..., None] * o_s, axis=0)
         out = (o / jnp.where(l == 0.0, 1.0, l)[..., None]).astype(q.dtype)
+    if one_query:
+        return _token_rows(out[:, :, :G].reshape(NT, H, D), T)
     out = out[:, :, :M].reshape(NT, KH, Qt, G, D).transpose(0, 2, 1, 3, 4).reshape(NT, Qt, H, D)
     flat = jnp.zeros((T + 1, H, D), q.dtype).at[md.tile_token_idx].set(out)
     return flat[:T]
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _token_rows(tiles, T: int):
+    """[NT, H, D] one-query tile outputs -> [T, H, D] token rows (tile n is token n)."""
+    NT = tiles.shape[0]
+    return tiles[:T] if NT >= T else jnp.pad(tiles, ((0, T - NT), (0, 0), (0, 0)))
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
+    """Split-K merge of one (tile, KV head): partial states [S, G, D] / [S, G] (base-2 running
+    max, sum, unnormalized output) -> normalized [G, D]. Rows that saw no key (l == 0) give 0."""
+    m_s, l_s = m_ref[...], l_ref[...]
+    m = jnp.max(m_s, axis=0)
+    w = jnp.exp2(m_s - m[None, :])
+    l = jnp.sum(w * l_s, axis=0)
+    o = jnp.sum(w[:, :, None] * o_ref[...], axis=0)
+    out_ref[...] = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(out_ref.dtype)
+
+
+def _kv_write_kernel(slot_ref, k_ref, v_ref, kp_in, vp_in, kp_ref, vp_ref, *, num_slots: int, block_size: int):
+    from jax.experimental import pallas as pl
+
+    del kp_in, vp_in  # aliased to kp_ref / vp_ref
+    slot = slot_ref[pl.program_id(0)]
+
+    @pl.when(slot < num_slots)
+    def _():
+        blk, off = lax.div(slot, block_size), lax.rem(slot, block_size)
+        kp_ref[:, blk, off, :] = k_ref[...].astype(kp_ref.dtype)
+        vp_ref[:, blk, off, :] = v_ref[...].astype(vp_ref.dtype)
+
+
+def write_kv_pallas(k_pages, v_pages, k, v, slot_mapping, *, interpret: bool = False):
+    """Both pools' writes of a step in one launch: k, v [T, KH, D] into k_pages / v_pages
+    [KH, blocks, block_size, D] at `slot_mapping` [T] (slots >= blocks * block_size are padding and
+    skipped); the pools are aliased to the outputs (in place when the caller donates them).
+    Same result as two `attention.write_kv` scatters, which XLA launches as two kernels."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    T, KH, D = k.shape
+    _, NB, bs, _ = k_pages.shape
+    pool = pl.BlockSpec((KH, NB, bs, D), lambda t: (0, 0, 0, 0))
+    row = pl.BlockSpec((None, KH, D), lambda t: (t, 0, 0))
+    kernel = functools.partial(_kv_write_kernel, num_slots=NB * bs, block_size=bs)
+    return pl.pallas_call(
+        kernel, grid=(T,),
+        in_specs=[pl.BlockSpec((T,), lambda t: (0,)), row, row, pool, pool],
+        out_specs=[pool, pool],
+        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={3: 0, 4: 1}, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        name="jvllm_kv_write")(slot_mapping.astype(jnp.int32), k, v, k_pages, v_pages)
