@@ -1,32 +1,47 @@
 #!/usr/bin/env bash
-# B1 (`jvllm bench latency`, buckets 16,512) for several (model, KV-write) variants in one call
-# on one H200, each with its own compile cache; optionally a CUPTI profile of the B1 decode step.
-# VARIANTS: space-separated NAME=MODEL,KV_WRITE (KV_WRITE "xla": two XLA scatters per layer,
-# "pallas": jvllm_kv_write, one launch for K and V). PROFILE: NAME=MODEL,KV_WRITE entries to
-# profile (benchmarks/profile_steps.py). Writes $OUT/b1_variants.json (each run's JSON under its
-# name) and $OUT/profile_<NAME>.json. Env: JVLLM_GIT_COMMIT, PER_RUN_S (default 110).
+# B1 (`jvllm bench latency`, buckets 16,512) for several variants in one call on one H200, each
+# with its own compile cache; optionally CUPTI profiles of the B1 decode step and the optimized
+# HLO of the B1 decode program.
+# VARIANTS: space-separated NAME=MODEL[,KEY=VALUE...] (environment settings of that run, e.g.
+# 8b=random:llama3-8b or 8b_nocb=random:llama3-8b,XLA_FLAGS=--xla_gpu_enable_command_buffer=).
+# PROFILE: the same form, profiled with benchmarks/profile_steps.py. HLO: one MODEL whose B1
+# programs' optimized HLO is dumped ($OUT/hlo_b1.tgz). Writes $OUT/b1_variants.json (each run's
+# JSON under its name) and $OUT/profile_<NAME>.json. Env: JVLLM_GIT_COMMIT, PER_RUN_S (110),
+# MAX_LEN (4096).
 set -u
 source "$(dirname "$0")/device_env.sh"
-VARIANTS=${VARIANTS:-"8b=random:llama3-8b,xla 8b_kvp=random:llama3-8b,pallas"}
+VARIANTS=${VARIANTS-"8b=random:llama3-8b"}
+parse() {  # NAME=MODEL[,K=V...] -> $name $model $envs
+  name=${1%%=*}; local rest=${1#*=}; model=${rest%%,*}; envs=""
+  [ "$rest" != "$model" ] && envs=$(echo "${rest#*,}" | tr ',' ' ')
+}
+common="--dtype bfloat16 --max-model-len ${MAX_LEN:-4096} --token-buckets 16,512"
 for v in $VARIANTS; do
-  name=${v%%=*}; rest=${v#*=}; model=${rest%,*}; kvw=${rest##*,}
+  parse "$v"
   left=$(( 575 - $(el) )); lim=${PER_RUN_S:-110}; [ $left -lt $lim ] && lim=$left
   [ $lim -lt 40 ] && { echo "no time left for $name"; continue; }
-  echo "[$(el)s] $name model=$model kv_write=$kvw" | tee -a "$OUT/b1_variants.log"
-  JVLLM_KV_WRITE=$kvw JVLLM_CACHE_DIR=/tmp/cache_$kvw timeout -s ABRT $lim python -X faulthandler -u -m jvllm.cli bench latency \
-    --model $model --dtype bfloat16 --max-model-len ${MAX_LEN:-4096} --token-buckets 16,512 --no-xla-report \
-    --output-json "/tmp/b1_$name.json" >> "$OUT/b1_variants.log" 2>&1
+  echo "[$(el)s] $name model=$model env=$envs" | tee -a "$OUT/b1_variants.log"
+  env $envs JVLLM_CACHE_DIR=/tmp/cache_$name timeout -s ABRT $lim python -X faulthandler -u -m jvllm.cli bench latency \
+    --model $model $common --no-xla-report --output-json "/tmp/b1_$name.json" >> "$OUT/b1_variants.log" 2>&1
   echo "rc=$?" | tee -a "$OUT/b1_variants.log"; grep "B1:" "$OUT/b1_variants.log" | tail -1
 done
 for v in ${PROFILE:-}; do
-  name=${v%%=*}; rest=${v#*=}; model=${rest%,*}; kvw=${rest##*,}
+  parse "$v"
   left=$(( 585 - $(el) )); [ $left -lt 60 ] && { echo "no time left for profile $name"; continue; }
-  echo "[$(el)s] profile $name" | tee -a "$OUT/b1_variants.log"
-  JVLLM_KV_WRITE=$kvw JVLLM_CACHE_DIR=/tmp/cache_$kvw timeout -s ABRT $left python benchmarks/profile_steps.py --workload b1 \
-    --model $model --dtype bfloat16 --max-model-len 4096 --token-buckets 16,512 --steps 20 \
-    --out "$OUT/profile_$name.json" >> "$OUT/b1_variants.log" 2>&1
+  echo "[$(el)s] profile $name env=$envs" | tee -a "$OUT/b1_variants.log"
+  env $envs JVLLM_CACHE_DIR=/tmp/cache_$name timeout -s ABRT $left python benchmarks/profile_steps.py --workload b1 \
+    --model $model $common --steps 20 --out "$OUT/profile_$name.json" >> "$OUT/b1_variants.log" 2>&1
   echo "rc=$?" | tee -a "$OUT/b1_variants.log"
 done
+if [ -n "${HLO:-}" ]; then
+  left=$(( 590 - $(el) ))
+  echo "[$(el)s] hlo $HLO" | tee -a "$OUT/b1_variants.log"
+  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*" \
+    JVLLM_CACHE_DIR=/tmp/cache_hlo timeout -s ABRT $left python -m jvllm.cli bench latency --model $HLO $common \
+    --no-xla-report --output-json /tmp/b1_hlo.json >> "$OUT/b1_variants.log" 2>&1
+  echo "rc=$?" | tee -a "$OUT/b1_variants.log"
+  (cd /tmp/hlo && ls | grep -E "after_optimizations.txt$|buffer-assignment" | head -8 | tar czf "$OUT/hlo_b1.tgz" -T -)
+fi
 python - "$OUT" $VARIANTS <<'PY'
 import json, os, sys
 out, res = sys.argv[1], {}

@@ -18,9 +18,6 @@ jvllm.converters owns the mapping from checkpoint tensors:
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,7 +25,7 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.models.layers import RMSNorm, apply_rope, declare, rope_inv_freq
 from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, shard_local
-from jvllm.ops.pallas_attention import ragged_paged_attention, write_kv_pallas
+from jvllm.ops.pallas_attention import ragged_paged_attention
 
 _List = getattr(nnx, "List", list)
 
@@ -79,10 +76,7 @@ class Attention(nnx.Module):
                                           num_splits="auto" if attention.startswith("ragged_split") else None,
                                           interpret=interpret)
 
-        write = None
-        if attention.startswith("ragged") and os.environ.get("JVLLM_KV_WRITE") == "pallas":  # A/B experiment
-            write = functools.partial(write_kv_pallas, interpret=interpret)
-        o, k_pages, v_pages = shard_local(attend, q, k, v, k_pages, v_pages, md, write=write)
+        o, k_pages, v_pages = shard_local(attend, q, k, v, k_pages, v_pages, md)
         out = jnp.einsum("thk,hkd->td", o, self.o_proj[...])
         if self.has_o_bias:
             out = out + self.o_bias[...]

@@ -99,9 +99,14 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_
         o, m, l = lax.fori_loop(first, n_chunks, body, (o, m, l))
     if num_splits > 1:  # unnormalized partials; the caller merges the splits
         m_ref, l_ref = split_refs
-        o_ref[...] = o
         m_ref[...] = m
         l_ref[...] = l
+
+        # a split that saw no key (padding tiles: most programs of a small decode batch in its
+        # bucket) leaves its o block unwritten; the merges drop partials whose l is 0
+        @pl.when(n_chunks > first)
+        def _():
+            o_ref[...] = o
     else:
         o_ref[...] = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
@@ -244,7 +249,7 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
         m = jnp.max(m_s, axis=0)
         w = jnp.exp2(m_s - m[None])
         l = jnp.sum(w * l_s, axis=0)
-        o = jnp.sum(w[..., None] * o_s, axis=0)
+        o = jnp.sum(jnp.where(l_s[..., None] > 0, w[..., None] * o_s, 0.0), axis=0)  # unwritten o where l == 0
         out = (o / jnp.where(l == 0.0, 1.0, l)[..., None]).astype(q.dtype)
     if one_query:
         return _token_rows(out[:, :, :G].reshape(NT, H, D), T)
@@ -265,46 +270,13 @@ def _token_rows(tiles, T: int):
 
 def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
     """Split-K merge of one (tile, KV head): partial states [S, G, D] / [S, G] (base-2 running
-    max, sum, unnormalized output) -> normalized [G, D]. Rows that saw no key (l == 0) give 0."""
+    max, sum, unnormalized output) -> normalized [G, D]. A split whose l is 0 saw no key and left
+    its o unwritten (any bits, NaN included): it is selected out, not multiplied by 0. Rows that
+    saw no key at all give 0."""
     m_s, l_s = m_ref[...], l_ref[...]
     m = jnp.max(m_s, axis=0)
     w = jnp.exp2(m_s - m[None, :])
     l = jnp.sum(w * l_s, axis=0)
-    o = jnp.sum(w[:, :, None] * o_ref[...], axis=0)
+    o = jnp.sum(jnp.where(l_s[:, :, None] > 0, w[:, :, None] * o_ref[...], 0.0), axis=0)  # o unwritten where l == 0
     out_ref[...] = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(out_ref.dtype)
 
-
-def _kv_write_kernel(slot_ref, k_ref, v_ref, kp_in, vp_in, kp_ref, vp_ref, *, num_slots: int, block_size: int):
-    from jax.experimental import pallas as pl
-
-    del kp_in, vp_in  # aliased to kp_ref / vp_ref
-    slot = slot_ref[pl.program_id(0)]
-
-    @pl.when(slot < num_slots)
-    def _():
-        blk, off = lax.div(slot, block_size), lax.rem(slot, block_size)
-        kp_ref[:, blk, off, :] = k_ref[...].astype(kp_ref.dtype)
-        vp_ref[:, blk, off, :] = v_ref[...].astype(vp_ref.dtype)
-
-
-def write_kv_pallas(k_pages, v_pages, k, v, slot_mapping, *, interpret: bool = False):
-    """Both pools' writes of a step in one launch: k, v [T, KH, D] into k_pages / v_pages
-    [KH, blocks, block_size, D] at `slot_mapping` [T] (slots >= blocks * block_size are padding and
-    skipped); the pools are aliased to the outputs (in place when the caller donates them).
-    Same result as two `attention.write_kv` scatters, which XLA launches as two kernels."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-
-    T, KH, D = k.shape
-    _, NB, bs, _ = k_pages.shape
-    pool = pl.BlockSpec((KH, NB, bs, D), lambda t: (0, 0, 0, 0))
-    row = pl.BlockSpec((None, KH, D), lambda t: (t, 0, 0))
-    kernel = functools.partial(_kv_write_kernel, num_slots=NB * bs, block_size=bs)
-    return pl.pallas_call(
-        kernel, grid=(T,),
-        in_specs=[pl.BlockSpec((T,), lambda t: (0,)), row, row, pool, pool],
-        out_specs=[pool, pool],
-        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={3: 0, 4: 1}, interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-        name="jvllm_kv_write")(slot_mapping.astype(jnp.int32), k, v, k_pages, v_pages)
