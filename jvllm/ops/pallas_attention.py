@@ -46,7 +46,9 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_
     bs = k_ref.shape[-2]
     P = pages_per_block
     chunk = P * bs
-    q = q_ref[...]
+    # split-K (small decode batches): most programs see no key (padding tiles), so q is loaded
+    # inside the loop, by programs that have keys (about one chunk each); else once, up front
+    q = None if num_splits > 1 else q_ref[...]
     qpos = pos_ref[...]                                      # [M] int32, -1 = padding row
     max_pos = jnp.max(qpos)
     n_chunks = lax.div(max_pos + chunk, chunk)               # ceil((max_pos + 1) / chunk); 0 for an empty tile
@@ -76,7 +78,7 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_
             ids = bt_ref[pl.ds(c * P, P)]
         k = k_ref[ids].reshape(chunk, D)
         v = v_ref[ids].reshape(chunk, D)
-        s = plgpu.dot(q, k.T) * qk_scale                    # [M, chunk] f32, base-2 logits
+        s = plgpu.dot(q_ref[...] if q is None else q, k.T) * qk_scale   # [M, chunk] f32, base-2 logits
         kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         mask = kpos[None, :] <= qpos[:, None]
         if window is not None:
@@ -271,12 +273,16 @@ def _token_rows(tiles, T: int):
 def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
     """Split-K merge of one (tile, KV head): partial states [S, G, D] / [S, G] (base-2 running
     max, sum, unnormalized output) -> normalized [G, D]. A split whose l is 0 saw no key and left
-    its o unwritten (any bits, NaN included): it is selected out, not multiplied by 0. Rows that
+    its o unwritten (any bits, NaN included): a masked load never reads it (nor its memory). Rows that
     saw no key at all give 0."""
+    from jax.experimental.pallas import triton as plgpu
+
     m_s, l_s = m_ref[...], l_ref[...]
     m = jnp.max(m_s, axis=0)
     w = jnp.exp2(m_s - m[None, :])
     l = jnp.sum(w * l_s, axis=0)
-    o = jnp.sum(jnp.where(l_s[:, :, None] > 0, w[:, :, None] * o_ref[...], 0.0), axis=0)  # o unwritten where l == 0
+    seen = jnp.broadcast_to((l_s > 0)[:, :, None], o_ref.shape)
+    o_s = plgpu.load(o_ref, mask=seen, other=0.0)  # masked: unwritten blocks are never read
+    o = jnp.sum(w[:, :, None] * o_s, axis=0)
     out_ref[...] = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(out_ref.dtype)
 
