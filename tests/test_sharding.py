@@ -221,6 +221,25 @@ def test_golden_param_shardings(tp):
     assert got == json.load(open(path))
 
 
+def test_tp2_shard_preset_is_one_devices_share():
+    """random:llama3-8b-tp2-shard (the one-GPU stand-in for a TP=2 device's work in the B1
+    benchmarks) has exactly the per-device parameter shapes of llama3-8b at TP=2."""
+    import transformers
+    from jax.sharding import Mesh
+
+    from jvllm.converters import RANDOM_PRESETS
+    from jvllm.models import param_specs
+
+    def cfg(name):
+        return ModelConfig.from_hf_config(transformers.LlamaConfig(**dict(RANDOM_PRESETS[name], num_hidden_layers=1)))
+
+    full, share = cfg("llama3-8b"), cfg("llama3-8b-tp2-shard")
+    mesh = Mesh(make_mesh(tensor=2).devices[0, 0], ("tensor",))
+    shardings = param_shardings(param_specs(full), mesh, tensor_parallel_rules(full, 2))
+    per_device = {n: shardings[n].shard_shape(shape) for n, (shape, _, _) in param_specs(full).items()}
+    assert per_device == {n: shape for n, (shape, _, _) in param_specs(share).items()}
+
+
 def test_orbax_saved_tp1_restored_tp2_pp2(base, tmp_path):
     from jvllm.converters import convert_to_orbax
 
