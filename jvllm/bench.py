@@ -478,6 +478,9 @@ def run_benchmark(name: str, a) -> dict:
                   config=dict(model=a.model, engine=ekw, sampling=dict(_SAMPLING), argv=sys.argv[1:]))
     if a.cold_start:  # before this process touches the accelerator
         result["cold_start"] = run_cold_start(a.model, ekw)
+    from jvllm.memory.device import claim_device_memory
+
+    claim_device_memory(ekw.get("gpu_memory_utilization", 0.9))  # before the ceilings initialize the backend
     import jax
 
     t_backend = time.perf_counter()
@@ -575,8 +578,11 @@ def memory_report(llm) -> dict:
                        **{k: (int(v) if v >= 0 else None) for k, v in zip(keys, row)})
                   for p, proc in enumerate(table) for i, row in enumerate(proc) if (row >= 0).any()]
     kv = sum(a.nbytes for pair in eng.runner.kv for a in pair)
+    from jvllm.memory.device import claimed_fraction
+
     return dict(peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_in_use=stats.get("bytes_in_use"),
-                bytes_limit=stats.get("bytes_limit"), per_device=per_device,
+                bytes_limit=stats.get("bytes_limit"), pool_bytes=stats.get("pool_bytes"),
+                allocator_fraction_set_by_jvllm=claimed_fraction(), per_device=per_device,
                 weight_bytes=param_stats(llm)["weight_bytes"], kv_pool_bytes_global=kv,
                 kv_blocks=eng.runner.num_blocks, block_size=eng.runner.block_size)
 

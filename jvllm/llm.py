@@ -35,8 +35,10 @@ class LLM:
             skip_tokenizer_init=skip_tokenizer_init, token_buckets=tuple(token_buckets) if token_buckets else None,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size, **kwargs)
+        from jvllm.memory.device import claim_device_memory
         from jvllm.sharding import initialize_distributed
 
+        claim_device_memory(gpu_memory_utilization)  # this engine's share of each device, if still settable
         initialize_distributed()  # a multi-process run from the environment (jvllm launch); no-op otherwise
         if data_parallel_size > 1:
             from jvllm.engine.data_parallel import DataParallelEngine

@@ -127,8 +127,10 @@ class LLMEngine:
         """`devices`: the devices of this engine (a data-parallel replica gets a slice); default all."""
         from jvllm import compile as jcompile
         from jvllm.converters import load_checkpoint, load_tokenizer, model_config, resolve_model
+        from jvllm.memory.device import claim_device_memory
         from jvllm.runner import ModelRunner, attention_modes
 
+        claim_device_memory(config.gpu_memory_utilization)  # before anything touches a device
         jcompile.install_counter()
         if config.compilation_cache_dir != "off":
             jcompile.enable_persistent_cache(config.compilation_cache_dir)
@@ -328,14 +330,15 @@ class LLMEngine:
         stats = device_memory_stats()
         if stats and stats.get("bytes_limit"):
             # vLLM's rule: utilization x device memory - weights (in use now) - activation peak, with
-            # the peak taken from XLA's memory analysis of the largest step program.
-            limit, used = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+            # the peak taken from XLA's memory analysis of the largest step program, inside the pool
+            # the allocator really holds (jvllm.memory.device)
+            from jvllm.memory.device import kv_budget_bytes
+
             act = self._activation_peak_bytes(make_runner)
-            budget = cc.gpu_memory_utilization * limit - used - act
+            budget, how = kv_budget_bytes(stats, cc.gpu_memory_utilization, act)
             if budget < 2 * per_block:
-                raise ValueError(f"no device memory left for the KV cache: limit {limit / 2**30:.2f} GiB x "
-                                 f"{cc.gpu_memory_utilization} - weights {used / 2**30:.2f} GiB - activations "
-                                 f"{act / 2**30:.2f} GiB < 2 blocks; raise gpu_memory_utilization")
+                raise ValueError(f"no device memory left for the KV cache: {how} < 2 blocks of "
+                                 f"{per_block / 2**20:.2f} MiB; raise gpu_memory_utilization")
             return int(min(cap, budget // per_block))
         return max(2, min(cap, (512 * 2**20) // per_block + 1))  # CPU default: 512 MiB
 

@@ -1,0 +1,82 @@
+"""jvllm.memory.device: the allocator share jvllm claims and the KV budget inside the pool the
+allocator really holds (CPU; the GPU allocator's stats are faked)."""
+import pytest
+
+from jvllm.memory import device
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(device, "_claimed", None)
+    for v in device.ALLOCATOR_VARS:
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+def test_claim_sets_the_fraction_before_the_backend_exists(fresh):
+    import os
+
+    fresh.setattr(device, "backends_initialized", lambda: False)
+    assert device.claim_device_memory(0.45)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.4500"
+    assert device.claimed_fraction() == 0.45
+    assert not device.claim_device_memory(0.9)  # the first engine's claim stands (the pool cannot change)
+    assert os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.4500"
+
+
+@pytest.mark.parametrize("var,value", [("XLA_PYTHON_CLIENT_MEM_FRACTION", ".3"), ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+                                       ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")])
+def test_claim_keeps_the_users_allocator_settings(fresh, var, value):
+    import os
+
+    fresh.setattr(device, "backends_initialized", lambda: False)
+    fresh.setenv(var, value)
+    assert not device.claim_device_memory(0.5)
+    assert device.claimed_fraction() is None and "XLA_CLIENT_MEM_FRACTION" not in os.environ
+
+
+def test_claim_leaves_a_live_backend_alone(fresh):
+    import os
+
+    fresh.setattr(device, "backends_initialized", lambda: True)
+    assert not device.claim_device_memory(0.5)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+
+
+def test_kv_budget_inside_the_pool_the_allocator_holds(fresh, caplog):
+    G = 2**30
+    full = dict(bytes_limit=100 * G, bytes_in_use=16 * G, pool_bytes=100 * G)
+    assert device.kv_budget_bytes(full, 0.9, 2 * G)[0] == 72 * G
+    assert device.kv_budget_bytes(dict(bytes_limit=100 * G, bytes_in_use=16 * G), 0.9, 2 * G)[0] == 72 * G
+    # another process held memory: the preallocation backed off to 60 GiB; size inside that, say so
+    short = dict(full, pool_bytes=60 * G)
+    with caplog.at_level("WARNING", logger="jvllm"):
+        budget, how = device.kv_budget_bytes(short, 0.9, 2 * G)
+    assert budget == int(0.9 * 60 * G) - 18 * G
+    assert "holds 60.00 GiB of its 100.00 GiB limit" in how and "another process" in caplog.text
+    # growing pools (no preallocation) start small: their pool size says nothing about free memory
+    fresh.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    assert device.kv_budget_bytes(short, 0.9, 2 * G)[0] == 72 * G
+
+
+def test_engine_sizes_the_kv_cache_inside_a_short_pool(ckpt_dir, monkeypatch):
+    """The engine's sizing uses the pool the allocator holds, and a pool too small for 2 blocks is
+    an error naming every term."""
+    from jvllm import LLM
+    from jvllm.engine import engine as eng_mod
+
+    M = 2**20
+    monkeypatch.setattr(eng_mod, "device_memory_stats",
+                        lambda: dict(bytes_limit=256 * M, bytes_in_use=4 * M, pool_bytes=40 * M))
+    kw = dict(dtype="float32", max_model_len=512, max_num_seqs=8, token_buckets=(8, 16), max_num_batched_tokens=16)
+    llm = LLM(ckpt_dir("llama"), gpu_memory_utilization=0.5, **kw)
+    try:
+        eng = llm.llm_engine
+        assert 2 < eng.runner.num_blocks <= (0.5 * 40 * M - 4 * M) // eng.kv_bytes_per_block()
+    finally:
+        llm.shutdown()
+    monkeypatch.setattr(eng_mod, "device_memory_stats",
+                        lambda: dict(bytes_limit=256 * M, bytes_in_use=4 * M, pool_bytes=8 * M))
+    with pytest.raises(ValueError, match=r"no device memory left for the KV cache: 0.5 x the allocator holds 0.01 GiB "
+                                         r"of its 0.25 GiB limit .* - weights 0.00 GiB - activations .* < 2 blocks"):
+        LLM(ckpt_dir("llama"), gpu_memory_utilization=0.5, **kw)
