@@ -46,14 +46,16 @@ def test_claim_leaves_a_live_backend_alone(fresh):
 def test_kv_budget_inside_the_pool_the_allocator_holds(fresh, caplog):
     G = 2**30
     full = dict(bytes_limit=100 * G, bytes_in_use=16 * G, pool_bytes=100 * G)
-    assert device.kv_budget_bytes(full, 0.9, 2 * G)[0] == 72 * G
+    budget, how, advice = device.kv_budget_bytes(full, 0.9, 2 * G)
+    assert budget == 72 * G and advice == "raise gpu_memory_utilization"
     assert device.kv_budget_bytes(dict(bytes_limit=100 * G, bytes_in_use=16 * G), 0.9, 2 * G)[0] == 72 * G
     # another process held memory: the preallocation backed off to 60 GiB; size inside that, say so
     short = dict(full, pool_bytes=60 * G)
     with caplog.at_level("WARNING", logger="jvllm"):
-        budget, how = device.kv_budget_bytes(short, 0.9, 2 * G)
+        budget, how, advice = device.kv_budget_bytes(short, 0.9, 2 * G)
     assert budget == int(0.9 * 60 * G) - 18 * G
     assert "holds 60.00 GiB of its 100.00 GiB limit" in how and "another process" in caplog.text
+    assert advice.startswith("free memory on the device")
     # growing pools (no preallocation) start small: their pool size says nothing about free memory
     fresh.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     assert device.kv_budget_bytes(short, 0.9, 2 * G)[0] == 72 * G
@@ -78,5 +80,21 @@ def test_engine_sizes_the_kv_cache_inside_a_short_pool(ckpt_dir, monkeypatch):
     monkeypatch.setattr(eng_mod, "device_memory_stats",
                         lambda: dict(bytes_limit=256 * M, bytes_in_use=4 * M, pool_bytes=8 * M))
     with pytest.raises(ValueError, match=r"no device memory left for the KV cache: 0.5 x the allocator holds 0.01 GiB "
-                                         r"of its 0.25 GiB limit .* - weights 0.00 GiB - activations .* < 2 blocks"):
+                                         r"of its 0.25 GiB limit .* - weights 0.00 GiB - activations .* < 2 blocks .*; free memory on the device"):
         LLM(ckpt_dir("llama"), gpu_memory_utilization=0.5, **kw)
+
+
+def test_weights_that_do_not_fit_are_a_clear_error(ckpt_dir, monkeypatch):
+    """An allocator failure while loading the weights names the memory figures and what to do."""
+    import jvllm.converters as conv_mod
+    from jvllm import LLM
+    from jvllm.engine import engine as eng_mod
+
+    def oom(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1048576 bytes.")
+
+    monkeypatch.setattr(conv_mod, "load_checkpoint", oom)
+    monkeypatch.setattr(eng_mod, "device_memory_stats", lambda: dict(bytes_limit=2**30, bytes_in_use=2**29, pool_bytes=2**29))
+    with pytest.raises(MemoryError, match=r"ran out of device memory \(allocator limit 1.00 GiB, pool 0.50 GiB, in use "
+                                          r"0.50 GiB; gpu_memory_utilization 0.9\): free memory on the device"):
+        LLM(ckpt_dir("llama"), dtype="float32", max_model_len=64)

@@ -155,7 +155,18 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype)
         self.model_config: ModelConfig = model_config(spec)
         layout = self._layout(config, devices)
-        ckpt = load_checkpoint(spec, self.dtype, shardings=layout["shardings"])
+        try:
+            ckpt = load_checkpoint(spec, self.dtype, shardings=layout["shardings"])
+        except Exception as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            stats = device_memory_stats() or {}
+            raise MemoryError(
+                f"loading {config.model!r} ran out of device memory (allocator limit "
+                f"{stats.get('bytes_limit', 0) / 2**30:.2f} GiB, pool {stats.get('pool_bytes', 0) / 2**30:.2f} GiB, in use "
+                f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB; gpu_memory_utilization {config.gpu_memory_utilization}): "
+                f"free memory on the device, raise gpu_memory_utilization, or shard the model "
+                f"(tensor_parallel_size / pipeline_parallel_size)") from e
         self.load_seconds = ckpt.load_seconds
         self.tokenizer = None
         if config.skip_tokenizer_init is not True:
@@ -335,10 +346,10 @@ class LLMEngine:
             from jvllm.memory.device import kv_budget_bytes
 
             act = self._activation_peak_bytes(make_runner)
-            budget, how = kv_budget_bytes(stats, cc.gpu_memory_utilization, act)
+            budget, how, advice = kv_budget_bytes(stats, cc.gpu_memory_utilization, act)
             if budget < 2 * per_block:
                 raise ValueError(f"no device memory left for the KV cache: {how} < 2 blocks of "
-                                 f"{per_block / 2**20:.2f} MiB; raise gpu_memory_utilization")
+                                 f"{per_block / 2**20:.2f} MiB; {advice}")
             return int(min(cap, budget // per_block))
         return max(2, min(cap, (512 * 2**20) // per_block + 1))  # CPU default: 512 MiB
 

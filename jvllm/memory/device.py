@@ -61,19 +61,22 @@ def claimed_fraction() -> float | None:
     return _claimed
 
 
-def kv_budget_bytes(stats: dict, utilization: float, activation_bytes: int) -> tuple[int, str]:
-    """(bytes the KV pool may take, how that was derived) from one device's allocator stats
-    (`bytes_limit`, `bytes_in_use`, optional `pool_bytes`)."""
+def kv_budget_bytes(stats: dict, utilization: float, activation_bytes: int) -> tuple[int, str, str]:
+    """(bytes the KV pool may take, how that was derived, what to do when it is too little) from
+    one device's allocator stats (`bytes_limit`, `bytes_in_use`, optional `pool_bytes`)."""
     limit, used = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
     pool = int(stats.get("pool_bytes") or 0)
     preallocating = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() not in ("false", "0")
     held = limit
     how = f"allocator limit {limit / 2**30:.2f} GiB"
+    advice = "raise gpu_memory_utilization"
     if preallocating and 0 < pool < limit:
         held = pool
+        advice = ("free memory on the device (other processes hold the rest) or lower this engine's "
+                  "gpu_memory_utilization to what is free")
         how = (f"the allocator holds {pool / 2**30:.2f} GiB of its {limit / 2**30:.2f} GiB limit (the device "
                f"had no more free: another process on it?)")
         log.warning("device memory: %s; the KV cache is sized to what it holds", how)
     budget = int(utilization * held - used - activation_bytes)
     return budget, (f"{utilization} x {how} - weights {used / 2**30:.2f} GiB - activations "
-                    f"{activation_bytes / 2**30:.2f} GiB")
+                    f"{activation_bytes / 2**30:.2f} GiB"), advice
