@@ -18,13 +18,15 @@ def test_claim_sets_the_fraction_before_the_backend_exists(fresh):
 
     fresh.setattr(device, "backends_initialized", lambda: False)
     assert device.claim_device_memory(0.45)
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.4500"
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4500"
+    assert "XLA_CLIENT_MEM_FRACTION" not in os.environ  # jaxlib refuses both spellings together
     assert device.claimed_fraction() == 0.45
     assert not device.claim_device_memory(0.9)  # the first engine's claim stands (the pool cannot change)
-    assert os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.4500"
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4500"
 
 
-@pytest.mark.parametrize("var,value", [("XLA_PYTHON_CLIENT_MEM_FRACTION", ".3"), ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+@pytest.mark.parametrize("var,value", [("XLA_PYTHON_CLIENT_MEM_FRACTION", ".3"), ("XLA_CLIENT_MEM_FRACTION", ".3"),
+                                       ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
                                        ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")])
 def test_claim_keeps_the_users_allocator_settings(fresh, var, value):
     import os
@@ -32,7 +34,8 @@ def test_claim_keeps_the_users_allocator_settings(fresh, var, value):
     fresh.setattr(device, "backends_initialized", lambda: False)
     fresh.setenv(var, value)
     assert not device.claim_device_memory(0.5)
-    assert device.claimed_fraction() is None and "XLA_CLIENT_MEM_FRACTION" not in os.environ
+    assert device.claimed_fraction() is None
+    assert [v for v in device.FRACTION_VARS if v in os.environ] == ([var] if var in device.FRACTION_VARS else [])
 
 
 def test_claim_leaves_a_live_backend_alone(fresh):
@@ -98,3 +101,14 @@ def test_weights_that_do_not_fit_are_a_clear_error(ckpt_dir, monkeypatch):
     with pytest.raises(MemoryError, match=r"ran out of device memory \(allocator limit 1.00 GiB, pool 0.50 GiB, in use "
                                           r"0.50 GiB; gpu_memory_utilization 0.9\): free memory on the device"):
         LLM(ckpt_dir("llama"), dtype="float32", max_model_len=64)
+
+
+def test_the_claimed_fraction_is_one_jaxlib_accepts(fresh):
+    """jaxlib's GPU plugin options from the environment jvllm leaves (both spellings together
+    raise there, and JAX would fall back to the CPU)."""
+    from jaxlib import xla_client
+
+    fresh.setattr(device, "backends_initialized", lambda: False)
+    device.claim_device_memory(0.45)
+    opts = xla_client.generate_pjrt_gpu_plugin_options()
+    assert opts["memory_fraction"] == pytest.approx(0.45)

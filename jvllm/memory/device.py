@@ -51,8 +51,9 @@ def claim_device_memory(utilization: float) -> bool:
         log.info("device memory: JAX's allocator settings are kept (%s); gpu_memory_utilization %.2f "
                  "applies inside its pool", ", ".join(user) or "backend already initialized", utilization)
         return False
-    for v in FRACTION_VARS:
-        os.environ[v] = f"{utilization:.4f}"
+    # one spelling only: jaxlib refuses both together, and the CUDA plugin then falls back to the
+    # CPU; the older name is read by every jaxlib this runs on (0.10 and 0.11)
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{utilization:.4f}"
     _claimed = float(utilization)
     return True
 
