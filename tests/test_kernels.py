@@ -14,6 +14,8 @@ CASES = [
     (4, 4, 16, 8, 4, 6, [(0, 30), (17, 1), (9, 5)]),                  # sliding window, MHA
     (8, 1, 16, 4, 16, None, [(0, 40)]),                               # MQA, one long prefill, several chunks
     (8, 2, 32, 4, 1, None, [(0, 1), (7, 1), (33, 1), (60, 1)]),       # decode-only tiles (Qt=1)
+    (9, 3, 16, 4, 1, None, [(5, 1), (44, 1)]),                        # decode, G=3: XLA merges split-K
+    (4, 4, 16, 4, 1, 6, [(0, 1), (30, 1), (17, 1)]),                  # decode, MHA (G=1), sliding window
 ]
 
 
@@ -44,7 +46,8 @@ def test_ragged_kernel_matches_reference(case):
     assert not out[~valid].any(), "padding tokens must come back as zeros"
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=["mixed", "window", "decode"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[5], CASES[6]],
+                         ids=["mixed", "window", "decode", "decode_g3", "decode_mha_window"])
 @pytest.mark.parametrize("splits", [3, "auto"])
 def test_ragged_kernel_split_k_matches_reference(case, splits):
     """Split-K (flash-decoding): each tile's keys over several programs, partial states merged."""
