@@ -10,7 +10,14 @@ def fresh(monkeypatch):
     monkeypatch.setattr(device, "_claimed", None)
     for v in device.ALLOCATOR_VARS:
         monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")  # a GPU process (CI runs JAX_PLATFORMS=cpu)
     return monkeypatch
+
+
+def test_no_claim_without_a_gpu_platform(fresh):
+    fresh.setattr(device, "backends_initialized", lambda: False)
+    fresh.setenv("JAX_PLATFORMS", "cpu")
+    assert not device.claim_device_memory(0.5) and device.claimed_fraction() is None
 
 
 def test_claim_sets_the_fraction_before_the_backend_exists(fresh):
@@ -64,12 +71,25 @@ def test_kv_budget_inside_the_pool_the_allocator_holds(fresh, caplog):
     assert device.kv_budget_bytes(short, 0.9, 2 * G)[0] == 72 * G
 
 
+def test_kv_budget_in_a_pool_jvllm_sized(fresh):
+    """A pool jvllm claimed already is the engine's share of the device: the KV cache takes
+    POOL_SHARE of it, not the share again (at 0.2 of an H200 an 8B model still fits)."""
+    G = 2**30
+    fresh.setattr(device, "backends_initialized", lambda: False)
+    device.claim_device_memory(0.2)
+    pool = dict(bytes_limit=28 * G, bytes_in_use=16 * G, pool_bytes=28 * G)  # 0.2 of a 140 GiB device
+    budget, how, _ = device.kv_budget_bytes(pool, 0.2, 1 * G)
+    assert budget == int(0.9 * 28 * G) - 17 * G > 0
+    assert how.startswith("0.9 x allocator limit 28.00 GiB (sized by jvllm to gpu_memory_utilization 0.2")
+
+
 def test_engine_sizes_the_kv_cache_inside_a_short_pool(ckpt_dir, monkeypatch):
     """The engine's sizing uses the pool the allocator holds, and a pool too small for 2 blocks is
     an error naming every term."""
     from jvllm import LLM
     from jvllm.engine import engine as eng_mod
 
+    monkeypatch.setattr(device, "_claimed", None)
     M = 2**20
     monkeypatch.setattr(eng_mod, "device_memory_stats",
                         lambda: dict(bytes_limit=256 * M, bytes_in_use=4 * M, pool_bytes=40 * M))

@@ -145,6 +145,7 @@ def test_memory_sizing_from_device_stats(ckpt_dir, monkeypatch):
     from jvllm.engine import engine as eng_mod
 
     limit, used = 64 * 2**20, 4 * 2**20
+    monkeypatch.setattr("jvllm.memory.device._claimed", None)  # JAX's own pool: utilization applies inside it
     monkeypatch.setattr(eng_mod, "device_memory_stats", lambda: dict(bytes_limit=limit, bytes_in_use=used))
     llm = _small_llm(ckpt_dir("llama"), max_num_seqs=32, max_model_len=512, gpu_memory_utilization=0.5)
     try:
