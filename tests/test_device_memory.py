@@ -132,3 +132,10 @@ def test_the_claimed_fraction_is_one_jaxlib_accepts(fresh):
     device.claim_device_memory(0.45)
     opts = xla_client.generate_pjrt_gpu_plugin_options()
     assert opts["memory_fraction"] == pytest.approx(0.45)
+
+
+def test_a_full_preallocation_is_not_a_short_one(fresh, caplog):
+    G = 2**30
+    with caplog.at_level("WARNING", logger="jvllm"):
+        budget, how, advice = device.kv_budget_bytes(dict(bytes_limit=100 * G, bytes_in_use=0, pool_bytes=99 * G), 0.5, 0)
+    assert budget == 50 * G and "holds" not in how and not caplog.text

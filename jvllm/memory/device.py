@@ -78,12 +78,12 @@ def kv_budget_bytes(stats: dict, utilization: float, activation_bytes: int) -> t
     held = limit
     how = f"allocator limit {limit / 2**30:.2f} GiB"
     advice = "raise gpu_memory_utilization"
-    if preallocating and 0 < pool < limit:
+    if preallocating and 0 < pool < 0.98 * limit:  # (a full preallocation may round a little)
         held = pool
         advice = ("free memory on the device (other processes hold the rest) or lower this engine's "
                   "gpu_memory_utilization to what is free")
         how = (f"the allocator holds {pool / 2**30:.2f} GiB of its {limit / 2**30:.2f} GiB limit (the device "
-               f"had no more free: another process on it?)")
+               f"had no more free, another process on it?, or the pool grows on demand)")
         log.warning("device memory: %s; the KV cache is sized to what it holds", how)
     share = POOL_SHARE if _claimed is not None else utilization
     if _claimed is not None:
