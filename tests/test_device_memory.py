@@ -32,6 +32,16 @@ def test_claim_sets_the_fraction_before_the_backend_exists(fresh):
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.4500"
 
 
+@pytest.mark.parametrize("bad", [0.0, 1.5, -1, "0.5", None])
+def test_no_claim_for_a_bad_share(fresh, bad):
+    """A bad gpu_memory_utilization never reaches JAX's allocator (the config check names it)."""
+    import os
+
+    fresh.setattr(device, "backends_initialized", lambda: False)
+    assert not device.claim_device_memory(bad)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+
+
 @pytest.mark.parametrize("var,value", [("XLA_PYTHON_CLIENT_MEM_FRACTION", ".3"), ("XLA_CLIENT_MEM_FRACTION", ".3"),
                                        ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
                                        ("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")])

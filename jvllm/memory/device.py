@@ -48,8 +48,8 @@ def claim_device_memory(utilization: float) -> bool:
     """Give JAX's device allocator `utilization` of each device's memory, if that is still
     possible and the user has not configured the allocator; returns whether it did."""
     global _claimed
-    if _claimed is not None:
-        return False
+    if _claimed is not None or not (isinstance(utilization, (int, float)) and 0.0 < utilization <= 1.0):
+        return False  # already claimed, or a bad value that the engine's config check reports
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms and not any(p in platforms.lower() for p in GPU_PLATFORMS):
         return False  # no GPU allocator in this process (CPU tests, TPU)
