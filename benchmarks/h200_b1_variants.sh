@@ -40,7 +40,7 @@ if [ -n "${HLO:-}" ]; then
     JVLLM_CACHE_DIR=/tmp/cache_hlo timeout -s ABRT $left python -m jvllm.cli bench latency --model $HLO $common \
     --no-xla-report --output-json /tmp/b1_hlo.json >> "$OUT/b1_variants.log" 2>&1
   echo "rc=$?" | tee -a "$OUT/b1_variants.log"
-  (cd /tmp/hlo && ls | grep -E "after_optimizations.txt$|buffer-assignment" | head -8 | tar czf "$OUT/hlo_b1.tgz" -T -)
+  (cd /tmp/hlo && ls | grep -E "after_optimizations.txt$" | head -8 | tar czf "$OUT/hlo_b1.tgz" -T -)
 fi
 python - "$OUT" $VARIANTS <<'PY'
 import json, os, sys

@@ -220,6 +220,8 @@ class ModelRunner:
         # which stages run in this process (all of them in a single-process run)
         self._local = [not self.multiprocess or st.mesh is None
                        or next(iter(st.mesh.devices.flat)).process_index == self.pid for st in self.stages]
+        self._stage_devs = [frozenset(st.mesh.devices.flat) if st.mesh is not None else frozenset()
+                            for st in self.stages]  # hop outputs pick their stage's shards per step
         for i, st in enumerate(self.stages):
             st.kv = self._alloc_kv(st) if self.local(i) else None  # another process's pool
         self._step_fns = {(i, dec): jax.jit(functools.partial(
@@ -547,7 +549,7 @@ class ModelRunner:
         (in dst's process; None elsewhere)."""
         if not self.local(dst):
             return None
-        devs = set(self.stages[dst].mesh.devices.flat)
+        devs = self._stage_devs[dst]
         return jax.make_array_from_single_device_arrays(
             tuple(shape), self.stages[dst].sharding(), [sh.data for sh in out.addressable_shards if sh.device in devs])
 
