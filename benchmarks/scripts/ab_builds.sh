@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The same GPU workloads on two builds of jvllm in one device call: a "before" tree (BEFORE, a
+# folder holding `git archive` of the old commit, carried with the call) and this tree ("after").
+# Each build is installed into its own --target folder and runs on its own empty compile cache, so
+# neither borrows the other's programs. Builds alternate per stage to spread any drift of the machine.
+#   STAGES (default "greedy"): any of
+#     greedy   `jvllm bench all` (W1, B1, P1) on random:llama3-8b bf16        -> {before,after}_greedy.json
+#     sampled  the same through the general sampler (temperature 0.8, top_p 0.95) -> {before,after}_sampled.json
+#     startup  `jvllm bench latency --cold-start` (process start to first token, empty and warm cache),
+#              after only                                                      -> after_startup.json
+#   ORDER (default "before after"), BEFORE (default .before), MODEL (default random:llama3-8b).
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+BEFORE=${BEFORE:-.before}; MODEL=${MODEL:-random:llama3-8b}
+COMMON="--model $MODEL --dtype ${DTYPE:-bfloat16} --max-model-len ${MAXLEN:-4096} ${EXTRA:-}"
+install() {  # install <src> <target>
+  python -m pip install -q --no-deps --no-build-isolation --no-compile --target "$2" "$1" > "$OUT/pip_$(basename $2).log" 2>&1 \
+    || { echo "pip failed for $1"; tail -5 "$OUT/pip_$(basename $2).log"; exit 1; }
+}
+[ -d /tmp/site_after ] || install "$PWD" /tmp/site_after
+[ -d /tmp/site_before ] || install "$(realpath $BEFORE)" /tmp/site_before
+run() {  # run <build> <name> <args...>
+  local b=$1 name=$2; shift 2
+  echo "[$(el)s] $b $name"
+  # from /tmp: `python -m` puts the working directory first on sys.path, which would import this tree
+  (cd /tmp && PYTHONPATH=/tmp/site_$b JVLLM_CACHE_DIR=/tmp/cache_$b timeout ${LIMIT:-280} \
+    python -m jvllm.cli bench "$@" --output-json "$OUT/${b}_${name}.json" > "$OUT/${b}_${name}.log" 2>&1)
+  echo "rc=$?"; grep -E "^ *(W1|B1|P1|startup|cold|memory)" "$OUT/${b}_${name}.log" | cut -c1-220
+}
+for stage in ${STAGES:-greedy}; do
+  case $stage in
+    greedy) for b in ${ORDER:-before after}; do run $b greedy all $COMMON --no-xla-report; done ;;
+    sampled) for b in ${ORDER:-before after}; do
+               run $b sampled all $COMMON --no-xla-report --temperature 0.8 --top-p 0.95; done ;;
+    startup) run after startup latency $COMMON --no-xla-report --cold-start ;;
+  esac
+done
+echo "[total $(el)s]"
