@@ -41,7 +41,7 @@ def test_profile_summary_per_kernel_and_busy_union():
 def test_handoff_probe_dry_run(tmp_path):
     out = tmp_path / "probe.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_handoff_probe.py"), "--tiny", "--trials", "3",
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "gpu_handoff_probe.py"), "--tiny", "--trials", "3",
                         "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     d = json.loads(out.read_text())
@@ -66,7 +66,7 @@ def test_host_profile_dry_run(tmp_path):
 def test_cmdbuf_probe_dry_run(tmp_path):
     out = tmp_path / "probe.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_cmdbuf_probe.py"), "--layers", "2", "--width", "64",
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "gpu_cmdbuf_probe.py"), "--layers", "2", "--width", "64",
                         "--calls", "3", "--extra-ops", "1", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
