@@ -2,7 +2,8 @@
 # Single-GPU figures in one device call (several calls when 600 s cannot hold them all). STAGES
 # (default "bench hf") run in order; on a 2-GPU machine (nvidia-h200-x2) GPU1_STAGES run at the
 # same time on GPU 1 while STAGES run on GPU 0 (e.g. STAGES="smoke bench s1" GPU1_STAGES="kernels hf":
-# jvllm's W1 and the HF peer in one call, S1's server start reusing the bench's compile cache).
+# jvllm's W1 and the HF peer in one call, S1's server start reusing the bench's compile cache); a
+# stage may be in only one of the two lists (its outputs have fixed names in $OUT).
 #   smoke   compile the ragged kernel on a tiny batch and check it against the XLA reference; on
 #           failure the later stages of that GPU fall back to BACKEND=pallas_decode -> smoke.log
 #   bench   `jvllm bench all` (W1, B1, P1, XLA report) on random:llama3-8b bf16 -> jvllm_all.json
@@ -44,7 +45,7 @@ run_stage() {  # one stage on the GPUs in CUDA_VISIBLE_DEVICES (all when unset)
   [ $(( END_S - $(el) )) -lt 20 ] && { echo "[${GPU_TAG:-}$(el)s] no time left for $stage"; return; }
   echo "[${GPU_TAG:-}$(el)s] $stage"
   case $stage in
-    smoke) smoke || BACKEND=pallas_decode; echo "backend=$BACKEND"; tail -1 "$OUT/smoke.log" ;;
+    smoke) smoke || BACKEND=pallas_decode; echo "backend=$BACKEND"; grep -E "smoke err|Error" "$OUT/smoke.log" | tail -2 ;;
     bench) timeout $(left 330) python -m jvllm.cli bench all --model random:llama3-8b --dtype bfloat16 --max-model-len 4096 \
              --attention-backend $BACKEND --output-json "$OUT/jvllm_all.json" > "$OUT/jvllm_all.log" 2>&1
            echo "rc=$?"; tail -9 "$OUT/jvllm_all.log" ;;
@@ -83,6 +84,9 @@ run_stage() {  # one stage on the GPUs in CUDA_VISIBLE_DEVICES (all when unset)
 }
 
 if [ -n "${GPU1_STAGES:-}" ]; then
+  for s in $GPU1_STAGES; do  # each stage writes fixed file names in $OUT: one GPU each
+    [[ " ${STAGES:-bench hf} " == *" $s "* ]] && { echo "stage $s is in both STAGES and GPU1_STAGES"; exit 2; }
+  done
   ( export CUDA_VISIBLE_DEVICES=1 GPU_TAG="gpu1 "; for s in $GPU1_STAGES; do run_stage $s; done ) &
   GPU1=$!
   export CUDA_VISIBLE_DEVICES=0 GPU_TAG="gpu0 "
