@@ -41,7 +41,7 @@ def test_profile_summary_per_kernel_and_busy_union():
 def test_handoff_probe_dry_run(tmp_path):
     out = tmp_path / "probe.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_handoff_probe.py"), "--tiny", "--trials", "3",
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "gpu_handoff_probe.py"), "--tiny", "--trials", "3",
                         "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     d = json.loads(out.read_text())
@@ -66,10 +66,101 @@ def test_host_profile_dry_run(tmp_path):
 def test_cmdbuf_probe_dry_run(tmp_path):
     out = tmp_path / "probe.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_cmdbuf_probe.py"), "--layers", "2", "--width", "64",
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "gpu_cmdbuf_probe.py"), "--layers", "2", "--width", "64",
                         "--calls", "3", "--extra-ops", "1", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     d = json.loads(out.read_text())
     assert set(d["results"]) == {"moving", "same_in", "stable", "stable_2", "moving_again"}
     assert all(r["host_us_median"] > 0 and r["wall_us_per_call"] > 0 for r in d["results"].values())
+
+
+SCRIPTS = os.path.join(BENCH, "scripts")
+RESULTS = os.path.join(BENCH, "results")
+ROOT = os.path.dirname(BENCH)
+
+
+def test_device_scripts_parse_source_their_env_and_name_existing_files():
+    import glob
+    import re
+
+    scripts = sorted(glob.glob(os.path.join(SCRIPTS, "*.sh")))
+    assert {os.path.basename(s) for s in scripts} >= {"device_env.sh", "single_gpu_figures.sh", "parallel_figures.sh"}
+    for s in scripts:
+        p = subprocess.run(["bash", "-n", s], capture_output=True, text=True)
+        assert p.returncode == 0, (s, p.stderr)
+        text = open(s).read()
+        if not s.endswith("device_env.sh"):
+            assert 'source "$(dirname "$0")/device_env.sh"' in text, s
+        for path in re.findall(r"benchmarks/[\w/]+\.py", text):
+            assert os.path.isfile(os.path.join(ROOT, path)), (s, path)
+
+
+def test_decode_sweep_finds_gpu_kernels_from_probes():
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "gpu_decode_sweep.py"), "--help"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "--tiny" in p.stdout, p.stderr[-2000:]
+
+
+def _cited_result_names():
+    import re
+
+    docs = "".join(open(os.path.join(ROOT, p)).read() for p in ("README.md", "benchmarks/README.md",
+                                                                   "benchmarks/results/INDEX.md"))
+    return set(re.findall(r"\b(?:h200|cpu)[\w.-]*\.(?:json|png)\b", docs))
+
+
+def test_results_keep_exactly_what_the_docs_cite():
+    files = set(os.listdir(RESULTS)) - {"INDEX.md"}
+    cited = _cited_result_names()
+    assert sorted(files - cited) == [], "in results/ but cited by no README nor INDEX.md"
+    assert sorted(cited - files) == [], "cited but not in results/"
+
+
+def _index_rows():
+    rows = []
+    for line in open(os.path.join(RESULTS, "INDEX.md")):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 6 and cells[0] not in ("what", "---"):
+            rows.append(cells)
+    return rows
+
+
+def test_index_columns_agree_with_the_jsons():
+    sys.path.insert(0, BENCH)
+    from index import describe
+
+    rows = _index_rows()
+    with_json = [r for r in rows if r[4].startswith("`")]
+    assert len(with_json) > 50 and all(r[1] for r in rows)
+    for what, value, device, versions, src, commit in with_json:
+        d = describe(os.path.join(RESULTS, src.strip("`")))
+        assert (device, versions, commit) == (d.device, d.versions, d.commit), (what, src)
+
+
+def test_index_describe_reads_commit_device_and_fallbacks(tmp_path):
+    sys.path.insert(0, BENCH)
+    from index import describe
+
+    bench = {"versions": {"jax": "0.11.2", "jvllm_git": {"commit": "a78ae13+agree_min"}},
+             "device": {"platform": "gpu", "device_kind": "NVIDIA H200", "count": 2},
+             "benchmark": "latency", "results": {"tok_s": 199.44, "mbu": 0.78}}
+    p = tmp_path / "h200x2_b1_a0626a7.json"
+    p.write_text(json.dumps(bench))
+    d = describe(str(p))
+    assert (d.device, d.versions, d.commit) == ("2x NVIDIA H200", "jax 0.11.2", "a78ae13+agree_min")
+    assert d.figures == ("B1 199.4 tok/s MBU 78.0%",)
+    bench["versions"]["jvllm_git"]["commit"] = "HEAD"    # not a commit: the file name's is used, marked
+    p.write_text(json.dumps({"8b": bench}))               # a summary of bench JSONs
+    d = describe(str(p))
+    assert d.commit == "a0626a7 (name)" and d.device == "2x NVIDIA H200"
+    q = tmp_path / "h200x2_probe.json"
+    q.write_text(json.dumps({"default": {"allreduce_us": 20.1}}))
+    assert (describe(str(q)).device, describe(str(q)).commit) == ("nvidia-h200-x2 (name)", "?")
+    q.write_text("[1, 2]")
+    try:
+        describe(str(q))
+    except ValueError as e:
+        assert "h200x2_probe.json" in str(e)
+    else:
+        raise AssertionError("a JSON list was accepted")

@@ -11,7 +11,7 @@ step, so every launch is an update. This probe times the host side of launching 
   stable     the same input, and the output written into a donated buffer (aliased: same address)
   stable_2   as stable, with the input refreshed by a small program writing into a donated buffer
 
-    python benchmarks/gpu_cmdbuf_probe.py [--layers 32] [--width 2048] [--calls 300] [--out probe.json]
+    python benchmarks/probes/gpu_cmdbuf_probe.py [--layers 32] [--width 2048] [--calls 300] [--out probe.json]
 
 JSON: per mode, host microseconds per call (each call timed alone, on an idle device: back to back
 the in-flight limit makes the host wait for the device) and wall microseconds per call back to back.
@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository root
 
 
 def main(argv=None):

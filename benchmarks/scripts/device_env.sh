@@ -1,4 +1,4 @@
-# Sourced by the benchmarks/h200_*.sh device scripts: $OUT, an elapsed-seconds helper `el`, jvllm
+# Sourced by the benchmarks/scripts/*.sh device scripts: $OUT, an elapsed-seconds helper `el`, jvllm
 # installed from this copy (editable; the device image has jax but not jvllm), the server's wheels
 # carried in .whl/ (the image lacks fastapi, starlette, uvicorn, pydantic) on PYTHONPATH, and one
 # compile cache directory for every run of the call.

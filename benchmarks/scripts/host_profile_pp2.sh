@@ -3,7 +3,7 @@
 # benchmarks/host_profile.py (cProfile around a W1-like generate) with PP=2, one process per GPU,
 # on random:llama3-8b bf16: per-function host time per micro-batch step in both processes
 # ($OUT/host_pp2mp.p0.json, .p1.json). Env: NUM_PROMPTS (256), OUTPUT_LEN (128), LIMIT_S (200),
-# BUCKETS (as h200_x2_parallel.sh), NOPROF=1 for the engine timers only.
+# BUCKETS (as parallel_figures.sh), NOPROF=1 for the engine timers only.
 set -u
 source "$(dirname "$0")/device_env.sh"
 BUCKETS=${BUCKETS:-16,64,128,256,1024,2048}

@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# Sharding figures (issue 5) in one device call on nvidia-h200-x2: `jvllm bench all` (W1, B1, P1)
+# Sharding figures in one device call on nvidia-h200-x2: `jvllm bench all` (W1, B1, P1)
 # on random:llama3-8b bf16 for each configuration in CONFIGS, one after the other, JSON per config
 # in $OUT (per-GPU peak memory in its "memory.per_device"), then a table of the speed-ups against
-# the first configuration. Env: CONFIGS (default "tp1 tp2 pp2"; tpN = tensor parallel N, tpNmp =
-# the same with one process per GPU (jax.distributed), ppNmp = pipeline stages one process per GPU, ppN =
-# pipeline parallel N, ppNt = the same with --pipeline-stage-threads, ppNp = with --pipeline-handoff
-# ppermute, dpN = data parallel N; tp1
-# runs on GPU 0 alone), BUCKETS (token buckets,
-# default 16,64,128,256,1024,2048: fewer programs to compile per configuration; the same for every
-# configuration), PER_CONFIG_S (time limit of each configuration, default 190), EXTRA (more bench flags),
-# WORKLOAD (bench subcommand: all (default), latency, throughput, prefill), TAG (suffix of the output
-# names, for A/B runs of one configuration under other env such as NCCL_PROTO or XLA_FLAGS),
-# JVLLM_GIT_COMMIT (the copy has no .git); MODEL, DTYPE,
-# MAXLEN for dry runs elsewhere (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2).
+# the first configuration ($OUT/parallel_summary$TAG.json). Env: CONFIGS (default "tp1 tp2 pp2";
+# tpN = tensor parallel N, tpNmp = the same with one process per GPU (jax.distributed),
+# ppN = pipeline parallel N, ppNmp = pipeline stages one process per GPU, ppNt = ppN with
+# --pipeline-stage-threads, ppNp = ppN with --pipeline-handoff ppermute, dpN = data parallel N;
+# tp1 runs on GPU 0 alone), BUCKETS (token buckets, default 16,64,128,256,1024,2048: fewer programs
+# to compile per configuration; the same for every configuration), PER_CONFIG_S (time limit of each
+# configuration, default 190), EXTRA (more bench flags, e.g. --no-async-scheduling), WORKLOAD (bench
+# subcommand: all (default), latency, throughput, prefill), TAG (suffix of the output names, for A/B
+# runs of one configuration under other env such as NCCL_PROTO or XLA_FLAGS), NCCL_PROBE=1 (first
+# run benchmarks/probes/gpu_collectives_probe.py -> $OUT/collectives.json; when the default NCCL
+# all-reduce fails and NCCL_P2P_DISABLE=1 works, every configuration runs with NCCL_P2P_DISABLE=1),
+# JVLLM_GIT_COMMIT (the copy has no .git); MODEL, DTYPE, MAXLEN for dry runs elsewhere
+# (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2).
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 BUCKETS=${BUCKETS:-16,64,128,256,1024,2048}  # 128: PP micro-batches of a 256-request W1 step
+if [ "${NCCL_PROBE:-0}" = 1 ]; then
+  echo "[$(el)s] collectives probe"
+  python benchmarks/probes/gpu_collectives_probe.py --timeout 40 --variants default,p2p_disabled --out "$OUT/collectives.json"
+  if python -c "import json,sys; d=json.load(open('$OUT/collectives.json')); sys.exit(0 if not d['default'].get('correct') and d['p2p_disabled'].get('correct') else 1)"; then
+    echo "default NCCL failed, p2p_disabled worked: NCCL_P2P_DISABLE=1"; export NCCL_P2P_DISABLE=1
+  fi
+fi
 for cfg in ${CONFIGS:-tp1 tp2 pp2}; do
   n=${cfg:2}; n=${n%t}; n=${n%mp}; n=${n%p}
   case $cfg in

@@ -2,7 +2,7 @@
 TP-decode-sized one take? Each environment variant runs in a child process under a timeout, so a
 hang shows as a timeout instead of stopping the caller.
 
-    python benchmarks/gpu_collectives_probe.py [--timeout 40] [--out PATH]
+    python benchmarks/probes/gpu_collectives_probe.py [--timeout 40] [--out PATH]
 
 Child: 2+ GPUs on a 1-D mesh; a jitted program does 64 all-reduces of [1, 4096] bf16 (one per
 attention and MLP block of a 32-layer TP decode step at batch 1) and reports ms per program and
@@ -70,6 +70,9 @@ def main():
     ap.add_argument("--variants", default="default,default_mp,oneshot,oneshot_mp")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown --variants {unknown}; known: {sorted(VARIANTS)}")
     res = {}
     for name in a.variants.split(","):
         env = dict(os.environ, **VARIANTS[name])

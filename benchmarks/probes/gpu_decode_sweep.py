@@ -5,7 +5,7 @@ decodes at context 800, the step that bounds W1) and B1 (one decode at context 7
 W1-like mixed step (16-token query tiles) at each page size, since the page size is an engine-wide
 choice. Every output is checked against the XLA reference (`paged_attention`).
 
-    python benchmarks/gpu_decode_sweep.py [--out $OUT/gpu_decode_sweep.json] [--tiny]
+    python benchmarks/probes/gpu_decode_sweep.py [--out $OUT/gpu_decode_sweep.json] [--tiny]
 
 Figures per configuration: median ms over 20 calls (dispatch included), max |err|, KV read GB/s.
 """
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: gpu_kernels
 from gpu_kernels import D, KH, case_inputs, timeit  # noqa: E402  (same shapes, inputs and timing)
 
 from jvllm.ops.attention import paged_attention  # noqa: E402

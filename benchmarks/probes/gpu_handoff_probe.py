@@ -15,7 +15,7 @@ waits for the producer), host seconds to enqueue producer + hand-off + consumer,
 the consumer's result; results checked equal. --tiny runs on 2 fake CPU devices (a dry run:
 CPU timings mean nothing here).
 
-    python benchmarks/gpu_handoff_probe.py [--out $OUT/handoff_probe.json] [--work-ms 5] [--tiny]
+    python benchmarks/probes/gpu_handoff_probe.py [--out $OUT/handoff_probe.json] [--work-ms 5] [--tiny]
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """First look on a GPU: init/compile time, B1 decode speed and a short W1 slice for random:llama3-8b.
-Writes $OUT/gpu_probe.json. Usage: python benchmarks/gpu_probe.py [NREQ] [OUTN]"""
+Writes $OUT/gpu_probe.json. Usage: python benchmarks/probes/gpu_probe.py [NREQ] [OUTN]"""
 import json
 import os
 import sys
