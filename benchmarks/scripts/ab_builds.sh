@@ -10,8 +10,7 @@
 #              after only                                                      -> after_startup.json
 #   ORDER (default "before after"), BEFORE (default .before), MODEL (default random:llama3-8b).
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+source "$(dirname "$0")/device_env.sh"  # OUT, el (this tree's editable install is unused: each build runs from its target)
 BEFORE=${BEFORE:-.before}; MODEL=${MODEL:-random:llama3-8b}
 COMMON="--model $MODEL --dtype ${DTYPE:-bfloat16} --max-model-len ${MAXLEN:-4096} ${EXTRA:-}"
 install() {  # install <src> <target>
