@@ -190,7 +190,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         except (ValueError, TypeError) as e:  # the engine's own validation (backstop)
             metrics.reject("invalid")
             msg = str(e)
-            raise APIError(msg, param=msg.split(" ", 1)[0]) from None
+            raise APIError(msg, param=msg.split(" ", 1)[0].rstrip(":")) from None
 
     async def run(raw: Request, cs: CompletionServer, items, stream: bool):
         sub = await submit(items)

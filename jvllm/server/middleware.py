@@ -142,6 +142,8 @@ def validation_message(errors) -> tuple[str, str | None]:
     if not loc0:
         if e.get("type") == "missing":
             return "the request body must be a JSON object (got an empty body or null)", None
+        if e.get("type") == "string_unicode":  # a key of the body object
+            return "a field name in the request body is not valid Unicode text (a lone UTF-16 surrogate)", None
         return f"the request body must be a JSON object: {e.get('msg')}", None
     same = [x for x in errors if [y for y in x.get("loc", ()) if y != "body"][:1] == loc0[:1]]
     specific = [x for x in same if not x.get("type", "").endswith("_type")]

@@ -187,7 +187,7 @@ class Renderer:
                 output_kind=RequestOutputKind.DELTA, **extra)
         except (ValueError, TypeError) as e:
             msg = str(e)
-            raise APIError(msg, param=msg.split(" ", 1)[0]) from None
+            raise APIError(msg, param=msg.split(" ", 1)[0].rstrip(":")) from None
 
     def completion_params(self, req: CompletionRequest, prompt: Prompt) -> SamplingParams:
         if req.suffix:
