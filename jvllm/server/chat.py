@@ -21,7 +21,8 @@ from jvllm.server.protocol import APIError
 
 RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
                              "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
-                             "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+                             "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+                             "sanitize_control_tokens", "self"})
 
 
 def load_chat_template(value: str | None) -> str | None:
