@@ -72,8 +72,9 @@ def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len
                 for alt in props["stop"].get("anyOf", []):
                     if alt.get("type") == "array":
                         alt["maxItems"] = limits.max_stop
-            if "stop_token_ids" in props:
-                first(props["stop_token_ids"])["items"].update(minimum=0, maximum=vocab_size - 1)
+            for f in ("stop_token_ids", "allowed_token_ids"):
+                if f in props:
+                    first(props[f])["items"].update(minimum=0, maximum=vocab_size - 1)
             if name == "CompletionRequest":
                 for alt in props["prompt"].get("anyOf", []):
                     if alt.get("type") != "array":

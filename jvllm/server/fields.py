@@ -29,7 +29,7 @@ _COMMON = {
     "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED, "guided_grammar": _STRUCTURED,
     "guided_decoding_backend": _STRUCTURED, "guided_whitespace_pattern": _STRUCTURED,
     "structural_tag": _STRUCTURED,
-    "use_beam_search": "beam search", "length_penalty": "beam search",
+    "use_beam_search": "beam search", "length_penalty": "beam search", "early_stopping": "beam search",
     "truncate_prompt_tokens": "prompt truncation", "logits_processors": "custom logits processors",
     "priority": "priority scheduling", "return_tokens_as_token_ids": "tokens as token ids",
     "return_token_ids": "token ids in the answer", "cache_salt": "prefix-cache salting",
@@ -42,13 +42,15 @@ UNIMPLEMENTED = {
              "reasoning_effort": "reasoning control", "include_reasoning": "reasoning parsing",
              "documents": "documents in the chat template", "echo": "echoing the last message",
              "audio": "audio output", "modalities": "non-text output", "web_search_options": "web search",
-             "thinking_token_budget": "reasoning control"},
+             "thinking_token_budget": "reasoning control", "best_of": "best_of sampling",
+             "media_io_kwargs": "multi-modal input"},
     "tokenize": {"tools": "tool definitions in /tokenize", "mm_processor_kwargs": "multi-modal input",
                  "return_token_strs": "token strings"},
     "detokenize": {},
 }
 NEUTRAL = {  # values that ask for nothing beyond what jvllm does anyway
     "response_format": [{"type": "text"}], "use_beam_search": [False], "length_penalty": [1.0, 1],
+    "early_stopping": [False], "best_of": [1],
     "priority": [0], "return_tokens_as_token_ids": [False], "return_token_ids": [False], "echo": [False],
     "modalities": [["text"]], "documents": [[]], "return_token_strs": [False],
 }
