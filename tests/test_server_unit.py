@@ -116,6 +116,8 @@ def test_dead_engine_fails_in_flight_and_health_503():
         assert ev[-1] == "[DONE]" and json.loads(ev[-2])["error"]["code"] == 503
         h = c.get("/health")
         assert h.status_code == 503 and h.json()["error"]["code"] == 503
+        for msg in (h.json()["error"]["message"], dying.json()["error"]["message"], json.loads(ev[-2])["error"]["message"]):
+            assert "RuntimeError" in msg and "simulated" not in msg, msg  # the type, never the text
         r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert "jvllm:engine_alive{model_name=\"fake\"} 0.0" in c.get("/metrics").text

@@ -206,7 +206,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
     @app.get("/health")
     async def health():
         if not aengine.alive:
-            return error_response(503, f"the engine is dead: {aengine.dead!r}")
+            return error_response(503, aengine.dead_message())
         return Response(status_code=200)
 
     @app.get("/version")

@@ -152,6 +152,10 @@ class AsyncEngine:
                 self.abort(list(sub.unfinished))
             sub.queue.put_nowait(DrainingError(why))
 
+    def dead_message(self) -> str:
+        """What clients learn about a dead engine: its error's type only (the log has the rest)."""
+        return f"the engine is dead ({type(self.dead).__name__}; the server log has the details)"
+
     @property
     def alive(self) -> bool:
         return self.dead is None and (self._thread is None or self._thread.is_alive() or self._stop)
@@ -163,7 +167,7 @@ class AsyncEngine:
         if self.draining:
             raise DrainingError("the server is shutting down")
         if not self.alive:
-            raise EngineDeadError(f"the engine is dead: {self.dead!r}")
+            raise EngineDeadError(self.dead_message())
         seqs = sum(num_seqs(sp) for _, _, sp in items)
         if seqs > self.capacity:
             field = "n" if seqs > len(items) else "prompt"
@@ -181,7 +185,7 @@ class AsyncEngine:
         try:
             with self._lock:
                 if self.dead is not None:
-                    raise EngineDeadError(f"the engine is dead: {self.dead!r}")
+                    raise EngineDeadError(self.dead_message())
                 self._cmds.put(("add", items, sub, fut))
             await fut
         except BaseException:
@@ -283,7 +287,7 @@ class AsyncEngine:
                     break
                 if cmd is not None and cmd[0] == "add":
                     pending.append(cmd[3])
-        err = EngineDeadError(f"the engine died: {type(e).__name__}: {e}")
+        err = EngineDeadError(self.dead_message())
         subs = {id(s): s for s in self._subs.values()}.values()
         self._subs.clear()
 
