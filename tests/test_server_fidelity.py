@@ -412,7 +412,7 @@ def test_sigterm_past_drain_timeout(tmp_path):
         assert r.status_code == 503 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
         assert "drain-timeout" in r.json()["error"]["message"]
         assert proc.wait(20) == 0
-        assert drain <= time.time() - t1 < drain + 4
+        assert drain <= time.time() - t1 < drain + 8  # (uvicorn itself would cancel at drain + DRAIN_GRACE)
     finally:
         if proc.poll() is None:
             proc.kill()

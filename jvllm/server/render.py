@@ -68,7 +68,7 @@ class Renderer:
     def check_chars(self, n: int, param: str):
         if n > self.max_chars:
             raise APIError(f"{param}: {n} characters is more than this server accepts ({self.max_chars} = "
-                           f"--max-prompt-chars); such a prompt could not fit in max_model_len "
+                           f"--max-prompt-chars), far more text than fits in max_model_len "
                            f"{self.max_model_len} tokens", param=param)
 
     # ------------------------------------------------------------------ prompts
