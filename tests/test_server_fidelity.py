@@ -141,6 +141,8 @@ def test_server_template_tools_and_kwargs(fake):
     tok = c.post(TOK, json={"messages": MSG, "chat_template": "[{{ messages[0].content }}]",
                             "add_generation_prompt": False}).json()
     assert c.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "[hi]"
+    tok = c.post(TOK, json={"messages": MSG, "tools": tools, "add_generation_prompt": False}).json()
+    assert c.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "TOOL:get_weather\n<user>hi\n"
     assert_error(c.post(CH, json={"messages": MSG, "chat_template_kwargs": {"tokenize": True}}), 400,
                  "chat_template_kwargs", "tokenize")
     assert_error(c.post(CH, json={"messages": MSG, "chat_template": "{% if %}"}), 400, "chat_template",

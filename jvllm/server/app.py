@@ -246,8 +246,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         check_extra_fields(req, "chat", "/v1/chat/completions")
         check_model(req.model)
         renderer.check_common(req)
-        opts = chat_options(req, trust_request_chat_template, tools_allowed=True,
-                            add_special_tokens=req.add_special_tokens)
+        opts = chat_options(req, trust_request_chat_template, add_special_tokens=req.add_special_tokens)
         prompt = await render(renderer.chat_prompt, req.messages, opts)
         sp = renderer.chat_params(req, prompt)
         items = [("chatcmpl-" + os.urandom(8).hex(), {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
@@ -267,7 +266,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         if req.messages is not None:
             if not req.messages:
                 raise APIError("messages is empty", param="messages")
-            opts = chat_options(req, trust_request_chat_template, tools_allowed=False)
+            opts = chat_options(req, trust_request_chat_template)
             ids = (await render(renderer.chat_prompt, req.messages, opts)).token_ids
         else:
             ids = await render(renderer.encode, req.prompt, req.add_special_tokens) if req.prompt else []

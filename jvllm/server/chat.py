@@ -10,7 +10,8 @@ Contracts:
 - `chat_template_kwargs` become template variables; keys that would replace the arguments jvllm
   passes itself (`RESERVED_KWARGS`) are a 400 naming them.
 - `tools` reach the template only with `tool_choice` "none" (the model may read them, jvllm never
-  parses tool calls); any other use of tools is a 400 naming the field.
+  parses tool calls); any other use of tools is a 400 naming the field. /tokenize, which generates
+  nothing, always passes its tools to the template.
 """
 from __future__ import annotations
 
@@ -53,9 +54,9 @@ class ChatOptions:
     tools: list | None = None
 
 
-def chat_options(req, trust_request_template: bool, tools_allowed: bool,
-                 add_special_tokens: bool = False) -> ChatOptions:
-    """ChatOptions of a chat or tokenize request; 400 for what the server refuses."""
+def chat_options(req, trust_request_template: bool, add_special_tokens: bool = False) -> ChatOptions:
+    """ChatOptions of a chat or tokenize request; 400 for what the server refuses. A request model
+    without `tool_choice` (/tokenize: nothing is generated) shows its tools as with "none"."""
     if req.add_generation_prompt and req.continue_final_message:
         raise APIError("add_generation_prompt and continue_final_message cannot both be true",
                        param="continue_final_message")
@@ -67,15 +68,13 @@ def chat_options(req, trust_request_template: bool, tools_allowed: bool,
     if bad:
         raise APIError(f"chat_template_kwargs: {bad} are set by jvllm itself (use the request's own fields); "
                        f"reserved: {sorted(RESERVED_KWARGS)}", param="chat_template_kwargs")
-    tools = None
-    if tools_allowed:
-        tools, choice = req.tools, req.tool_choice
-        if tools and choice != "none":
-            raise APIError(f"tools: tool calling is not supported by jvllm (tool_choice {choice!r}); send "
-                           f"tool_choice 'none' to only show the tools to the model", param="tools")
-        if choice is not None and choice != "none" and not tools:
-            raise APIError(f"tool_choice: {choice!r} needs tools, and tool calling is not supported by jvllm",
-                           param="tool_choice")
+    tools, choice = req.tools, getattr(req, "tool_choice", "none")
+    if tools and choice != "none":
+        raise APIError(f"tools: tool calling is not supported by jvllm (tool_choice {choice!r}); send "
+                       f"tool_choice 'none' to only show the tools to the model", param="tools")
+    if choice is not None and choice != "none" and not tools:
+        raise APIError(f"tool_choice: {choice!r} needs tools, and tool calling is not supported by jvllm",
+                       param="tool_choice")
     return ChatOptions(req.add_generation_prompt, req.continue_final_message, add_special_tokens,
                        req.chat_template, tuple(kwargs.items()), tools or None)
 

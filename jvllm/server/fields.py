@@ -44,7 +44,7 @@ UNIMPLEMENTED = {
              "audio": "audio output", "modalities": "non-text output", "web_search_options": "web search",
              "thinking_token_budget": "reasoning control", "best_of": "best_of sampling",
              "media_io_kwargs": "multi-modal input"},
-    "tokenize": {"tools": "tool definitions in /tokenize", "mm_processor_kwargs": "multi-modal input",
+    "tokenize": {"mm_processor_kwargs": "multi-modal input",
                  "return_token_strs": "token strings"},
     "detokenize": {},
 }

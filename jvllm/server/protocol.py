@@ -168,6 +168,7 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="passed to the chat template")
 
 
 class DetokenizeRequest(_Request):
