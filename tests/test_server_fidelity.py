@@ -284,6 +284,9 @@ def test_vllm_metric_names(fake):
     assert m["vllm:inter_token_latency_seconds_count"] - before.get("vllm:inter_token_latency_seconds_count", 0) == 4
     text = c.get("/metrics").text
     assert 'vllm:num_requests_running{model_name="fake"}' in text
+    assert 'vllm:request_success_total{finished_reason="length",model_name="fake"}' in text
+    assert m["vllm:time_per_output_token_seconds_count"] == m["jvllm:time_per_output_token_seconds_count"] > 0
+    assert m["vllm:num_preemptions_total"] == m["jvllm:num_preemptions_total"]
     assert 'vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="fake"}' in text
 
 

@@ -24,7 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
               "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
-              "e2e_request_latency_seconds", "prefix_cache_queries", "prefix_cache_hits")
+              "e2e_request_latency_seconds", "prefix_cache_queries", "prefix_cache_hits",
+              "time_per_output_token_seconds", "num_preemptions", "request_success")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -106,8 +107,6 @@ class ServerMetrics:
         ttft = Histogram("jvllm:time_to_first_token_seconds", "Arrival to first generated token.", lab,
                          buckets=_TTFT_BUCKETS, registry=r)
         self.ttft = ttft.labels(model_name)
-        self.tpot = Histogram("jvllm:time_per_output_token_seconds", "Mean time per output token after the "
-                              "first, per request.", lab, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
         itl = Histogram("jvllm:inter_token_latency_seconds", "Time between two outputs of a request.", lab,
                         buckets=_ITL_BUCKETS, registry=r)
         self.itl = itl.labels(model_name)
@@ -118,9 +117,13 @@ class ServerMetrics:
                           registry=r)
         hits = Counter("jvllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lab, registry=r)
         self.prefix_queries, self.prefix_hits = queries.labels(model_name), hits.labels(model_name)
-        self._sources = [ttft, itl, e2e, queries, hits]
+        tpot = Histogram("jvllm:time_per_output_token_seconds", "Mean time per output token after the first, "
+                         "per request.", lab, buckets=_TPOT_BUCKETS, registry=r)
+        self.tpot = tpot.labels(model_name)
+        self._sources = [ttft, tpot, itl, e2e, queries, hits]
         self.success = Counter("jvllm:request_success", "Finished engine requests by finish reason.",
                                lab + ["finished_reason"], registry=r)
+        self._sources.append(self.success)
         self.rejected = Counter("jvllm:request_rejected", "HTTP requests refused before reaching the engine.",
                                 lab + ["reason"], registry=r)
 
