@@ -154,6 +154,8 @@ class AsyncEngine:
 
     def dead_message(self) -> str:
         """What clients learn about a dead engine: its error's type only (the log has the rest)."""
+        if self.dead is None:
+            return "the engine thread stopped (the server log has the details)"
         return f"the engine is dead ({type(self.dead).__name__}; the server log has the details)"
 
     @property
