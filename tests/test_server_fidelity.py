@@ -267,6 +267,20 @@ def test_echo_with_logprobs(fake, tokenizer):
     assert r["choices"][0]["logprobs"] is None and r["choices"][0]["prompt_logprobs"] is None
 
 
+def test_continuous_usage_stats(fake):
+    _, c = fake
+    body = {"prompt": [1, 2, 3], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with c.stream("POST", C, json=body) as s:
+        ev = [json.loads(e) for e in sse(s)[:-1]]
+    assert [e["usage"]["completion_tokens"] for e in ev] == [1, 2, 3, 3] and ev[-1]["choices"] == []
+    assert all(e["usage"]["prompt_tokens"] == 3 for e in ev)
+    with c.stream("POST", CH, json={"messages": MSG, "max_tokens": 2, "stream": True,
+                                    "stream_options": {"include_usage": True}}) as s:
+        ev = [json.loads(e) for e in sse(s)[:-1]]
+    assert all(e["usage"] is None for e in ev[:-1]) and ev[-1]["usage"]["completion_tokens"] == 2
+
+
 # ---------------------------------------------------------------------- metrics
 def test_vllm_metric_names(fake):
     _, c = fake

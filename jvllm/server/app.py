@@ -202,6 +202,9 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         finally:
             sub.close()  # idempotent; covers a cancel that lands before cs.full starts
 
+    def continuous_usage(req) -> bool:
+        return bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
     # ---------------------------------------------------------------- routes
     @app.get("/health")
     async def health():
@@ -237,7 +240,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
                  for i, (p, sp) in enumerate(zip(prompts, params))]
         cs = CompletionServer(False, req.model or names[0], req.n, len(prompts), prompts, req.stream,
                               bool(req.stream_options and req.stream_options.include_usage), req.logprobs,
-                              echo=req.echo, decode=renderer.decode)
+                              echo=req.echo, decode=renderer.decode, continuous_usage=continuous_usage(req))
         return await run(raw, cs, items, req.stream)
 
     @app.post("/v1/chat/completions")
@@ -253,7 +256,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
                   sp)]
         cs = CompletionServer(True, req.model or names[0], req.n, 1, [prompt], req.stream,
                               bool(req.stream_options and req.stream_options.include_usage),
-                              sp.logprobs)
+                              sp.logprobs, continuous_usage=continuous_usage(req))
         return await run(raw, cs, items, req.stream)
 
     @app.post("/tokenize")

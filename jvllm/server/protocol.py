@@ -70,6 +70,8 @@ StopStr = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STR
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM: with include_usage, every chunk carries "
+                                         "the usage so far")
 
 
 class _SamplingFields(_Request):

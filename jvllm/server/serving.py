@@ -5,7 +5,8 @@ Contracts:
 - All validation happens before admission (render.py), and the engine accepts the request before
   any byte of a stream is sent: a bad request is always a JSON error, never a half stream.
 - Streams send `data: {chunk}\\n\\n` events and end with `data: [DONE]`. With
-  stream_options.include_usage, every chunk has "usage": null and one last chunk with no choices
+  stream_options.include_usage, every chunk has "usage": null (with vLLM's continuous_usage_stats:
+  the usage so far) and one last chunk with no choices
   carries the usage. A request that fails in the engine sends its finish_reason "error" and then
   an `{"error": ...}` event before [DONE]; the server goes on.
 - Choice index = prompt index * n + sample index (completions with a batch of prompts).
@@ -208,12 +209,14 @@ class CompletionServer:
     """Formats /v1/completions (chat=False) or /v1/chat/completions (chat=True) answers."""
 
     def __init__(self, chat: bool, model: str, n: int, num_prompts: int, prompts, stream: bool,
-                 include_usage: bool, top_logprobs: int | None, echo: bool = False, decode=None):
+                 include_usage: bool, top_logprobs: int | None, echo: bool = False, decode=None,
+                 continuous_usage: bool = False):
         self.chat, self.model, self.stream = chat, model, stream
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompts = prompts
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
         self.top_logprobs = top_logprobs
         self.echo = echo
         self.decode = decode  # token ids -> text (the first echoed token has no prompt logprob entry)
@@ -290,7 +293,7 @@ class CompletionServer:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = choices
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = self.col.usage() if self.continuous_usage else None
         return body
 
     def _choice_delta(self, ch: ChoiceState, text, ids, lps, finished_now) -> dict:
