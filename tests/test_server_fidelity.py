@@ -111,6 +111,16 @@ def test_neutral_values_and_unknown_fields(fake, caplog):
     assert r.status_code == 200
     warned = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
     assert len(warned) == 1 and "frobnicate" in warned[0] and "store" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jvllm.server"):
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}], "weird": 1}]
+        r = c.post(CH, json={"messages": msgs, "max_tokens": 1, "stream": True,
+                             "stream_options": {"include_usage": True, "later": 1}})
+    assert r.status_code == 200
+    warned = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert len(warned) == 1, warned
+    for path in ("messages.0.weird", "messages.0.content.0.cache_control", "stream_options.later"):
+        assert path in warned[0], (path, warned)
     # allowed_token_ids / bad_words: forwarded when SamplingParams has them, else a 400 naming them
     import dataclasses
 

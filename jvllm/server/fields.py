@@ -72,8 +72,23 @@ def check_extra_fields(req: BaseModel, kind: str, path: str):
             raise APIError(f"{name}: {known[name]} is not supported by jvllm; remove the field (or send null)",
                            param=name)
     unknown = sorted(ascii(k)[1:-1] for k in extra if k not in known)
+    unknown += _nested_extra(req, "")
     if unknown:
         log.warning("%s: the following fields were present in the request but ignored: %s", path, unknown)
+
+
+def _nested_extra(model: BaseModel, path: str) -> list[str]:
+    """Undeclared fields of the parts of `model` (messages, text parts, stream_options), as paths."""
+    out = []
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        subs = [(f"{path}{name}", value)] if isinstance(value, BaseModel) else (
+            [(f"{path}{name}.{i}", v) for i, v in enumerate(value)] if isinstance(value, list) else [])
+        for where, sub in subs:
+            if isinstance(sub, BaseModel):
+                out += [f"{where}.{ascii(k)[1:-1]}" for k in (sub.model_extra or {})]
+                out += _nested_extra(sub, where + ".")
+    return out
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

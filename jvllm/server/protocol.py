@@ -6,9 +6,9 @@ Contracts:
   schemathesis generates inside them); limits that depend on the running server (max n, number of
   stop strings, max_model_len, vocabulary) are checked in `render.py` and patched into the
   OpenAPI schema by `app.py`.
-- The request models (not their parts) keep fields they do not declare in `model_extra`;
-  `fields.check_extra_fields` refuses the ones jvllm knows but does not implement and warns about
-  the rest. Parts of a request (messages, stream_options) ignore undeclared fields.
+- The request models and their parts (messages, text parts, stream_options) keep fields they do
+  not declare in `model_extra`; `fields.check_extra_fields` refuses the top-level ones jvllm knows
+  but does not implement and names every other one (parts too) in a log warning.
 - `APIError` carries the OpenAI error body `{"error": {"message", "type", "param", "code"}}`; the
   app turns it (and FastAPI's own validation errors) into a JSON response with that status.
 """
@@ -60,7 +60,8 @@ class _Strict(BaseModel):
 
 
 class _Request(_Strict):
-    """A whole request body: undeclared fields are kept (model_extra) for `check_extra_fields`."""
+    """A request body or a part of one: undeclared fields are kept (model_extra) for
+    `check_extra_fields`."""
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
 
@@ -68,7 +69,7 @@ NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 StopStr = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STR_LEN)]
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="vLLM: with include_usage, every chunk carries "
                                          "the usage so far")
@@ -121,12 +122,12 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
 
 
-class TextPart(_Strict):
+class TextPart(_Request):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Request):
     """One message; `name`, `tool_calls` and `tool_call_id` reach the chat template as given."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
