@@ -248,6 +248,14 @@ def test_cors_and_template_flags():
         p.parse_args(["serve", "m", "--allowed-headers", "*"])
 
 
+def test_bad_serve_flags_exit_before_loading():
+    for flags, words in ((["--chat-template", "no/such.jinja"], "no/such.jinja"),
+                         (["--allowed-origins", "*"], "JSON list"), (["--max-prompt-chars", "0"], ">= 1")):
+        p = subprocess.run([sys.executable, "-m", "jvllm.cli", "serve", "no-such-model", *flags], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        assert p.returncode != 0 and words in p.stderr and flags[0] in p.stderr, (flags, p.stderr[-2000:])
+
+
 # ---------------------------------------------------------------------- echo + logprobs
 def test_echo_with_logprobs(fake, tokenizer):
     _, c = fake
