@@ -373,7 +373,14 @@ BAD = [
     (C, {"prompt": "a", "model": "gpt-4"}, 404, ["gpt-4"]),
     (CH, {"messages": MSG, "model": "nope"}, 404, ["nope"]),
     (C, {"prompt": "a", "suffix": "x"}, 400, ["suffix"]),
-    (C, {"prompt": "a", "echo": True, "logprobs": 1}, 400, ["echo"]),
+    (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tools"]),
+    (CH, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, ["response_format"]),
+    (C, {"prompt": "a", "guided_regex": "a+"}, 400, ["guided_regex"]),
+    (CH, {"messages": MSG, "chat_template": "{{ 1 }}"}, 400, ["--trust-request-chat-template"]),
+    (CH, {"messages": [{"role": "user", "content": "\ud83d"}]}, 400, ["messages.0.content", "surrogate"]),
+    (C, {"prompt": ["ok", "\ud83d"]}, 400, ["prompt.1", "surrogate"]),
+    (C, {"prompt": "a", "model": "\ud83d"}, 400, ["model", "surrogate"]),
+    (C, {"prompt": "a" * (32 * L + 1)}, 400, ["prompt", "--max-prompt-chars"]),
     (C, {"prompt": "a", "best_of": 3}, 400, ["best_of"]),
     (CH, {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": True,
           "continue_final_message": True}, 400, ["continue_final_message"]),
@@ -382,12 +389,48 @@ BAD = [
 
 @pytest.mark.parametrize("path,body,status,words", BAD, ids=[f"{i}" for i in range(len(BAD))])
 def test_bad_input(server, path, body, status, words):
-    if isinstance(body, bytes):
-        r = post(server, path, content=body)
-    else:
-        r = post(server, path, body)
+    if not isinstance(body, bytes):
+        body = json.dumps(body).encode()  # ASCII: lone surrogates travel as \uXXXX escapes
+    r = post(server, path, content=body)
     assert_error(r, status, *words)
     assert_still_serves(server)
+
+
+def test_unsupported_fields_via_openai_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, tools=tools)
+    assert e.value.body["param"] == "tools"
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, tools=tools, tool_choice="none",
+                                       response_format={"type": "text"})
+    assert r.choices[0].finish_reason == "length"
+    # (SmolLM2's template ignores tools; test_server_fidelity checks that a template receives them)
+    r = client.completions.create(model=MODEL, prompt="a", max_tokens=1, extra_body={"not_a_field": 1})
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_echo_with_logprobs(client):
+    plain = client.completions.create(model=MODEL, prompt="The sky is blue and", max_tokens=3, temperature=0,
+                                      logprobs=2)
+    r = client.completions.create(model=MODEL, prompt="The sky is blue and", max_tokens=3, temperature=0,
+                                  logprobs=2, echo=True)
+    c, p = r.choices[0], r.usage.prompt_tokens
+    assert c.text == "The sky is blue and" + plain.choices[0].text
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == p + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and "".join(lp.tokens) == c.text
+    assert lp.tokens[p:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[p:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[p] == len("The sky is blue and")
+    chunks = list(client.completions.create(model=MODEL, prompt="The sky is blue and", max_tokens=3,
+                                            temperature=0, logprobs=2, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert [t for ch in chunks for t in ch.choices[0].logprobs.tokens] == lp.tokens
 
 
 def test_bad_input_via_openai_client(client):
@@ -506,6 +549,15 @@ def test_metrics_format(server):
     assert m["jvllm:time_to_first_token_seconds_count"] > 0 and m["jvllm:e2e_request_latency_seconds_count"] > 0
     assert 0 <= m["jvllm:kv_cache_usage_perc"] <= 1 and 0 <= m["jvllm:prefix_cache_hit_rate"] <= 1
     assert m["jvllm:engine_alive"] == 1
+    # vLLM's names, same values, labelled with model_name
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:prefix_cache_queries",
+                 "vllm:prefix_cache_hits"):
+        assert name in fams, (name, sorted(fams))
+        assert all(s.labels.get("model_name") == MODEL for s in fams[name].samples), name
+    assert m["vllm:prefix_cache_queries_total"] >= m["vllm:prefix_cache_hits_total"] > 0
+    assert m["vllm:inter_token_latency_seconds_count"] > 0
 
 
 def narrowed_schema(schema: dict, max_tokens: int = 2, max_n: int = 2) -> dict:

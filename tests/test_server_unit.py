@@ -13,19 +13,21 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from jvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from jvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
 from jvllm.server.app import build_app  # noqa: E402
 
 FAIL_TOKEN, DIE_TOKEN = 13, 66
 
 
 class FakeEngine:
-    """LLMEngine's interface, one token ("a", id 5) per step per request; DELTA outputs only.
-    A prompt containing FAIL_TOKEN finishes with "error" on its first step; DIE_TOKEN makes step()
-    raise (an engine bug)."""
+    """LLMEngine's interface, one token ("a", id 5, logprob -0.5) per step per request; DELTA outputs
+    only. Prompt logprobs: -1.0 per prompt token (rank 1) after the first; half of each prompt
+    (whole blocks of 4) counts as cached. A prompt containing FAIL_TOKEN finishes with "error" on its
+    first step; DIE_TOKEN makes step() raise (an engine bug). `prompts` records every prompt text."""
 
-    def __init__(self, max_model_len=64, max_num_seqs=4):
-        self.tokenizer = None
+    def __init__(self, max_model_len=64, max_num_seqs=4, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.prompts: list = []
         self.model_config = types.SimpleNamespace(vocab_size=100)
         self.sched_config = types.SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
         self.reqs: dict[str, dict] = {}
@@ -37,6 +39,7 @@ class FakeEngine:
         if rid in self.reqs:
             raise ValueError(f"request id {rid!r} is already in use")
         self.reqs[rid] = dict(ids=ids, params=params, n=0, arrival=arrival_time or time.time())
+        self.prompts.append(prompt.get("prompt"))
         return rid
 
     def abort_request(self, rids):
@@ -59,9 +62,14 @@ class FakeEngine:
             else:
                 r["n"] += 1
                 fr = "length" if r["n"] >= p.max_tokens else None
-                comps = [CompletionOutput(i, "a", [5], None, None, fr) for i in range(p.n)]
+                lps = [{5: Logprob(-0.5, 1, "a")}] if p.logprobs is not None else None
+                comps = [CompletionOutput(i, "a", [5], None, lps, fr) for i in range(p.n)]
+            plp = None
+            if p.prompt_logprobs is not None and r["n"] <= 1:
+                plp = [None] + [{t: Logprob(-1.0, 1, None)} for t in r["ids"][1:]]
             done = comps[0].finish_reason is not None
-            outs.append(RequestOutput(rid, None, r["ids"], None, comps, done, RequestMetrics(r["arrival"])))
+            outs.append(RequestOutput(rid, None, r["ids"], plp, comps, done, RequestMetrics(r["arrival"]),
+                                      num_cached_tokens=len(r["ids"]) // 8 * 4))
             if done:
                 del self.reqs[rid]
         return outs
@@ -108,6 +116,8 @@ def test_dead_engine_fails_in_flight_and_health_503():
         assert ev[-1] == "[DONE]" and json.loads(ev[-2])["error"]["code"] == 503
         h = c.get("/health")
         assert h.status_code == 503 and h.json()["error"]["code"] == 503
+        for msg in (h.json()["error"]["message"], dying.json()["error"]["message"], json.loads(ev[-2])["error"]["message"]):
+            assert "RuntimeError" in msg and "simulated" not in msg, msg  # the type, never the text
         r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert "jvllm:engine_alive{model_name=\"fake\"} 0.0" in c.get("/metrics").text

@@ -9,13 +9,16 @@ that are not JSON objects too), an unknown model 404, a missing/wrong API key 40
 /tokenize and /detokenize; compared in constant time; /health, /metrics and /version stay open),
 bodies over `max_body_bytes` 413, headers over `max_header_bytes` 431, and a full admission queue,
 a draining server or a dead engine 503 with Retry-After. No handler state survives a rejected
-request, so the next one is served.
+request, so the next one is served. Before anything else every POST body is checked for lone
+surrogates and for fields jvllm knows but does not implement (fields.py). An unexpected exception
+is logged with a request id and answered as a generic 500 naming only that id.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import time
 
@@ -26,14 +29,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jvllm.server.async_engine import AsyncEngine, DrainingError, EngineDeadError, QueueFullError
+from jvllm.server.chat import chat_options
+from jvllm.server.fields import check_extra_fields, reject_surrogates
 from jvllm.server.metrics import CONTENT_TYPE, ServerMetrics
-from jvllm.server.middleware import GuardMiddleware, error_response, validation_message
+from jvllm.server.middleware import CorsConfig, GuardMiddleware, error_response, validation_message
 from jvllm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest)
 from jvllm.server.render import Limits, Renderer
 from jvllm.server.serving import CompletionServer, watch_disconnect
 
 RETRY_AFTER = "1"
+RENDER_THREADS = 4  # tokenizing / templating threads: a long prompt holds one, the others go on
+log = logging.getLogger("jvllm.server")
 
 
 def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len: int, vocab_size: int):
@@ -65,8 +72,9 @@ def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len
                 for alt in props["stop"].get("anyOf", []):
                     if alt.get("type") == "array":
                         alt["maxItems"] = limits.max_stop
-            if "stop_token_ids" in props:
-                first(props["stop_token_ids"])["items"].update(minimum=0, maximum=vocab_size - 1)
+            for f in ("stop_token_ids", "allowed_token_ids"):
+                if f in props:
+                    first(props[f])["items"].update(minimum=0, maximum=vocab_size - 1)
             if name == "CompletionRequest":
                 for alt in props["prompt"].get("anyOf", []):
                     if alt.get("type") != "array":
@@ -89,9 +97,13 @@ def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len
 
 def build_app(engine, served_model_name: str | list[str], api_key: str | None = None, *,
               max_queue_len: int = 512, limits: Limits | None = None, max_body_bytes: int = 8 << 20,
-              max_header_bytes: int = 32 << 10, model_path: str | None = None) -> FastAPI:
+              max_header_bytes: int = 32 << 10, model_path: str | None = None, chat_template: str | None = None,
+              trust_request_chat_template: bool = False, cors: CorsConfig | None = None,
+              render_threads: int = RENDER_THREADS) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its interface). The engine thread
-    starts with the app's lifespan and stops (aborting what is left) when it ends."""
+    starts with the app's lifespan and stops (aborting what is left) when it ends. `chat_template`
+    is the template text (chat.load_chat_template reads --chat-template); `cors` None: vLLM's
+    defaults (CorsConfig())."""
     from jvllm import __version__
 
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -99,7 +111,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
     metrics = ServerMetrics(names[0])
     aengine = AsyncEngine(engine, max_queue_len=max_queue_len, metrics=metrics)
     metrics.attach_engine(aengine)
-    renderer = Renderer(engine, limits)
+    renderer = Renderer(engine, limits, chat_template)
     L = renderer.max_model_len
     version_info = {"version": __version__}
     try:  # what the benchmarks record as "device"
@@ -126,6 +138,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
     app.state.metrics = metrics
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes,
                        max_header_bytes=max_header_bytes)
+    (cors or CorsConfig()).add_to(app)  # added last: outermost
     _patch_openapi(app, names, limits, L, renderer.vocab_size)
 
     # ---------------------------------------------------------------- errors
@@ -145,17 +158,22 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
 
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+        rid = "err-" + os.urandom(6).hex()
+        log.error("internal error %s on %s %s", rid, request.method, request.url.path, exc_info=e)
+        return error_response(500, f"internal server error (request id {rid}: the server log has the details)",
+                              headers={"X-Request-Id": rid})
 
     def check_model(model: str | None):
         if model is not None and model not in names:
             raise APIError(f"The model `{model}` does not exist; this server serves {names}", status=404,
                            param="model", type="not_found_error")
 
-    render_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jvllm-render")
+    if not isinstance(render_threads, int) or render_threads < 1:
+        raise ValueError(f"render_threads must be an integer >= 1, got {render_threads!r}")
+    render_pool = concurrent.futures.ThreadPoolExecutor(render_threads, thread_name_prefix="jvllm-render")
 
     async def render(fn, *args):
-        """Tokenize / apply the chat template off the event loop (one thread: see render.py)."""
+        """Tokenize / apply the chat template off the event loop (thread-safety: see render.py)."""
         return await asyncio.get_running_loop().run_in_executor(render_pool, fn, *args)
 
     async def submit(items):
@@ -173,7 +191,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         except (ValueError, TypeError) as e:  # the engine's own validation (backstop)
             metrics.reject("invalid")
             msg = str(e)
-            raise APIError(msg, param=msg.split(" ", 1)[0]) from None
+            raise APIError(msg, param=msg.split(" ", 1)[0].rstrip(":")) from None
 
     async def run(raw: Request, cs: CompletionServer, items, stream: bool):
         sub = await submit(items)
@@ -184,11 +202,14 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         finally:
             sub.close()  # idempotent; covers a cancel that lands before cs.full starts
 
+    def continuous_usage(req) -> bool:
+        return bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
     # ---------------------------------------------------------------- routes
     @app.get("/health")
     async def health():
         if not aengine.alive:
-            return error_response(503, f"the engine is dead: {aengine.dead!r}")
+            return error_response(503, aengine.dead_message())
         return Response(status_code=200)
 
     @app.get("/version")
@@ -208,6 +229,8 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
+        reject_surrogates(req)
+        check_extra_fields(req, "completions", "/v1/completions")
         check_model(req.model)
         renderer.check_common(req)
         prompts = await render(renderer.completion_prompts, req)
@@ -217,38 +240,45 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
                  for i, (p, sp) in enumerate(zip(prompts, params))]
         cs = CompletionServer(False, req.model or names[0], req.n, len(prompts), prompts, req.stream,
                               bool(req.stream_options and req.stream_options.include_usage), req.logprobs,
-                              echo=req.echo)
+                              echo=req.echo, decode=renderer.decode, continuous_usage=continuous_usage(req))
         return await run(raw, cs, items, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        reject_surrogates(req)
+        check_extra_fields(req, "chat", "/v1/chat/completions")
         check_model(req.model)
         renderer.check_common(req)
-        prompt = await render(renderer.chat_prompt, req.messages, req.add_generation_prompt,
-                              req.continue_final_message, req.add_special_tokens)
+        opts = chat_options(req, trust_request_chat_template, add_special_tokens=req.add_special_tokens)
+        prompt = await render(renderer.chat_prompt, req.messages, opts)
         sp = renderer.chat_params(req, prompt)
         items = [("chatcmpl-" + os.urandom(8).hex(), {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                   sp)]
         cs = CompletionServer(True, req.model or names[0], req.n, 1, [prompt], req.stream,
                               bool(req.stream_options and req.stream_options.include_usage),
-                              sp.logprobs)
+                              sp.logprobs, continuous_usage=continuous_usage(req))
         return await run(raw, cs, items, req.stream)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
+        reject_surrogates(req)
+        check_extra_fields(req, "tokenize", "/tokenize")
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             if not req.messages:
                 raise APIError("messages is empty", param="messages")
-            ids = (await render(renderer.chat_prompt, req.messages, req.add_generation_prompt)).token_ids
+            opts = chat_options(req, trust_request_chat_template)
+            ids = (await render(renderer.chat_prompt, req.messages, opts)).token_ids
         else:
             ids = await render(renderer.encode, req.prompt, req.add_special_tokens) if req.prompt else []
         return {"tokens": ids, "count": len(ids), "max_model_len": L}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
+        reject_surrogates(req)
+        check_extra_fields(req, "detokenize", "/detokenize")
         check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < renderer.vocab_size]
         if bad:

@@ -9,10 +9,16 @@ Threading contract:
 - `Submission` objects (one per HTTP request, holding 1..k engine requests) live on the event
   loop; everything that touches them or the admission counter runs on the loop thread.
 
-Admission ("the queue"): at most `max_num_seqs + max_queue_len` engine requests (one per prompt;
-a request with n > 1 still counts once) are admitted at a time; the first `max_num_seqs` can run,
-the rest wait, and one more is refused with `QueueFullError` (HTTP 503 + Retry-After). The
-count depends only on the order of arrivals and finishes, never on the engine's timing.
+Admission ("the queue") counts sequences: an engine request with n choices counts n. At most
+`max_num_seqs + max_queue_len` sequences are admitted at a time; the first `max_num_seqs` can
+run, the rest wait, and a submission that would go beyond is refused with `QueueFullError` (HTTP
+503 + Retry-After). The count depends only on the order of arrivals and finishes, never on the
+engine's timing.
+
+Draining: `begin_drain(timeout)` (SIGTERM) refuses new submissions at once and, `timeout`
+seconds later, ends every submission still open with `DrainingError` (aborting its engine
+requests), so each handler answers a clean 503 / SSE error event before the HTTP server gives up
+on it.
 
 Failure contract: an engine error on one request reaches it as an output with finish_reason
 "error" (LLMEngine.step does that). An exception escaping `step()` is an engine bug: the engine is
@@ -21,6 +27,7 @@ marked dead, every open submission gets `EngineDeadError`, and /health answers 5
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -42,21 +49,36 @@ class DrainingError(RuntimeError):
     pass
 
 
+@dataclasses.dataclass
+class _Timing:
+    """One engine request, server clock (taken right after the step that produced the tokens);
+    choice 0 carries the timing."""
+
+    first: float | None = None  # first generated token
+    last: float | None = None  # latest generated token
+    tokens: int = 0  # tokens of choice 0 so far
+    counted_prefix: bool = False  # prompt counted in the prefix-cache counters
+
+
+def num_seqs(params) -> int:
+    """Sequences one engine request puts in the engine (its admission weight)."""
+    return max(int(getattr(params, "n", 1) or 1), int(getattr(params, "best_of", None) or 1))
+
+
 class Submission:
     """The engine requests of one HTTP request. Iterate `async for idx, out in sub` (idx = prompt
     index) until every request finished; always `close()` (idempotent) in a finally: it aborts the
     unfinished requests in the engine and gives their admission slots back."""
 
-    def __init__(self, aengine: "AsyncEngine", request_ids: list[str]):
+    def __init__(self, aengine: "AsyncEngine", request_ids: list[str], num_seqs: int):
         self._aengine = aengine
         self.request_ids = request_ids
+        self.num_seqs = num_seqs
         self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(request_ids)
         self.arrival = time.time()
-        # per engine request: [first token time, last token time, tokens of choice 0] (server clock,
-        # taken right after the engine step that produced them)
-        self.timing: dict[str, list] = {rid: [None, None, 0] for rid in request_ids}
+        self.timing: dict[str, _Timing] = {rid: _Timing() for rid in request_ids}
         self._closed = False
 
     def __aiter__(self) -> AsyncIterator:
@@ -87,7 +109,8 @@ class AsyncEngine:
         self.max_num_seqs = engine.sched_config.max_num_seqs
         self.capacity = self.max_num_seqs + max_queue_len
         self.metrics = metrics
-        self.num_admitted = 0  # loop thread only
+        self.num_admitted = 0  # sequences; loop thread only
+        self.open: set[Submission] = set()  # loop thread only
         self.draining = False
         self.dead: BaseException | None = None
         self.stats: dict = dict(engine.get_stats())  # snapshot, replaced by the engine thread
@@ -112,6 +135,29 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
 
+    def begin_drain(self, timeout: float):
+        """Thread-safe (a signal handler may call it): refuse new submissions now; after `timeout`
+        seconds end the open ones with DrainingError."""
+        self.draining = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.call_later, max(0.0, timeout), self.expire_open, timeout)
+
+    def expire_open(self, timeout: float | None = None):
+        """Loop thread: end every open submission with DrainingError and abort its engine requests."""
+        why = "the server shut down before the request finished" + (
+            f" (--drain-timeout {timeout:g} s passed)" if timeout is not None else "")
+        for sub in list(self.open):
+            if sub.unfinished:
+                self.abort(list(sub.unfinished))
+            sub.queue.put_nowait(DrainingError(why))
+
+    def dead_message(self) -> str:
+        """What clients learn about a dead engine: its error's type only (the log has the rest)."""
+        if self.dead is None:
+            return "the engine thread stopped (the server log has the details)"
+        return f"the engine is dead ({type(self.dead).__name__}; the server log has the details)"
+
     @property
     def alive(self) -> bool:
         return self.dead is None and (self._thread is None or self._thread.is_alive() or self._stop)
@@ -123,21 +169,25 @@ class AsyncEngine:
         if self.draining:
             raise DrainingError("the server is shutting down")
         if not self.alive:
-            raise EngineDeadError(f"the engine is dead: {self.dead!r}")
-        if len(items) > self.capacity:
-            raise ValueError(f"prompt: a batch of {len(items)} prompts can never be admitted: this server admits at "
-                             f"most {self.capacity} requests at once (max_num_seqs + max_queue_len)")
-        if self.num_admitted + len(items) > self.capacity:
-            raise QueueFullError(f"the server is full: {self.num_admitted} requests admitted, the limit is "
-                                 f"{self.capacity} (max_num_seqs {self.max_num_seqs} + max_queue_len "
-                                 f"{self.capacity - self.max_num_seqs}); retry later")
-        sub = Submission(self, [rid for rid, _, _ in items])
-        self.num_admitted += len(items)
+            raise EngineDeadError(self.dead_message())
+        seqs = sum(num_seqs(sp) for _, _, sp in items)
+        if seqs > self.capacity:
+            field = "n" if seqs > len(items) else "prompt"
+            raise ValueError(f"{field}: {len(items)} prompt(s) x n make {seqs} sequences, which can never be "
+                             f"admitted: this server admits at most {self.capacity} sequences at once "
+                             f"(max_num_seqs + max_queue_len)")
+        if self.num_admitted + seqs > self.capacity:
+            raise QueueFullError(f"the server is full: {self.num_admitted} sequences admitted, this request has "
+                                 f"{seqs}, the limit is {self.capacity} (max_num_seqs {self.max_num_seqs} + "
+                                 f"max_queue_len {self.capacity - self.max_num_seqs}); retry later")
+        sub = Submission(self, [rid for rid, _, _ in items], seqs)
+        self.num_admitted += seqs
+        self.open.add(sub)
         fut = self._loop.create_future()
         try:
             with self._lock:
                 if self.dead is not None:
-                    raise EngineDeadError(f"the engine is dead: {self.dead!r}")
+                    raise EngineDeadError(self.dead_message())
                 self._cmds.put(("add", items, sub, fut))
             await fut
         except BaseException:
@@ -153,7 +203,8 @@ class AsyncEngine:
         self._cmds.put(("abort", list(request_ids)))
 
     def _release(self, sub: Submission):
-        self.num_admitted -= len(sub.request_ids)
+        self.num_admitted -= sub.num_seqs
+        self.open.discard(sub)
         if sub.unfinished and self.metrics is not None:  # aborted by the server (disconnect, error)
             self.metrics.success.labels(self.metrics.model_name, "abort").inc(len(sub.unfinished))
 
@@ -238,7 +289,7 @@ class AsyncEngine:
                     break
                 if cmd is not None and cmd[0] == "add":
                     pending.append(cmd[3])
-        err = EngineDeadError(f"the engine died: {type(e).__name__}: {e}")
+        err = EngineDeadError(self.dead_message())
         subs = {id(s): s for s in self._subs.values()}.values()
         self._subs.clear()
 
@@ -255,17 +306,23 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ loop thread callbacks
     def _deliver(self, batch, now: float):
+        m = self.metrics
         for sub, out in batch:
             sub.queue.put_nowait(out)
             t = sub.timing[out.request_id]
             k = len(out.outputs[0].token_ids) if out.outputs else 0
+            if m is not None and not t.counted_prefix and (k or out.finished):
+                t.counted_prefix = True
+                m.observe_prefix(len(out.prompt_token_ids), getattr(out, "num_cached_tokens", 0) or 0)
             if k:
-                t[0] = now if t[0] is None else t[0]
-                t[1] = now
-                t[2] += k
-            if out.finished and self.metrics is not None:
+                if t.last is not None and m is not None:
+                    m.observe_inter_token(now - t.last)
+                t.first = now if t.first is None else t.first
+                t.last = now
+                t.tokens += k
+            if out.finished and m is not None:
                 reason = out.outputs[0].finish_reason if out.outputs else None
-                self.metrics.observe_finished(reason, sub.arrival, t[0], t[1], now, t[2])
+                m.observe_finished(reason, sub.arrival, t.first, t.last, now, t.tokens)
 
     @staticmethod
     def _deliver_shutdown(subs):

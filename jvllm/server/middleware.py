@@ -1,7 +1,8 @@
-"""Pure-ASGI guard in front of the app (API key, header and body caps) and the rewriting of
-pydantic validation errors into one readable OpenAI-style 400 message."""
+"""Pure-ASGI guard in front of the app (API key, header and body caps), the CORS settings, and the
+rewriting of pydantic validation errors into one readable OpenAI-style 400 message."""
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import re
@@ -11,6 +12,34 @@ from fastapi.responses import JSONResponse
 from jvllm.server.protocol import error_body
 
 PROTECTED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # API key needed here (prefix match); the rest is open
+
+
+@dataclasses.dataclass(frozen=True)
+class CorsConfig:
+    """vLLM's CORS flags (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials)
+    with vLLM's defaults. The CORS middleware sits outside the API-key guard: preflight requests
+    (OPTIONS, never carrying a key) are answered by it, and errors (401, 413, ...) carry its headers."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def __post_init__(self):
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            v = getattr(self, name)
+            if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
+                raise ValueError(f"--{name.replace('_', '-')} must be a JSON list of non-empty strings, got {v!r}")
+            object.__setattr__(self, name, tuple(v))
+        if not isinstance(self.allow_credentials, bool):
+            raise ValueError(f"--allow-credentials must be a boolean, got {self.allow_credentials!r}")
+
+    def add_to(self, app):
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(self.allowed_origins),
+                           allow_methods=list(self.allowed_methods), allow_headers=list(self.allowed_headers),
+                           allow_credentials=self.allow_credentials)
 
 
 def error_response(status: int, message: str, param=None, headers=None) -> JSONResponse:
@@ -113,6 +142,8 @@ def validation_message(errors) -> tuple[str, str | None]:
     if not loc0:
         if e.get("type") == "missing":
             return "the request body must be a JSON object (got an empty body or null)", None
+        if e.get("type") == "string_unicode":  # a key of the body object
+            return "a field name in the request body is not valid Unicode text (a lone UTF-16 surrogate)", None
         return f"the request body must be a JSON object: {e.get('msg')}", None
     same = [x for x in errors if [y for y in x.get("loc", ()) if y != "body"][:1] == loc0[:1]]
     specific = [x for x in same if not x.get("type", "").endswith("_type")]

@@ -6,13 +6,15 @@ Contracts:
   schemathesis generates inside them); limits that depend on the running server (max n, number of
   stop strings, max_model_len, vocabulary) are checked in `render.py` and patched into the
   OpenAPI schema by `app.py`.
-- Unknown fields are ignored (OpenAI clients send fields we do not implement, e.g. `user`).
+- The request models and their parts (messages, text parts, stream_options) keep fields they do
+  not declare in `model_extra`; `fields.check_extra_fields` refuses the top-level ones jvllm knows
+  but does not implement and names every other one (parts too) in a log warning.
 - `APIError` carries the OpenAI error body `{"error": {"message", "type", "param", "code"}}`; the
   app turns it (and FastAPI's own validation errors) into a JSON response with that status.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -42,7 +44,13 @@ class APIError(Exception):
         return error_body(self.message, self.status, self.param, self.type)
 
 
+def safe_text(s: str) -> str:
+    """`s` with lone surrogates written as backslash escapes (JSON answers must be valid UTF-8)."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, status: int, param: str | None = None, type: str | None = None) -> dict:
+    message, param = safe_text(message), None if param is None else safe_text(param)
     return {"error": {"message": message, "type": type or _ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": status}}
 
@@ -51,15 +59,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
+class _Request(_Strict):
+    """A request body or a part of one: undeclared fields are kept (model_extra) for
+    `check_extra_fields`."""
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 StopStr = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STR_LEN)]
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM: with include_usage, every chunk carries "
+                                         "the usage so far")
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(None, description="one of the served model names; omitted = the first one")
@@ -87,6 +103,10 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    spaces_between_special_tokens: bool = True
+    # forwarded when jvllm's SamplingParams has them, else a 400 naming them (render.py)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    bad_words: list[StopStr] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
 
 
 class CompletionRequest(_SamplingFields):
@@ -102,15 +122,19 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
 
 
-class TextPart(_Strict):
+class TextPart(_Request):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Request):
+    """One message; `name`, `tool_calls` and `tool_call_id` reach the chat template as given."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -129,16 +153,27 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    chat_template: str | None = Field(None, description="a Jinja chat template for this request (needs the "
+                                      "server's --trust-request-chat-template)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+    tools: list[dict[str, Any]] | None = Field(None, description="passed to the chat template; tool calling "
+                                               "itself is not implemented: only with tool_choice 'none'")
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="passed to the chat template")
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]

@@ -6,26 +6,46 @@ vocabulary (prompt ids, stop_token_ids, logit_bias keys: all bad ones named, wit
 empty prompts, and prompt + max_tokens <= max_model_len (a prompt of max_model_len - 1 tokens plus
 one generated token is accepted).
 
-Hazard: the tokenizer is shared with the engine thread (which only decodes); the app runs these
-methods on ONE worker thread (so a long prompt never blocks the event loop). Encoding never changes
-truncation/padding state, so the Rust tokenizer is never mutably borrowed concurrently ("Already
-borrowed"): keep it that way (no truncation/padding arguments here).
+Text longer than `max_prompt_chars` is refused before it is tokenized (tokenizing megabytes takes
+seconds): by default CHARS_PER_TOKEN_BOUND characters per position of max_model_len, far beyond
+what any real text needs per token, so only prompts that could never fit are refused this way.
+
+Hazard: the tokenizer is shared with the engine thread (which only decodes) and the app runs these
+methods on several worker threads (so one long prompt delays no other request). Encoding never
+changes truncation/padding state, so the Rust tokenizer is never mutably borrowed concurrently
+("Already borrowed"): keep it that way (no truncation/padding arguments here). The constructor
+encodes once, so a tokenizer saved with truncation or padding settings has them cleared before
+any concurrent use.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
+from jvllm.server.chat import ChatOptions, render_chat
 from jvllm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+CHARS_PER_TOKEN_BOUND = 32
+# vLLM sampling fields jvllm forwards when its SamplingParams has them (a 400 naming them otherwise)
+_OPTIONAL_SAMPLING = ("allowed_token_ids", "bad_words")
+_SP_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Amplification caps (per HTTP request). Each is a server flag: --max-n, --max-stop, --max-prompts."""
+    """Amplification caps (per HTTP request). Each is a server flag: --max-n, --max-stop, --max-prompts,
+    --max-prompt-chars (None: CHARS_PER_TOKEN_BOUND * max_model_len)."""
 
     max_n: int = 16
     max_stop: int = 16
     max_prompts: int = 32
+    max_prompt_chars: int | None = None
+
+    def __post_init__(self):
+        for name, lo in (("max_n", 1), ("max_stop", 0), ("max_prompts", 1), ("max_prompt_chars", 1)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < lo):
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
 
 
 @dataclasses.dataclass
@@ -35,11 +55,21 @@ class Prompt:
 
 
 class Renderer:
-    def __init__(self, engine, limits: Limits):
+    def __init__(self, engine, limits: Limits, chat_template: str | None = None):
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.sched_config.max_model_len
         self.limits = limits
+        self.chat_template = chat_template
+        self.max_chars = limits.max_prompt_chars or CHARS_PER_TOKEN_BOUND * self.max_model_len
+        if self.tokenizer is not None:
+            self.tokenizer("warm-up", add_special_tokens=False)  # settles truncation/padding state (see above)
+
+    def check_chars(self, n: int, param: str):
+        if n > self.max_chars:
+            raise APIError(f"{param}: {n} characters is more than this server accepts ({self.max_chars} = "
+                           f"--max-prompt-chars), far more text than fits in max_model_len "
+                           f"{self.max_model_len} tokens", param=param)
 
     # ------------------------------------------------------------------ prompts
     def _need_tokenizer(self, what: str):
@@ -47,8 +77,9 @@ class Renderer:
             raise APIError(f"this model was loaded without a tokenizer: {what} needs one (send token ids)",
                            param="prompt")
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         self._need_tokenizer("text input")
+        self.check_chars(len(text), param)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def check_ids(self, ids: list[int], param: str):
@@ -86,25 +117,11 @@ class Renderer:
             out.append(Prompt(ids, text))
         return out
 
-    def chat_prompt(self, messages, add_generation_prompt=True, continue_final_message=False,
-                    add_special_tokens=False) -> Prompt:
+    def chat_prompt(self, messages, opts: ChatOptions) -> Prompt:
         self._need_tokenizer("chat")
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None) is None:
-            raise APIError("this model's tokenizer has no chat template: use /v1/completions", param="messages")
-        if add_generation_prompt and continue_final_message:
-            raise APIError("add_generation_prompt and continue_final_message cannot both be true",
-                           param="continue_final_message")
-        if continue_final_message and messages[-1].role != "assistant":
-            raise APIError("continue_final_message needs the last message to be from the assistant",
-                           param="continue_final_message")
-        conv = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-        try:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message)
-        except Exception as e:  # the template rejected the conversation (roles, order, ...)
-            raise APIError(f"messages: the chat template failed: {type(e).__name__}: {e}", param="messages") from None
-        ids = self.encode(text, add_special_tokens)
+        self.check_chars(sum(len(m.text()) for m in messages), "messages")
+        text = render_chat(self.tokenizer, self.chat_template, messages, opts)
+        ids = self.encode(text, opts.add_special_tokens, "messages")
         self.check_ids(ids, "messages")
         return Prompt(ids, text)
 
@@ -138,7 +155,8 @@ class Renderer:
                                param="logit_bias")
 
     def sampling_params(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-                        length_param: str, max_tokens_param: str = "max_tokens") -> SamplingParams:
+                        length_param: str, max_tokens_param: str = "max_tokens",
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         L = self.max_model_len
         if prompt_len >= L:
             raise APIError(f"This model's maximum context length is {L} tokens, but the prompt has {prompt_len} "
@@ -150,27 +168,37 @@ class Renderer:
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                            f"completion). Reduce the prompt or {max_tokens_param} to at most {L - prompt_len}.",
                            param=max_tokens_param)
+        extra = {}
+        for name in _OPTIONAL_SAMPLING:
+            if getattr(req, name) is not None:
+                if name not in _SP_FIELDS:
+                    raise APIError(f"{name} is not supported by jvllm yet; remove the field", param=name)
+                extra[name] = getattr(req, name)
         try:
             return SamplingParams(
                 n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, temperature=req.temperature, top_p=req.top_p,
                 top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
-                prompt_logprobs=req.prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
+                prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
                 logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
-                skip_special_tokens=req.skip_special_tokens, output_kind=RequestOutputKind.DELTA)
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                output_kind=RequestOutputKind.DELTA, **extra)
         except (ValueError, TypeError) as e:
             msg = str(e)
-            raise APIError(msg, param=msg.split(" ", 1)[0]) from None
+            raise APIError(msg, param=msg.split(" ", 1)[0].rstrip(":")) from None
 
     def completion_params(self, req: CompletionRequest, prompt: Prompt) -> SamplingParams:
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(f"best_of must equal n ({req.n}) when given, got {req.best_of}", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo together with logprobs is not supported", param="echo")
-        return self.sampling_params(req, len(prompt.token_ids), req.max_tokens, req.logprobs, "prompt")
+        plp = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+            plp = max(plp or 0, req.logprobs)
+        return self.sampling_params(req, len(prompt.token_ids), req.max_tokens, req.logprobs, "prompt",
+                                    prompt_logprobs=plp)
 
     def chat_params(self, req: ChatCompletionRequest, prompt: Prompt) -> SamplingParams:
         if req.top_logprobs is not None and not req.logprobs:
@@ -178,4 +206,5 @@ class Renderer:
         lp = (req.top_logprobs or 0) if req.logprobs else None
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return self.sampling_params(req, len(prompt.token_ids), mt, lp, "messages", name)
+        return self.sampling_params(req, len(prompt.token_ids), mt, lp, "messages", name,
+                                    prompt_logprobs=req.prompt_logprobs)

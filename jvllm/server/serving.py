@@ -5,7 +5,8 @@ Contracts:
 - All validation happens before admission (render.py), and the engine accepts the request before
   any byte of a stream is sent: a bad request is always a JSON error, never a half stream.
 - Streams send `data: {chunk}\\n\\n` events and end with `data: [DONE]`. With
-  stream_options.include_usage, every chunk has "usage": null and one last chunk with no choices
+  stream_options.include_usage, every chunk has "usage": null (with vLLM's continuous_usage_stats:
+  the usage so far) and one last chunk with no choices
   carries the usage. A request that fails in the engine sends its finish_reason "error" and then
   an `{"error": ...}` event before [DONE]; the server goes on.
 - Choice index = prompt index * n + sample index (completions with a batch of prompts).
@@ -13,11 +14,18 @@ Contracts:
   bodies: `watch_disconnect`), and `Submission.close()` in the `finally` aborts the engine
   requests at once, which frees their KV blocks before the engine's next step.
 - Logprobs of -inf are clamped to -9999.0 (JSON has no infinities).
+- /v1/completions with echo and logprobs: the prompt's tokens lead `logprobs` (the first with
+  null logprob and null top_logprobs, as in vLLM), then the generated ones; text_offset counts
+  from the start of the echoed text. Streamed, the echo chunk waits for the prompt logprobs.
+- An unexpected exception under a request is logged with a request id; the client gets a generic
+  500 naming that id, never the exception text.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import time
 import uuid
 
@@ -25,6 +33,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jvllm.server.protocol import APIError, error_body
+
+log = logging.getLogger("jvllm.server")
+_SERVICE_ERRORS = ("EngineDeadError", "DrainingError")
+
+
+def internal_error_message(e: BaseException, where: str) -> str:
+    """Log `e` under a fresh request id; the generic message for the client."""
+    rid = "err-" + os.urandom(6).hex()
+    log.error("internal error %s in %s", rid, where, exc_info=e)
+    return f"internal server error (request id {rid}: the server log has the details)"
 
 
 def _lp(x: float | None) -> float | None:
@@ -167,8 +185,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _error_event(e: BaseException) -> str:
-    status = 503 if type(e).__name__ in ("EngineDeadError", "DrainingError") else 500
-    return _sse(error_body(str(e) or type(e).__name__, status))
+    if type(e).__name__ in _SERVICE_ERRORS:
+        return _sse(error_body(str(e) or type(e).__name__, 503))
+    return _sse(error_body(internal_error_message(e, "a stream"), 500))
 
 
 class _SubmissionStream(StreamingResponse):
@@ -190,14 +209,17 @@ class CompletionServer:
     """Formats /v1/completions (chat=False) or /v1/chat/completions (chat=True) answers."""
 
     def __init__(self, chat: bool, model: str, n: int, num_prompts: int, prompts, stream: bool,
-                 include_usage: bool, top_logprobs: int | None, echo: bool = False):
+                 include_usage: bool, top_logprobs: int | None, echo: bool = False, decode=None,
+                 continuous_usage: bool = False):
         self.chat, self.model, self.stream = chat, model, stream
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompts = prompts
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
         self.top_logprobs = top_logprobs
         self.echo = echo
+        self.decode = decode  # token ids -> text (the first echoed token has no prompt logprob entry)
         self.col = Collector(num_prompts, n)
 
     def _head(self, obj: str) -> dict:
@@ -211,8 +233,9 @@ class CompletionServer:
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:  # engine died / shut down under this request
-            st = 503 if type(e).__name__ in ("EngineDeadError", "DrainingError") else 500
-            raise APIError(str(e), status=st) from None
+            if type(e).__name__ in _SERVICE_ERRORS:
+                raise APIError(str(e), status=503) from None
+            raise APIError(internal_error_message(e, "a request"), status=500) from None
         finally:
             sub.close()
         choices = []
@@ -226,9 +249,12 @@ class CompletionServer:
                      "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
             else:
                 prefix = (self.prompts[pidx].text or "") if self.echo else ""
-                c = {"index": ch.index, "text": prefix + text,
-                     "logprobs": completion_logprobs(ch.token_ids, ch.logprobs, 0)
-                     if self.top_logprobs is not None else None,
+                lp = None
+                if self.top_logprobs is not None:
+                    lp = completion_logprobs(ch.token_ids, ch.logprobs, len(prefix))
+                    if self.echo:
+                        lp = {k: v + lp[k] for k, v in self.echo_logprobs(pidx).items()}
+                c = {"index": ch.index, "text": prefix + text, "logprobs": lp,
                      "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
                      "prompt_logprobs": prompt_logprobs_json(self.col.prompt_logprobs[pidx])}
             choices.append(c)
@@ -239,6 +265,26 @@ class CompletionServer:
             body["prompt_logprobs"] = prompt_logprobs_json(self.col.prompt_logprobs[0])
         return JSONResponse(body)
 
+    def echo_logprobs(self, pidx: int) -> dict:
+        """Completion-format logprobs of prompt `pidx`'s tokens (top entries up to top_logprobs)."""
+        p = self.prompts[pidx]
+        plp = self.col.prompt_logprobs[pidx] or []
+        tokens, tlps, tops, offs, off = [], [], [], [], 0
+        for i, tid in enumerate(p.token_ids):
+            e = plp[i] if i < len(plp) else None
+            lp = e.get(tid) if e else None
+            s = lp.decoded_token if lp is not None and lp.decoded_token is not None else None
+            if s is None:
+                s = (self.decode([tid]) if self.decode else None) or f"token_id:{tid}"
+            tokens.append(s)
+            tlps.append(_lp(lp.logprob) if lp is not None else None)
+            tops.append(None if e is None else {
+                _tok(v, k): _lp(v.logprob) for k, v in e.items()
+                if k == tid or (v.rank is not None and v.rank <= self.top_logprobs)})
+            offs.append(off)
+            off += len(s)
+        return {"tokens": tokens, "token_logprobs": tlps, "top_logprobs": tops, "text_offset": offs}
+
     # -------------------------------------------------------------- streamed
     def streaming_response(self, sub) -> StreamingResponse:
         return _SubmissionStream(sub, self._events(sub), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -247,7 +293,7 @@ class CompletionServer:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = choices
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = self.col.usage() if self.continuous_usage else None
         return body
 
     def _choice_delta(self, ch: ChoiceState, text, ids, lps, finished_now) -> dict:
@@ -258,29 +304,41 @@ class CompletionServer:
             lp = chat_logprobs(ids, lps, self.top_logprobs) if self.top_logprobs is not None and ids else None
             return {"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
         off = sum(len(t) for t in ch.text) - len(text)
+        if self.echo:
+            off += len(self.prompts[ch.index // self.col.n].text or "")
         lp = completion_logprobs(ids, lps, off) if self.top_logprobs is not None else None
         return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
 
-    def _first_chunks(self, pidx: int, out) -> list[str]:
+    def _first_chunks(self, pidx: int) -> list[str]:
+        """The role chunk (chat) or the echo chunk (completions) of each choice not started yet. With
+        logprobs, an echo chunk waits until the prompt logprobs are in (they come with the first
+        generated token) or the choice ended."""
         events = []
+        plp_wait = self.top_logprobs is not None and self.col.prompt_logprobs[pidx] is None
         for ch in self.col.choices[pidx * self.col.n:(pidx + 1) * self.col.n]:
             if ch.started:
                 continue
-            ch.started = True
             if self.chat:
+                ch.started = True
                 events.append(_sse(self._chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}])))
             elif self.echo and self.prompts[pidx].text:
+                if plp_wait and not ch.token_ids and not ch.finish_sent:
+                    continue
+                ch.started = True
+                lp = self.echo_logprobs(pidx) if self.top_logprobs is not None else None
                 events.append(_sse(self._chunk([{"index": ch.index, "text": self.prompts[pidx].text,
-                                                 "logprobs": None, "finish_reason": None}])))
+                                                 "logprobs": lp, "finish_reason": None}])))
+            else:
+                ch.started = True
         return events
 
     async def _events(self, sub):
         try:
             try:
                 async for pidx, out in sub:
-                    events = self._first_chunks(pidx, out)
                     deltas = self.col.add(pidx, out)
+                    events = self._first_chunks(pidx)
                     plp = self.col.prompt_logprobs[pidx]
                     for d in deltas:
                         c = self._choice_delta(*d)
