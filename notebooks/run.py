@@ -6,9 +6,10 @@
 
 What is compared: for every code cell, its stdout text and the text/plain of its results and
 displays, in order. Not compared: stderr (progress bars, log lines) and cells tagged `varies`
-(timings, versions, device counts; set in the cell's metadata "tags"). A cell that prints
-numbers which depend on the machine belongs in a `varies` cell, so that the compared outputs
-(greedy text, seeded samples, shapes, shardings) stay exact.
+(set-up cells, which print pip's output on a fresh machine; timings; versions; set in the cell's
+metadata "tags"). A cell that prints numbers which depend on the machine belongs in a `varies`
+cell, so that the compared outputs (greedy text, seeded samples, shapes, shardings) stay exact.
+Any cell's error output, or a stream containing "Warning", fails both modes.
 
 Hazard: the compared outputs come from floating-point model runs. A different jax/XLA version
 or CPU can change a greedy token where two logits nearly tie; such a drift fails the check with a
