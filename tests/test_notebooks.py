@@ -17,7 +17,8 @@ NOTEBOOKS = nbrun.notebook_paths()
 
 
 def test_both_notebooks_found():
-    assert sorted(os.path.basename(p) for p in NOTEBOOKS) == ["quickstart.ipynb", "sharding.ipynb"]
+    """An empty glob would parametrize the checks below away silently."""
+    assert {"quickstart.ipynb", "sharding.ipynb"} <= {os.path.basename(p) for p in NOTEBOOKS}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
