@@ -86,7 +86,9 @@ class Request:
         self.text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        # prompt logprobs are the prompt's, not a sequence's: of n > 1 siblings only the first
+        # computes them (the others take the prompt's blocks from the prefix cache)
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
         self.detok = Detokenizer(tokenizer, self.prompt_token_ids, params.skip_special_tokens) if tokenizer else None
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
@@ -114,6 +116,20 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs are still owed for positions computed from now on."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def max_prefix_hit_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache instead of being computed.
+
+        Always at least one token is computed (its logits give the next token). A position taken
+        from the cache has no logits, so while prompt logprobs are owed a hit may cover only the
+        positions whose entries are already recorded (entry p + 1 comes from position p's logits):
+        none for a new request (vLLM gives such requests no hit), the recorded ones for a request
+        recomputed after preemption."""
+        cap = self.num_tokens - 1
+        if self.needs_prompt_logprobs:
+            cap = min(cap, len(self.prompt_logprobs) - 1)
+        return cap
 
     @property
     def max_tokens(self) -> int:
