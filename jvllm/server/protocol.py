@@ -113,11 +113,11 @@ class ChatMessage(_Strict):
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        """The content as the chat template takes it (`jvllm.inputs.content_text`, shared with
+        `LLM.chat`: text parts joined with a newline, as vLLM does)."""
+        from jvllm.inputs import content_text
+
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
