@@ -56,6 +56,10 @@ class SamplingParams:
         def bad(field, value, allowed):
             raise ValueError(f"{field} must be {allowed}, got {value!r}")
 
+        for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, flag), bool):
+                bad(flag, getattr(self, flag), "True or False")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", self.n, "an integer >= 1")
         if not -2.0 <= self.presence_penalty <= 2.0:
