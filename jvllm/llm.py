@@ -134,6 +134,15 @@ class LLM:
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts, params, use_tqdm: bool = False):
+        """Beam search for each prompt (vLLM's `LLM.beam_search`): `params` a
+        `jvllm.BeamSearchParams`; returns one `jvllm.beam_search.BeamSearchOutput` per prompt, its
+        `sequences` the best `beam_width` beams, best first. Built on `generate` with logprobs
+        (jvllm.beam_search states the algorithm and the score)."""
+        from jvllm.beam_search import beam_search
+
+        return beam_search(self, prompts, params, use_tqdm)
+
     def _run(self, ids, use_tqdm) -> list[RequestOutput]:
         eng = self.llm_engine
         want = set(ids)
