@@ -169,3 +169,32 @@ def test_bad_call(tiny):
         llm.beam_search([1, 2, 3], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len is 128"):
         llm.beam_search({"prompt_token_ids": [5] * 128}, BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+def test_text_and_sampled_candidates(smollm2_llm):
+    tok = smollm2_llm.get_tokenizer()
+    prompt = "The capital of France is"
+    out = smollm2_llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4))[0]
+    assert len(out.sequences) == 2
+    for b in out.sequences:
+        assert b.text.startswith(prompt) and b.text == tok.decode(b.tokens[:-1] if b.finish_reason == "stop"
+                                                                     else b.tokens)
+        assert b.num_prompt_tokens == len(tok(prompt)["input_ids"])
+    hot = smollm2_llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=3, temperature=1.0))[0]
+    assert len(hot.sequences) == 2 and all(len(b.logprobs) == len(b.output_token_ids) for b in hot.sequences)
+    # each step's candidates: the top 2 * beam_width, and the sampled token when it is not among them
+    assert all(4 <= len(c) <= 5 for b in hot.sequences for c in b.logprobs)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_include_stop_str_in_output(keep):
+    class Tok:
+        def decode(self, ids):
+            return ",".join(map(str, ids))
+
+    params = BeamSearchParams(beam_width=1, max_tokens=2, include_stop_str_in_output=keep)
+    inst = BeamSearchInstance([1, 2], params, eos_token_ids=(9,), max_model_len=100)
+    inst.advance([{9: _lp(0.9), 5: _lp(0.05)}])
+    inst.advance([{6: _lp(0.01), 7: _lp(0.005)}])
+    best = inst.result(Tok()).sequences[0]
+    assert best.finish_reason == "stop" and best.text == ("1,2,9" if keep else "1,2")

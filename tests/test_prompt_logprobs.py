@@ -116,3 +116,22 @@ def test_prompt_logprobs_across_modes(tiny_prompts, tiny_ref, case):
     if case == "preemption":
         assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_blocks"] - 1
+
+
+def test_scheduler_caps_hits_to_recorded_prompt_logprobs():
+    """A request recomputed after a preemption mid-prompt gets hits only over recorded positions."""
+    from jvllm.memory.block_pool import KVCacheManager
+
+    kv = KVCacheManager(16, 8)
+    prompt = list(range(40))
+    warm = Request("w", prompt, SamplingParams(), seed=0)
+    assert kv.allocate_slots(warm, 40)
+    kv.cache_full_blocks(warm, 40)
+    kv.free(warm)  # 5 full blocks cached, free
+    r = Request("r", prompt, SamplingParams(prompt_logprobs=0), seed=0)
+    assert kv.get_computed_blocks(r, r.max_prefix_hit_tokens) == ([], 0)
+    r.prompt_logprobs += [{}] * 19  # positions 0..18 recorded: blocks 0-1 (16 tokens) may be hits
+    assert kv.get_computed_blocks(r, r.max_prefix_hit_tokens)[1] == 16
+    assert kv.get_computed_blocks(Request("p", prompt, SamplingParams(), seed=0))[1] == 32  # all but the last
+    with pytest.raises(ValueError, match="max_tokens must be >= 0, got -1"):
+        kv.get_computed_blocks(r, -1)
