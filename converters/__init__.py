@@ -115,6 +115,10 @@ def model_config(spec: ModelSpec):
         d = hf_config_dict(spec)
         cls = transformers.CONFIG_MAPPING[d["model_type"]]
         return ModelConfig.from_hf_config(cls(**{k: v for k, v in d.items() if k != "model_type"}))
+    if spec.kind == "hf":
+        from .quantization import check_hf_config
+
+        check_hf_config(hf_config_dict(spec), spec.path)
     return ModelConfig.from_hf_config(load_hf_config(spec.path))
 
 

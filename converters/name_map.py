@@ -79,6 +79,11 @@ def map_name(name: str):
         m = rx.match(name)
         if m:
             return (m.expand(tgt) if tgt is not None else None), fn
+    from .quantization import quantized_name_error
+
+    quant = quantized_name_error(name)
+    if quant is not None:
+        raise quant
     raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (no parameter of this model maps to it)")
 
 

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from .name_map import CheckpointError
+from .quantization import quantized_dtype_error
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -49,6 +50,9 @@ def read_safetensors(path: str) -> Iterator[tuple[str, callable]]:
     mm = np.memmap(path, dtype=np.uint8, mode="r") if size else None
     for name, info in header.items():
         dt = _ST_DTYPES.get(info["dtype"])
+        quant = quantized_dtype_error(path, name, info["dtype"])
+        if quant is not None:
+            raise quant
         if dt is None:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
         b0, b1 = info["data_offsets"]

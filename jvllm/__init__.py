@@ -2,8 +2,8 @@
 from jvllm.engine.engine import EngineConfig, LLMEngine
 from jvllm.llm import LLM
 from jvllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jvllm.sampling_params import RequestOutputKind, SamplingParams
+from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind", "__version__"]
+           "RequestOutputKind", "BeamSearchParams", "__version__"]

@@ -56,6 +56,22 @@ def w1_prompts(n: int, input_len: tuple[int, int] = W1_INPUT_LEN, vocab: int = 1
     return out
 
 
+def cap_input_len(input_len: tuple[int, int], output_len: int, max_model_len: int) -> tuple[tuple[int, int], str | None]:
+    """W1's prompt length range cut so that a prompt and its `output_len` tokens fit in
+    `max_model_len` (a short-context model), and the line that says so (None when nothing was cut).
+    Raises ValueError when `output_len` alone leaves no room for a prompt of one token."""
+    lo, hi = input_len
+    room = max_model_len - output_len
+    if room < 1:
+        raise ValueError(f"--output-len {output_len} leaves no room for a prompt: max_model_len is {max_model_len}; "
+                         f"lower --output-len below {max_model_len}")
+    if hi <= room:
+        return (lo, hi), None
+    capped = (min(lo, room), room)
+    return capped, (f"W1: prompt lengths {lo}..{hi} capped to {capped[0]}..{capped[1]} so that prompt + "
+                    f"{output_len} output tokens fit max_model_len {max_model_len}")
+
+
 def _one_prompt(length: int, vocab: int, seed: int) -> list[int]:
     return w1_prompts(1, (length, length), vocab, seed)[0]
 
@@ -303,6 +319,10 @@ def run_throughput(llm, num_prompts: int = 256, input_len=W1_INPUT_LEN, output_l
     from jvllm.compile import compile_count
 
     vocab = llm.llm_engine.model_config.vocab_size
+    asked = tuple(input_len)
+    input_len, note = cap_input_len(asked, output_len, llm.llm_engine.sched_config.max_model_len)
+    if note:
+        print(note, file=sys.stderr)
     prompts = [{"prompt_token_ids": p} for p in w1_prompts(num_prompts, input_len, vocab)]
     if warmup_requests:  # different seed: no prefix-cache hits on the measured prompts
         warm = [{"prompt_token_ids": p} for p in w1_prompts(warmup_requests, input_len, vocab, seed=12345)]
@@ -323,6 +343,7 @@ def run_throughput(llm, num_prompts: int = 256, input_len=W1_INPUT_LEN, output_l
     n_in = sum(len(p["prompt_token_ids"]) for p in prompts)
     steps = s1["num_steps"] - s0["num_steps"]
     return dict(num_requests=num_prompts, input_len=list(input_len), output_len=output_len,
+                input_len_asked=list(asked), input_len_note=note,
                 prompt_tokens=n_in, output_tokens=n_out, elapsed_s=dt,
                 output_tok_s=n_out / dt, total_tok_s=(n_in + n_out) / dt, requests_per_s=num_prompts / dt,
                 num_steps=steps, mean_step_ms=1e3 * dt / max(steps, 1), **_host_share(s0, s1),

@@ -57,9 +57,14 @@ class LLM:
         """Run prompts (str, token-id list, or {"prompt_token_ids": [...]} / {"prompt": ...}; one or a
         list) to completion; outputs come back in input order. All prompts are validated before any
         is queued, so one bad prompt raises without leaving the others half-run."""
+        from jvllm.inputs import check_prompt_dict
+
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
+        for p in prompts:
+            if isinstance(p, dict):
+                check_prompt_dict(p)  # multi_modal_data and other fields jvllm does not take: named
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -79,25 +84,64 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    # keys of apply_chat_template that chat() sets itself: not overridable through chat_template_kwargs
+    _CHAT_RESERVED = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                      "chat_template", "tools", "return_dict", "return_tensors")
+
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (a list of {"role", "content"}
-        dicts) or to a list of conversations, then generate."""
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation (a list of {"role", "content"} dicts) or to a
+        list of conversations, then generate (vLLM's `LLM.chat`).
+
+        Content may be a string or a list of text parts (`jvllm.inputs.content_text`; other part
+        types such as image_url are a ValueError naming them). `chat_template` (a Jinja string)
+        replaces the tokenizer's; `tools` (OpenAI-style tool dicts) and `chat_template_kwargs` (extra
+        template variables, e.g. enable_thinking) are handed to the template."""
+        from jvllm.inputs import template_messages
+
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer; this model was loaded without one")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template: pass chat_template=... or use generate()")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"tools must be a list of dicts (OpenAI tool definitions), got {tools!r:.200}")
+        extra = dict(chat_template_kwargs or {})
+        clash = sorted(set(extra) & set(self._CHAT_RESERVED))
+        if clash:
+            raise ValueError(f"chat_template_kwargs {clash} are set by chat() itself; pass them as its arguments")
+        if not messages:
+            raise ValueError("messages is empty: pass a conversation (a list of message dicts) or a list of them")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
-        for conv in convs:
+        for c, conv in enumerate(convs):
+            where = "messages" if len(convs) == 1 else f"messages[{c}]"
+            if not conv:
+                raise ValueError(f"{where} is an empty conversation")
+            conv = template_messages(conv, where)
+            if continue_final_message and conv[-1]["role"] != "assistant":
+                raise ValueError(f"continue_final_message needs the last message of {where} to be from the "
+                                 f"assistant, got role {conv[-1]['role']!r}")
             ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message,
-                                          chat_template=chat_template, **(chat_template_kwargs or {}))
+                                          continue_final_message=continue_final_message, tools=tools,
+                                          chat_template=chat_template, **extra)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             text = tok.decode(ids)
             prompts.append({"prompt_token_ids": list(ids), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts, params, use_tqdm: bool = False):
+        """Beam search for each prompt (vLLM's `LLM.beam_search`): `params` a
+        `jvllm.BeamSearchParams`; returns one `jvllm.beam_search.BeamSearchOutput` per prompt, its
+        `sequences` the best `beam_width` beams, best first. Built on `generate` with logprobs
+        (jvllm.beam_search states the algorithm and the score)."""
+        from jvllm.beam_search import beam_search
+
+        return beam_search(self, prompts, params, use_tqdm)
 
     def _run(self, ids, use_tqdm) -> list[RequestOutput]:
         eng = self.llm_engine

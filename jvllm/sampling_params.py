@@ -56,6 +56,10 @@ class SamplingParams:
         def bad(field, value, allowed):
             raise ValueError(f"{field} must be {allowed}, got {value!r}")
 
+        for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, flag), bool):
+                bad(flag, getattr(self, flag), "True or False")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", self.n, "an integer >= 1")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -115,3 +119,41 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return dataclasses.replace(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSearchParams:
+    """`LLM.beam_search`'s parameters, shaped like vLLM's (jvllm.beam_search has the algorithm).
+
+    beam_width: beams kept per prompt (each step asks the engine for 2 * beam_width candidates per
+    beam, so at most MAX_LOGPROBS // 2); max_tokens: steps; ignore_eos: EOS ends no beam;
+    temperature: 0 ranks candidates only by logprob, above 0 each beam's sampled token joins its
+    candidates (as in vLLM); length_penalty: the exponent of the length a beam's cumulative logprob
+    is divided by when beams are ranked; include_stop_str_in_output: a finished beam's text keeps
+    the EOS token's text."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        def bad(field, value, allowed):
+            raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+        w = self.beam_width
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= MAX_LOGPROBS // 2:
+            bad("beam_width", w, f"an integer in [1, {MAX_LOGPROBS // 2}] (2 * beam_width candidates per beam "
+                                 f"are at most {MAX_LOGPROBS} logprobs)")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 1e4:
+            bad("temperature", self.temperature, "in [0, 1e4]")
+        lp = self.length_penalty
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not -1e3 <= lp <= 1e3:
+            bad("length_penalty", lp, "a finite float in [-1000, 1000]")
+        for flag in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, flag), bool):
+                bad(flag, getattr(self, flag), "True or False")

@@ -120,3 +120,20 @@ def test_all_cli_one_engine(tmp_path, shared_engine):
     assert set(d["results"]) == {"throughput", "latency", "prefill"}
     assert d["results"]["throughput"]["output_tokens"] == 9
     assert len(shared_engine) == 1  # every run above used one engine
+
+
+def test_cap_input_len():
+    assert bench.cap_input_len((64, 1024), 256, 2048) == ((64, 1024), None)
+    (lo, hi), note = bench.cap_input_len((64, 1024), 256, 512)
+    assert (lo, hi) == (64, 256) and "capped to 64..256" in note and "max_model_len 512" in note
+    assert bench.cap_input_len((300, 400), 100, 256)[0] == (156, 156)
+    with pytest.raises(ValueError, match="--output-len 512 leaves no room for a prompt: max_model_len is 512"):
+        bench.cap_input_len((64, 1024), 512, 512)
+
+
+def test_throughput_cli_caps_prompts_to_a_short_context(tmp_path, shared_engine, capsys):
+    d = run_cli(tmp_path, "throughput", "--num-prompts", "3", "--input-len", "200,400", "--output-len", "20")
+    r = d["results"]
+    assert r["input_len"] == [200, 236] and r["input_len_asked"] == [200, 400]
+    assert r["output_tokens"] == 60 and r["all_finished_by_length"]
+    assert "W1: prompt lengths 200..400 capped to 200..236" in capsys.readouterr().err

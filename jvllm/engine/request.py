@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+import weakref
 
 from jvllm.outputs import Logprob, RequestMetrics
 from jvllm.sampling_params import SamplingParams
@@ -31,26 +32,56 @@ for _m in Status:
     _m._finished = _m.value >= 3
 
 
+_ADDED_TOKENS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def added_token_texts(tokenizer) -> dict[int, str]:
+    """{token id: text} of the tokenizer's added tokens (special tokens and the like), read once
+    per tokenizer."""
+    texts = _ADDED_TOKENS.get(tokenizer)
+    if texts is None:
+        texts = {int(i): str(getattr(t, "content", t)) for i, t in tokenizer.added_tokens_decoder.items()}
+        _ADDED_TOKENS[tokenizer] = texts
+    return texts
+
+
 class Detokenizer:
     """Incremental detokenization that never emits half a multi-byte character.
 
     Keeps a window [prefix_offset, read_offset) of already-emitted tokens as context (a few prompt
     tokens at the start, so sentencepiece's leading-space rules see the same context as a full
     decode) and emits decode(window + new) minus decode(window), holding back while the decode ends
-    in U+FFFD (an incomplete UTF-8 sequence)."""
+    in U+FFFD (an incomplete UTF-8 sequence).
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    `spaces_between_special_tokens=False` (only meaningful with `skip_special_tokens=False`, as in
+    vLLM): an added token that directly follows another added token is emitted as its bare text,
+    without the space a tokenizer's decoder (WordPiece, for one) puts between tokens. True keeps
+    the tokenizer's own decoding (vLLM's behaviour for fast tokenizers)."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids = list(prompt_ids[-5:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        # added-token texts when the spaces between them are to go, else None (nothing to do)
+        self.added = None
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            self.added = added_token_texts(tokenizer) or None
+        self.last_added = bool(self.ids) and self.added is not None and self.ids[-1] in self.added
 
     def _decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
 
     def step(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self.added is not None:
+            text = self.added.get(token_id)
+            after_added, self.last_added = self.last_added, text is not None
+            if text is not None and after_added and self.read_offset == len(self.ids) - 1:
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                return text
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -86,8 +117,11 @@ class Request:
         self.text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
-        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
-        self.detok = Detokenizer(tokenizer, self.prompt_token_ids, params.skip_special_tokens) if tokenizer else None
+        # prompt logprobs are the prompt's, not a sequence's: of n > 1 siblings only the first
+        # computes them (the others take the prompt's blocks from the prefix cache)
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
+        self.detok = Detokenizer(tokenizer, self.prompt_token_ids, params.skip_special_tokens,
+                                 params.spaces_between_special_tokens) if tokenizer else None
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.sent_text_len = 0  # for DELTA outputs / streaming
@@ -114,6 +148,20 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs are still owed for positions computed from now on."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def max_prefix_hit_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache instead of being computed.
+
+        Always at least one token is computed (its logits give the next token). A position taken
+        from the cache has no logits, so while prompt logprobs are owed a hit may cover only the
+        positions whose entries are already recorded (entry p + 1 comes from position p's logits):
+        none for a new request (vLLM gives such requests no hit), the recorded ones for a request
+        recomputed after preemption."""
+        cap = self.num_tokens - 1
+        if self.needs_prompt_logprobs:
+            cap = min(cap, len(self.prompt_logprobs) - 1)
+        return cap
 
     @property
     def max_tokens(self) -> int:

@@ -161,7 +161,7 @@ class Scheduler:
             if not open_:
                 break
             g = min(open_, key=lambda k: (members[k], -budget[k], k))
-            hits, n_hit = self.kv.get_computed_blocks(req)
+            hits, n_hit = self.kv.get_computed_blocks(req, req.max_prefix_hit_tokens)
             n = min(req.num_tokens - n_hit, budget[g])
             if not self.kv.allocate_slots(req, n, hits):
                 break

@@ -177,12 +177,19 @@ class KVCacheManager:
             hs.append(hash_block(hs[-1] if hs else None, toks[i * bs:(i + 1) * bs]))
         return hs[:upto_blocks]
 
-    def get_computed_blocks(self, req) -> tuple[list[Block], int]:
-        """Longest run of cached full blocks at the start of the request's tokens.
-        At least one token is always left to compute (its logits are needed)."""
+    def get_computed_blocks(self, req, max_tokens: int | None = None) -> tuple[list[Block], int]:
+        """Longest run of cached full blocks at the start of the request's tokens, covering at
+        most `max_tokens` tokens (default: all but the last; at least one token is always left to
+        compute, its logits are needed). A request whose positions must all be computed (prompt
+        logprobs owed) passes its limit (`Request.max_prefix_hit_tokens`)."""
+        if max_tokens is None:
+            max_tokens = len(req.all_token_ids) - 1
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        max_tokens = min(max_tokens, len(req.all_token_ids) - 1)
         if not self.pool.enable_caching:
             return [], 0
-        max_blocks = (len(req.all_token_ids) - 1) // self.block_size
+        max_blocks = max_tokens // self.block_size
         hits = []
         for h in self._hashes(req, max_blocks):
             b = self.pool.lookup(h)

@@ -137,11 +137,11 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        """The content as the chat template takes it (`jvllm.inputs.content_text`, shared with
+        `LLM.chat`: text parts joined with a newline, as vLLM does)."""
+        from jvllm.inputs import content_text
+
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
