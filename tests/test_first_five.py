@@ -164,3 +164,23 @@ def test_ci_runs_both_readme_commands_from_fresh_venvs():
     for target in ("generate", "test"):
         assert f"make {target} PY=" in ci, target
     assert ci.count("-m venv") >= 2
+
+
+def test_progress_bar_without_ipywidgets_is_the_text_bar(monkeypatch):
+    import importlib.util
+    import warnings
+
+    import tqdm.std
+
+    from jvllm import progress
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "ipywidgets" else real(n, *a))
+    progress.bar_class.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a TqdmWarning would fail here
+            b = progress.bar(total=1, disable=True)
+        assert type(b) is tqdm.std.tqdm
+    finally:
+        progress.bar_class.cache_clear()
