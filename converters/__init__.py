@@ -109,7 +109,11 @@ def hf_config_dict(spec: ModelSpec) -> dict:
 def model_config(spec: ModelSpec):
     from jvllm.config import ModelConfig, load_hf_config
 
-    if spec.kind in ("gguf", "random"):
+    if spec.kind == "gguf":  # the dict is complete: no transformers config class (its import pulls torch)
+        from .gguf import model_config_from_dict
+
+        return model_config_from_dict(hf_config_dict(spec))
+    if spec.kind == "random":
         import transformers
 
         d = hf_config_dict(spec)

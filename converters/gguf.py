@@ -99,6 +99,17 @@ def gguf_hf_config(path: str) -> dict:
     return cfg
 
 
+def model_config_from_dict(cfg: dict):
+    """jvllm's ModelConfig from `gguf_hf_config`'s dict, read as attributes: the dict names every
+    field ModelConfig.from_hf_config needs, so no transformers config class is built (importing
+    one imports torch where torch is installed, seconds of start-up)."""
+    import types
+
+    from jvllm.config import ModelConfig
+
+    return ModelConfig.from_hf_config(types.SimpleNamespace(**cfg))
+
+
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k permutation ([n_head*hd, ...] rows)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -103,3 +103,19 @@ def test_bad_files_name_the_problem(tmp_path):
     t = GGUFFile(str(tmp_path / "trunc.gguf"))
     with pytest.raises(CheckpointError, match=r"truncated GGUF file: tensor 't\.\w+' ends at byte \d+, file has \d+"):
         t.tensor_bytes(t.tensors[-1])
+
+
+def test_model_config_without_transformers_classes_is_the_same(smollm2_path, ckpt_dir, tmp_path):
+    """model_config_from_dict (plain attributes) == ModelConfig from transformers' config class."""
+    import transformers
+
+    from jvllm.config import ModelConfig
+    from jvllm.converters.gguf import gguf_hf_config, model_config_from_dict
+    from tests.gguf_util import write_llama_gguf
+
+    tiny = write_llama_gguf(ckpt_dir("llama"), str(tmp_path / "tiny.gguf"))
+    for path in (smollm2_path, tiny):
+        d = gguf_hf_config(path)
+        cls = transformers.CONFIG_MAPPING[d["model_type"]]
+        ref = ModelConfig.from_hf_config(cls(**{k: v for k, v in d.items() if k != "model_type"}))
+        assert model_config_from_dict(d) == ref, path
