@@ -184,3 +184,24 @@ def test_progress_bar_without_ipywidgets_is_the_text_bar(monkeypatch):
         assert type(b) is tqdm.std.tqdm
     finally:
         progress.bar_class.cache_clear()
+
+
+def test_cpu_vs_hf_batch1_case_records_both_engines():
+    """benchmarks/cpu_vs_hf.py's batch-1 case: interleaved runs, best run per engine, ratio and
+    whether the greedy outputs agree (timed functions faked: the figures come from the real run)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import cpu_vs_hf
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    speeds = {"j": iter([10.0, 30.0]), "h": iter([20.0, 15.0])}
+
+    def fake(which, ids):
+        return lambda: (dict(out_tok_s=next(speeds[which]), cpu_util=1.0, load_before=0.0), [ids])
+
+    out = cpu_vs_hf.batch1(fake("j", [1, 2, 3]), fake("h", [1, 2, 4]), repeats=2)
+    assert out["jvllm"]["out_tok_s"] == 30.0 and out["hf"]["out_tok_s"] == 20.0
+    assert out["ratio"] == 1.5 and out["identical"] is False and len(out["hf"]["runs"]) == 2
+    speeds["j"] = iter([5.0])
+    alone = cpu_vs_hf.batch1(fake("j", [1]), None, repeats=1)  # --skip-hf
+    assert alone["jvllm"]["out_tok_s"] == 5.0 and "hf" not in alone and "ratio" not in alone
