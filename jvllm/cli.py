@@ -155,7 +155,7 @@ def cmd_chat(a):
 def cmd_verify(a):
     from jvllm.converters.deps import require_torch
 
-    require_torch("jvllm verify (the transformers reference)")
+    require_torch("jvllm verify")
     import jax
 
     from jvllm.verify import verify
@@ -262,7 +262,8 @@ def main(argv=None):
     try:
         a.func(a)
     except MissingDependencyError as e:  # one line, no traceback: what is missing and how to get it
-        print(f"jvllm {a.cmd}: {e}", file=sys.stderr)
+        msg = str(e)
+        print(msg if msg.startswith("jvllm") else f"jvllm {a.cmd}: {msg}", file=sys.stderr)
         sys.exit(2)
 
 

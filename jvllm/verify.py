@@ -69,7 +69,7 @@ def verify(model: str, prompts=None, atol: float = DEFAULT_ATOL, log=print) -> t
     from jvllm.models import bind
     from jvllm.runner import ModelRunner
 
-    torch = require_torch("jvllm verify (the transformers reference)")
+    torch = require_torch("jvllm verify")
     spec = resolve_model(model)
     t0 = time.perf_counter()
     log(f"jvllm: loading {spec.path} ...")

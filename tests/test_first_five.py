@@ -42,7 +42,7 @@ def test_verify_without_torch_is_one_line():
     r = run_py("from jvllm.cli import main\nmain(['verify', 'smollm2'])\n", timeout=300)
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert lines == [f"jvllm verify: jvllm verify (the transformers reference) {TORCH_LINE}"], r.stderr
+    assert lines == [f"jvllm verify {TORCH_LINE}"], r.stderr
 
 
 def test_torch_checkpoint_without_torch_names_the_file(tmp_path, monkeypatch):
