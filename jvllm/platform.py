@@ -13,6 +13,7 @@ import importlib.metadata
 import importlib.util
 import os
 import pkgutil
+import sys
 
 
 def accelerator_plugins() -> tuple[str, ...]:
@@ -37,11 +38,14 @@ def accelerator_plugins() -> tuple[str, ...]:
 
 
 def cpu_only_default() -> bool:
-    """Set JAX_PLATFORMS=cpu when the user set no JAX_PLATFORMS and no accelerator plugin is
-    installed; returns whether it did. Only effective before JAX initializes its backends."""
+    """Set JAX_PLATFORMS=cpu (and jax's `jax_platforms` option, if jax is imported already) when
+    the user set no JAX_PLATFORMS and no accelerator plugin is installed; returns whether it did.
+    Only effective before JAX initializes its backends (the first jax.devices() or computation)."""
     if os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME"):
         return False
     if accelerator_plugins():
         return False
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes, and for jax when it is imported later
+    if "jax" in sys.modules:  # jax reads the variable at import: tell its config too
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
     return True

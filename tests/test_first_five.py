@@ -73,6 +73,24 @@ def test_cpu_only_install_defaults_to_cpu(monkeypatch):
     assert platform.cpu_only_default() and os.environ["JAX_PLATFORMS"] == "cpu"
 
 
+def test_no_tpu_probe_line_after_jvllm_is_imported():
+    """The CLI's order: jvllm (and so jax) imported, then cpu_only_default(), then the backends."""
+    from jvllm.platform import accelerator_plugins
+
+    if accelerator_plugins():
+        pytest.skip(f"accelerator plugins installed: {accelerator_plugins()}")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME")}
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "import jvllm.cli, jax\n"
+            "from jvllm.platform import cpu_only_default\n"
+            "assert cpu_only_default()\n"
+            "print(jax.devices()[0].platform)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "cpu"
+    assert "Unable to initialize backend" not in r.stderr, r.stderr[-2000:]
+
+
 def test_gpu_plugin_or_user_choice_is_left_alone(monkeypatch):
     from jvllm import platform
 
