@@ -39,10 +39,13 @@ _GGUF_RX = [(re.compile(p + r"\Z"), t) for p, t in _GGUF_TO_HF]
 
 
 def _reader(path: str):
+    from .deps import MissingDependencyError
+
     try:
         import gguf  # noqa: F401  (type tables and dequantization kernels)
     except ImportError:
-        raise ImportError("reading GGUF files needs the gguf package: pip install 'jvllm[gguf]'") from None
+        raise MissingDependencyError(f"reading the GGUF file {path} needs the gguf package: "
+                                     f"pip install 'jvllm[gguf]'") from None
     from .gguf_file import GGUFFile
 
     return GGUFFile(path)

@@ -223,3 +223,12 @@ def test_cpu_vs_hf_batch1_case_records_both_engines():
     speeds["j"] = iter([5.0])
     alone = cpu_vs_hf.batch1(fake("j", [1]), None, repeats=1)  # --skip-hf
     assert alone["jvllm"]["out_tok_s"] == 5.0 and "hf" not in alone and "ratio" not in alone
+
+
+def test_gguf_without_the_gguf_package_is_one_line(smollm2_path, monkeypatch):
+    from jvllm.converters.deps import MissingDependencyError
+    from jvllm.converters.gguf import gguf_hf_config
+
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(MissingDependencyError, match=r"needs the gguf package: pip install 'jvllm\[gguf\]'$"):
+        gguf_hf_config(smollm2_path)
