@@ -119,3 +119,21 @@ def test_model_config_without_transformers_classes_is_the_same(smollm2_path, ckp
         cls = transformers.CONFIG_MAPPING[d["model_type"]]
         ref = ModelConfig.from_hf_config(cls(**{k: v for k, v in d.items() if k != "model_type"}))
         assert model_config_from_dict(d) == ref, path
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_model_config_without_transformers_classes_qwen(smollm2_path, arch):
+    """The same equality for the other GGUF architectures (their HF config classes bring their own
+    defaults, e.g. Qwen2's sliding window): the dict as gguf_hf_config builds it for `arch`."""
+    import transformers
+
+    from jvllm.config import ModelConfig
+    from jvllm.converters.gguf import gguf_hf_config, model_config_from_dict
+
+    d = dict(gguf_hf_config(smollm2_path), model_type=arch,
+             architectures=[{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]])
+    if arch == "qwen2":
+        d["attention_bias"] = True
+    cls = transformers.CONFIG_MAPPING[arch]
+    ref = ModelConfig.from_hf_config(cls(**{k: v for k, v in d.items() if k != "model_type"}))
+    assert model_config_from_dict(d) == ref
