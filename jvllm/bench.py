@@ -108,7 +108,7 @@ def device_info() -> dict:
 
 
 def _jnp_dtype(name: str):
-    from jvllm.engine.engine import resolve_dtype
+    from jvllm.worker.worker import resolve_dtype
 
     return resolve_dtype(name)
 
@@ -184,17 +184,17 @@ def param_stats(llm) -> dict:
 
 
 def kv_bytes_per_token(llm) -> int:
-    import jax.numpy as jnp
+    from jvllm.memory.kv_cache import bytes_per_block
 
     e = llm.llm_engine
-    mc = e.model_config
-    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * jnp.dtype(e.dtype).itemsize
+    return bytes_per_block(e.model_config, e.dtype, 1)  # every layer, every KV head
 
 
 def _prog_name(kind, key) -> str:
     if kind == "sample" and isinstance(key, tuple) and len(key) == 2:
-        tag = {True: ",extras", False: "", "greedy": ",greedy"}[key[1]]
-        return f"sample[R={key[0]}{tag}]"
+        return f"sample[R={key[0]}{',extras' if key[1] else ''}]"
+    if kind == "greedy":
+        return f"sample[R={key},greedy]"
     if kind == "step" and isinstance(key, tuple) and len(key) == 3:  # (pipeline stage, T, decode-only)
         return f"step[stage={key[0]},T={key[1]}{',decode' if key[2] else ''}]"
     return f"{kind}[T={key}]" if isinstance(key, int) else f"{kind}{list(key) if isinstance(key, tuple) else [key]}"
@@ -214,11 +214,12 @@ def fusion_ops(exe) -> int | None:
 def xla_report(llm) -> dict:
     """jvllm.compile.program_report for every compiled program (plus `fusion_ops`, counted here from
     the HLO text by op rather than by name), and per-kind maxima."""
-    from jvllm.compile import program_report
+    from jvllm.compilation import program_report
 
     progs, summary = {}, {}
     t0 = time.perf_counter()
-    for (kind, key), exe in sorted(llm.llm_engine.runner._compiled.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+    e0 = getattr(llm.llm_engine, "replicas", [llm.llm_engine])[0]
+    for (kind, key), exe in sorted(e0.worker.compiled_programs().items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         rep = program_report(exe)
         rep["fusion_ops"] = fusion_ops(exe)
         progs[_prog_name(kind, key)] = rep
@@ -242,7 +243,10 @@ def build_llm(model: str, engine_kwargs: dict):
     construct = time.perf_counter() - t0
     e = llm.llm_engine
     e0 = getattr(e, "replicas", [e])[0]  # data parallel: replica 0's split
+    t1 = time.perf_counter()
+    background = e.wait_for_warmup()  # nothing is timed, nor compiles counted, before every program is in
     return llm, dict(construct_s=construct, init_s=e.init_seconds, load_s=e.load_seconds, warmup_compile_s=e.warmup_seconds,
+                     warmup_background_s=background, warmup_wait_s=time.perf_counter() - t1,
                      init_parts=dict(getattr(e0, "init_parts", {})))
 
 
@@ -300,7 +304,7 @@ def _pct(xs, q):
 
 def run_throughput(llm, num_prompts: int = 256, input_len=W1_INPUT_LEN, output_len: int = 256,
                    warmup_requests: int = 4) -> dict:
-    from jvllm.compile import compile_count
+    from jvllm.compilation import compile_count
 
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = [{"prompt_token_ids": p} for p in w1_prompts(num_prompts, input_len, vocab)]
@@ -554,7 +558,7 @@ def memory_report(llm) -> dict:
     import jax
     import numpy as np
 
-    from jvllm.engine.engine import device_memory_stats
+    from jvllm.memory.sizing import device_memory_stats
 
     eng = getattr(llm.llm_engine, "replicas", [llm.llm_engine])[0]
     stats = device_memory_stats() or {}

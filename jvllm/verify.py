@@ -64,7 +64,7 @@ def verify(model: str, prompts=None, atol: float = DEFAULT_ATOL, log=print) -> t
     from jvllm.config import cdiv
     from jvllm.converters import load_checkpoint, load_tokenizer, resolve_model
     from jvllm.models import bind
-    from jvllm.runner import ModelRunner
+    from jvllm.worker.model_runner import ModelRunner
 
     spec = resolve_model(model)
     t0 = time.perf_counter()
