@@ -16,7 +16,7 @@ from jvllm.config import cdiv
 from jvllm.ops.attention import AttentionMetadata, build_metadata
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class PreparedStep:
     T: int                   # token bucket
     R: int                   # request bucket

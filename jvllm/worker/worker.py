@@ -98,10 +98,6 @@ class Worker:
         self.init_parts["build_stages_s"] = time.perf_counter() - t
         return tokenizer, ckpt.load_seconds
 
-    @property
-    def num_stages(self) -> int:
-        return self.config.pipeline_parallel_size
-
     def _layout(self, config, devices) -> dict:
         """Mesh, stage meshes and per-parameter shardings for TP x PP (None when on one device)."""
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
