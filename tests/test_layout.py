@@ -29,7 +29,7 @@ def _counting_kind(name, calls, body):
         calls.append(key)
         return Signature(jax.jit(body), (jax.ShapeDtypeStruct((key,), np.float32),), tuple(jax.devices()[:1]))
 
-    return register(ProgramKind(name, sig, lambda ctx: [4, 8]))
+    return register(ProgramKind(name, sig, lambda ctx: [4, 8], family="test"))
 
 
 def test_registry_compiles_each_key_once_across_threads():
@@ -37,7 +37,7 @@ def test_registry_compiles_each_key_once_across_threads():
 
     calls = []
     _counting_kind("test_double", calls, lambda x: x * 2)
-    progs = Programs(object(), ["test_double"])
+    progs = Programs(object(), family="test")
     assert progs.keys() == [("test_double", 4), ("test_double", 8)]
     barrier = threading.Barrier(4)
     got = []
@@ -56,8 +56,8 @@ def test_registry_compiles_each_key_once_across_threads():
     h.wait(60)
     assert h.done() and calls == [4, 8] and h.compile_count_at_end is not None
     np.testing.assert_array_equal(np.asarray(progs.get("test_double", 8)(np.ones(8, np.float32))), 2 * np.ones(8))
-    with pytest.raises(KeyError, match="unknown program kind 'nope'"):
-        Programs(object(), ["nope"])
+    with pytest.raises(KeyError, match="no program kind of family 'nope' is registered"):
+        Programs(object(), family="nope")
 
 
 def test_executable_key_tells_models_with_equal_inputs_apart(ckpt_dir):
@@ -82,3 +82,28 @@ def test_executable_key_tells_models_with_equal_inputs_apart(ckpt_dir):
                         max_model_len=32, max_num_seqs=2, token_buckets=(8,))
         keys.append(r.programs.cache_key("step", (0, 8, False)))
     assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_background_warmup_compiles_the_first_request_programs_first(ckpt_dir):
+    """LLM(...) returns with the programs a first request needs compiled (smallest decode step, a
+    mid prefill step, their greedy samplers); the rest compile in the background, and after
+    wait_for_warmup every program is in and serving compiles nothing."""
+    from jvllm import LLM, SamplingParams
+
+    llm = LLM(ckpt_dir("llama"), dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
+              token_buckets=(8, 16, 32), use_tqdm_on_load=False)
+    try:
+        eng = llm.llm_engine
+        first, rest = eng.runner.warmup_keys()
+        assert set(first) == {("step", (0, 8, True)), ("step", (0, 16, False)), ("greedy", 8)}, first
+        assert set(first) <= set(eng.worker.compiled_programs())
+        assert rest and not set(first) & set(rest)
+        eng.wait_for_warmup()
+        assert set(eng.worker.compiled_programs()) == set(first) | set(rest) == set(eng.runner.programs.keys())
+        st0 = llm.get_stats()
+        assert not st0["warmup_pending"] and st0["compiles_after_warmup"] == 0
+        llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (3, 20)],
+                     SamplingParams(max_tokens=5, temperature=0.8, seed=1, logprobs=1), use_tqdm=False)
+        assert llm.get_stats()["compiles_after_warmup"] == 0
+    finally:
+        llm.shutdown()

@@ -8,6 +8,9 @@ A `ProgramKind` says, for a runner (its `ctx`) and a key (a bucket, a stage, a v
   keys(ctx) -> list                  every key this runner needs compiled before serving
   owned(ctx, key) -> bool            whether this process compiles and runs it (stages over
                                      processes: a stage's programs live in its own process)
+  family                             which owner's programs it is ("model_runner"): a `Programs`
+                                     takes every kind of its family, so a new kind is one
+                                     registration in a module its owner imports
 
 `Programs.get` compiles on demand (through jvllm's executable cache where it is on) and is
 thread-safe: one lock per key, so two threads asking for one key compile it once and a thread
@@ -43,6 +46,7 @@ class ProgramKind:
     signature: Callable[[Any, Any], Signature]
     keys: Callable[[Any], list]
     owned: Callable[[Any, Any], bool] = lambda ctx, key: True
+    family: str = "model_runner"
 
 
 KINDS: dict[str, ProgramKind] = {}
@@ -95,13 +99,14 @@ class WarmUp:
 
 
 class Programs:
-    """The compiled programs of one runner (`ctx`), by (kind, key)."""
+    """The compiled programs of one owner (`ctx`), by (kind, key): every registered kind of `family`."""
 
-    def __init__(self, ctx, kinds: list[str]):
-        for n in kinds:
-            kind(n)  # unknown names fail here, at construction
+    def __init__(self, ctx, family: str = "model_runner"):
         self.ctx = ctx
-        self.kinds = tuple(kinds)
+        self.kinds = tuple(n for n, k in KINDS.items() if k.family == family)
+        if not self.kinds:
+            raise KeyError(f"no program kind of family {family!r} is registered; families: "
+                           f"{sorted({k.family for k in KINDS.values()})}")
         self._compiled: dict = {}
         self._locks: dict = {}
         self._lock = threading.Lock()

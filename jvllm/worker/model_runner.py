@@ -80,9 +80,8 @@ class ModelRunner:
         self.no_prev = put(z, first.sharding()) if first.sharding() is not None else jnp.asarray(z)
         self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0)
         self.jit_cache: dict = {}
-        self.executor = make_executor(self)  # imports (registers) the executor's own program kinds
-        kinds = programs.KINDS + (("hop", "swap") if self.multiprocess else ())
-        self.programs = Programs(self, list(kinds))
+        self.executor = make_executor(self)
+        self.programs = Programs(self)  # every kind registered by worker/programs.py and executors/
 
     # ------------------------------------------------------------------ facts
     @property

@@ -21,6 +21,7 @@ XLA program at serving time (the compile counter catches that in tests).
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -67,24 +68,30 @@ def prompt_lp_body(w, h, targets, *, tied):
     return logprob_outputs(logits(w, h, tied), targets)
 
 
-def cached_jit(ctx, k, build):
-    """The jitted fn `build()` under key `k`, built once per runner (the same object for AOT
-    lowering and for direct calls)."""
+_cache_lock = threading.Lock()
+
+
+def cached(ctx, k, build):
+    """`build()` (a jitted fn, a mesh) under key `k`, built once per runner: the same jitted object
+    serves AOT lowering and direct calls (the background warm-up thread asks too)."""
     fn = ctx.jit_cache.get(k)
     if fn is None:
-        fn = ctx.jit_cache[k] = build()
+        with _cache_lock:
+            fn = ctx.jit_cache.get(k)
+            if fn is None:
+                fn = ctx.jit_cache[k] = build()
     return fn
 
 
 def step_fn(ctx, s: int, decode: bool):
     st = ctx.stages[s]
-    return cached_jit(ctx, ("step", s, decode), lambda: jax.jit(functools.partial(
+    return cached(ctx, ("step", s, decode), lambda: jax.jit(functools.partial(
         step_body, ctx.layout, st.graphdef, st.treedef, st.first, st.last, ctx.attention_modes[decode], st.mesh,
         decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T",)))
 
 
 def logits_fn(ctx):
-    return cached_jit(ctx, "logits", lambda: jax.jit(functools.partial(logits, tied=ctx.cfg.tie_word_embeddings)))
+    return cached(ctx, "logits", lambda: jax.jit(functools.partial(logits, tied=ctx.cfg.tie_word_embeddings)))
 
 
 def _sds(shape, dtype, sharding=None):
@@ -133,7 +140,7 @@ def _sample_signature(ctx, key) -> Signature:
     sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, extras, shard)
     # GPUs: no lax.cond in the sampler (a cond's predicate goes to the host and blocks the
     # dispatcher); elsewhere conds skip the unneeded work
-    fn = cached_jit(ctx, "sample", lambda: jax.jit(functools.partial(
+    fn = cached(ctx, "sample", lambda: jax.jit(functools.partial(
         sample_body, tied=ctx.cfg.tie_word_embeddings, branchless=ctx.platform == "gpu", max_num_seqs=ctx.max_num_seqs)))
     return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb, ex),
                      tuple(last.devices()))
@@ -141,7 +148,7 @@ def _sample_signature(ctx, key) -> Signature:
 
 def _greedy_signature(ctx, R) -> Signature:
     last = ctx.stages[-1]
-    fn = cached_jit(ctx, "greedy", lambda: jax.jit(functools.partial(
+    fn = cached(ctx, "greedy", lambda: jax.jit(functools.partial(
         greedy_body, tied=ctx.cfg.tie_word_embeddings, max_num_seqs=ctx.max_num_seqs)))
     return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, last.sharding())),
                      tuple(last.devices()))
@@ -150,7 +157,7 @@ def _greedy_signature(ctx, R) -> Signature:
 def _prompt_lp_signature(ctx, T) -> Signature:
     last = ctx.stages[-1]
     shard = last.sharding()
-    fn = cached_jit(ctx, "prompt_lp", lambda: jax.jit(functools.partial(prompt_lp_body, tied=ctx.cfg.tie_word_embeddings)))
+    fn = cached(ctx, "prompt_lp", lambda: jax.jit(functools.partial(prompt_lp_body, tied=ctx.cfg.tie_word_embeddings)))
     return Signature(fn, (_like(ctx.head_w), _sds((T, ctx.cfg.hidden_size), ctx.dtype, shard),
                                                 _sds((T,), jnp.int32, shard)), tuple(last.devices()))
 
@@ -161,5 +168,3 @@ register(ProgramKind("greedy", _greedy_signature, _request_buckets, owned=_last_
 # prompt logprobs are refused with stages over processes (only the sampled ids cross)
 register(ProgramKind("prompt_lp", _prompt_lp_signature,
                      lambda ctx: [] if ctx.multiprocess else list(ctx.layout.token_buckets), owned=_last_owned))
-
-KINDS = ("step", "greedy", "sample", "prompt_lp")

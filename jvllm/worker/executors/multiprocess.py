@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jvllm.compilation.registry import ProgramKind, Signature, register
 from jvllm.worker.executors.base import Executor, MicrobatchResult, Pending, Work
-from jvllm.worker.programs import cached_jit
+from jvllm.worker.programs import cached
 
 HOP = PartitionSpec("hop")
 
@@ -35,13 +35,13 @@ def hop_mesh(ctx, src: int, dst: int) -> Mesh:
                          np.asarray(ctx.stages[dst].mesh.devices).reshape(-1)])
         return Mesh(devs, ("hop", "tensor"))
 
-    return cached_jit(ctx, ("hop_mesh", src, dst), build)
+    return cached(ctx, ("hop_mesh", src, dst), build)
 
 
 def _hop_signature(ctx, key) -> Signature:
     src, dst, shape, dtype = key
     mesh2 = hop_mesh(ctx, src, dst)
-    fn = cached_jit(ctx, ("hop", src, dst), lambda: jax.jit(jax.shard_map(
+    fn = cached(ctx, ("hop", src, dst), lambda: jax.jit(jax.shard_map(
         lambda a: jax.lax.ppermute(a, "hop", [(0, 1)]), mesh=mesh2, in_specs=HOP, out_specs=HOP)))
     arg = jax.ShapeDtypeStruct((2 * shape[0], *shape[1:]), jnp.dtype(dtype), sharding=NamedSharding(mesh2, HOP))
     return Signature(fn, (arg,), tuple(mesh2.devices.flat))
@@ -52,7 +52,7 @@ def _swap_signature(ctx, key) -> Signature:
     stage 1's sampled ids to stage 0 (each hop launch costs the host an execute call)."""
     shape, dtype = key
     mesh2 = hop_mesh(ctx, 0, 1)
-    fn = cached_jit(ctx, "swap", lambda: jax.jit(jax.shard_map(
+    fn = cached(ctx, "swap", lambda: jax.jit(jax.shard_map(
         lambda h, ids: (jax.lax.ppermute(h, "hop", [(0, 1)]), jax.lax.ppermute(ids, "hop", [(1, 0)])),
         mesh=mesh2, in_specs=(HOP, HOP), out_specs=(HOP, HOP))))
     hop = NamedSharding(mesh2, HOP)
@@ -62,6 +62,9 @@ def _swap_signature(ctx, key) -> Signature:
 
 
 def _hop_keys(ctx) -> list:
+    """Hops exist only with stages over processes (in one process stage outputs move by device_put)."""
+    if not ctx.multiprocess:
+        return []
     n, hidden = len(ctx.stages), (ctx.cfg.hidden_size,)
     out = [(s - 1, s, (T, *hidden), str(ctx.dtype)) for T in ctx.layout.token_buckets for s in range(1, n)]
     return out + [(n - 1, 0, (ctx.max_num_seqs,), "int32")]  # sampled ids -> first stage
@@ -70,9 +73,8 @@ def _hop_keys(ctx) -> list:
 register(ProgramKind("hop", _hop_signature, _hop_keys, owned=lambda ctx, key: ctx.local(key[0]) or ctx.local(key[1])))
 register(ProgramKind("swap", _swap_signature,
                      lambda ctx: [((T, ctx.cfg.hidden_size), str(ctx.dtype)) for T in ctx.layout.token_buckets]
-                     if len(ctx.stages) == 2 else [],
+                     if ctx.multiprocess and len(ctx.stages) == 2 else [],
                      owned=lambda ctx, key: ctx.local(0) or ctx.local(1)))
-KINDS = ("hop", "swap")
 
 
 @dataclasses.dataclass
