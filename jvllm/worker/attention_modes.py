@@ -1,6 +1,6 @@
 """attention_backend -> the attention mode of each step variant (see LlamaForCausalLM.__call__):
 (decode-only steps, mixed / prefill steps). "auto" is "ragged" on GPUs (jvllm's ragged kernel,
-the fastest measured there; see benchmarks/README.md) and "xla" elsewhere."""
+the fastest measured there: README.md, "Measured so far") and "xla" elsewhere."""
 from __future__ import annotations
 
 ATTENTION_MODES = {"xla": ("xla", "xla"), "pallas": ("pallas", "ragged"), "pallas_decode": ("pallas", "xla"),
