@@ -18,14 +18,18 @@ asking for another key does not wait. `warm_up(keys, background=True)` compiles 
 thread and returns a `WarmUp` handle (`wait()`, `done()`); serving meanwhile compiles what it needs
 first on demand (or waits for the key the warm-up thread is compiling).
 
-Hazard: every process of a multi-process run must compile the same programs (on GPUs XLA shares
-autotuning between them); callers warm up in the foreground there.
+Hazards: every process of a multi-process run must compile the same programs (on GPUs XLA shares
+autotuning between them); callers warm up in the foreground there. A process must not exit while
+the warm-up thread is inside XLA (the runtime aborts): an atexit hook cancels every warm-up still
+running and waits for the program it is compiling.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from jvllm.compilation import executable_cache
@@ -96,6 +100,17 @@ class WarmUp:
         self.seconds = time.perf_counter() - t0
         self.compile_count_at_end = compile_count()
         self._event.set()
+
+
+_running: "weakref.WeakSet[WarmUp]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_warmups():
+    for h in list(_running):
+        h.cancel()
+    for h in list(_running):
+        h._event.wait(120)
 
 
 class Programs:
@@ -177,6 +192,7 @@ class Programs:
                 handle._finish(t0)
 
         if background:
+            _running.add(handle)
             threading.Thread(target=run, name="jvllm-warmup", daemon=True).start()
         else:
             run()
