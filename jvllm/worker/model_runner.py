@@ -3,7 +3,7 @@ stage executor, and brings the sampled ids (and logprobs) back.
 
 `dispatch(scheduled, prev)` prepares every micro-batch's host inputs (`inputs.InputLayout`,
 `sampler`), then has the executor (`executors/`, chosen once here) launch them; it returns a
-`StepHandle` for `collect`. Programs come from the registry (`self.programs.get(kind, key)`),
+`DispatchedStep` for `collect`. Programs come from the registry (`self.programs.get(kind, key)`),
 compiled at warm-up or on demand.
 
 Parallelism: the runner holds one or more pipeline stages (`stage.Stage`), each a model slice with
@@ -43,7 +43,7 @@ class StepResult:
 
 
 @dataclasses.dataclass
-class StepHandle:
+class DispatchedStep:
     """A dispatched step: its number of rows and one Pending per micro-batch."""
     num_rows: int
     pending: list[Pending]
@@ -135,7 +135,7 @@ class ModelRunner:
         self.executor.release()
 
     # ------------------------------------------------------------------ execute
-    def dispatch(self, scheduled, prev: StepHandle | None = None) -> StepHandle:
+    def dispatch(self, scheduled, prev: DispatchedStep | None = None) -> DispatchedStep:
         """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`.
         `prev`: the handle of the step still in flight whose sampled ids some of these requests
         need as input (async scheduling), else None. Each micro-batch takes its pending tokens from
@@ -166,9 +166,9 @@ class ModelRunner:
                 tok_in = self.no_prev
             work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy))
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
-        return StepHandle(len(scheduled), [self.executor.launch(w) for w in work])
+        return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
 
-    def collect(self, handle: StepHandle) -> StepResult:
+    def collect(self, handle: DispatchedStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled ids (and logprobs) to the host."""
         n = handle.num_rows
         token_ids = np.zeros(n, np.int32)
