@@ -86,12 +86,23 @@ def tokenizer_from_gguf(r):
     return tokenizer_class(arch)(tokenizer_object=backend, **cfg, **extra)
 
 
+# GGUF architecture -> (module, class) of the tokenizer AutoTokenizer picks for its model type,
+# where that is not the generic PreTrainedTokenizerFast. Named directly: importing transformers'
+# auto-tokenizer tables imports its configuration code and, where installed, torch (seconds).
+_TOKENIZER_CLASSES = {
+    **{a: ("transformers.models.gemma.tokenization_gemma", "GemmaTokenizer") for a in ("gemma", "gemma2", "gemma3")},
+    **{a: ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer")
+       for a in ("qwen2", "qwen3", "qwen2moe", "qwen3moe")},
+}
+
+
 def tokenizer_class(arch: str):
     """The tokenizer class AutoTokenizer picks for this architecture's model type (GemmaTokenizer
-    for gemma3, which also names `<mask>`), else the generic PreTrainedTokenizerFast."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    for gemma3, which also names `<mask>`; Qwen2Tokenizer for Qwen), else the generic
+    PreTrainedTokenizerFast (tests/test_gguf_tokenizer.py checks the table against AutoTokenizer's)."""
+    import importlib
 
-    name = TOKENIZER_MAPPING_NAMES.get(_MODEL_TYPE.get(arch, arch))
-    cls = tokenizer_class_from_name(name) if isinstance(name, str) else None
-    return cls or PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    where = _TOKENIZER_CLASSES.get(arch)
+    return getattr(importlib.import_module(where[0]), where[1]) if where else PreTrainedTokenizerFast

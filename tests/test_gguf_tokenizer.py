@@ -152,3 +152,23 @@ def test_no_tokenizer_metadata_gives_none(tmp_path):
     w.write_tensors_to_file()
     w.close()
     assert gguf_tokenizer(path) is None
+
+
+def test_tokenizer_class_table_matches_autotokenizer():
+    """jvllm names the tokenizer class per GGUF architecture itself (importing AutoTokenizer's
+    tables imports torch where installed); the table must agree with AutoTokenizer's choice."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    from transformers import PreTrainedTokenizerFast
+
+    from jvllm.converters.gguf_tokenizer import _MODEL_TYPE, tokenizer_class
+
+    for arch in ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "mistral", "phi3"):
+        model_type = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(arch, _MODEL_TYPE.get(arch, arch))
+        name = TOKENIZER_MAPPING_NAMES.get(model_type)
+        want = tokenizer_class_from_name(name) if isinstance(name, str) else None
+        got = tokenizer_class(arch)
+        if want is None or want is PreTrainedTokenizerFast or want.__name__ == "LlamaTokenizer":
+            assert got is PreTrainedTokenizerFast, (arch, got)
+        else:
+            assert got is want, (arch, got, want)

@@ -114,15 +114,26 @@ class ModelRunner:
         return self.stages[0].state
 
     def warmup_keys(self) -> tuple[list, list]:
-        """(the programs a first request needs: the smallest decode step, a mid prefill step and
-        their greedy samplers; every other program), this process's only."""
+        """(the programs every request needs: the smallest decode step and its greedy sampler;
+        every other program, in the order a new workload meets them: each token bucket's prefill
+        step and greedy sampler from the smallest bucket up, then the rest), this process's only.
+        A request whose program is not compiled yet compiles it on demand (or waits for the
+        warm-up thread if that is compiling it)."""
         keys = self.programs.keys()
         b = self.layout.token_buckets
         t_dec = min((T for T in b if self.layout.has_decode_variant(T)), default=b[0])
-        t_mid = b[len(b) // 2]
-        first = [k for k in keys if (k[0] == "step" and k[1][1:] in ((t_dec, True), (t_mid, False)))
-                 or (k[0] == "greedy" and k[1] in (self.layout.seq_bucket(t_dec), self.layout.seq_bucket(t_mid)))]
-        return first, [k for k in keys if k not in first]
+        first = [k for k in keys if (k[0] == "step" and k[1][1:] == (t_dec, True))
+                 or (k[0] == "greedy" and k[1] == self.layout.seq_bucket(t_dec))]
+
+        def order(k):
+            kind, key = k
+            if kind == "step" and key[2] is False:
+                return (0, key[1], 0)
+            if kind == "greedy":
+                return (0, key, 1)
+            return (1, 0, 0)
+
+        return first, sorted((k for k in keys if k not in first), key=order)
 
     def release(self):
         """Drop device buffers (weights and KV pools) so their memory returns at once."""

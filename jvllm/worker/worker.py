@@ -58,15 +58,19 @@ class Worker:
             compilation.enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.devices = devices
+        self.init_parts: dict = {}  # start-up seconds by phase (the bench reports them)
+        t = time.perf_counter()
+        self.on_accelerator = on_accelerator()  # the first backend call: initializes the device(s)
+        self.process_count = jax.process_count()
+        self.init_parts["backend_init_s"] = time.perf_counter() - t
+        t = time.perf_counter()
         self.spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
         self.model_config: ModelConfig = model_config(self.spec)
-        self.on_accelerator = on_accelerator()
-        self.process_count = jax.process_count()
+        self.init_parts["model_config_s"] = time.perf_counter() - t
         self.runner = None
         self.mesh = None
         self._stages = self._head_w = None
-        self.init_parts: dict = {}
 
     # ------------------------------------------------------------------ loading
     def load(self):
@@ -88,11 +92,14 @@ class Worker:
                 f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB; gpu_memory_utilization {config.gpu_memory_utilization}): "
                 f"free memory on the device, raise gpu_memory_utilization, or shard the model "
                 f"(tensor_parallel_size / pipeline_parallel_size)") from e
+        self.init_parts["weights_s"] = ckpt.load_seconds
+        t = time.perf_counter()
         tokenizer = None
         if config.skip_tokenizer_init is not True:
             tokenizer = load_tokenizer(self.spec)
             if tokenizer is None and config.skip_tokenizer_init is False:
                 raise ValueError(f"model {config.model!r} ships no tokenizer files; pass skip_tokenizer_init=True")
+        self.init_parts["tokenizer_s"] = time.perf_counter() - t
         t = time.perf_counter()
         self._stages, self._head_w = self._build_stages(layout, ckpt.params)
         self.init_parts["build_stages_s"] = time.perf_counter() - t
