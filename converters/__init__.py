@@ -190,7 +190,10 @@ def load_checkpoint(spec: ModelSpec | str, dtype="float32",
 
         stream = hf_tensor_stream(spec.path)
     np_dtype = np.float32 if jdtype == jnp.float32 else (np.float16 if jdtype == jnp.float16 else jdtype)
-    params = convert_tensors(specs, stream, np_dtype, put, tied_embeddings=cfg.tie_word_embeddings)
+    from jvllm.models.registry import family_of
+
+    params = convert_tensors(specs, stream, np_dtype, put, tied_embeddings=cfg.tie_word_embeddings,
+                             name_map=family_of(cfg.architecture).name_map)
     jax.block_until_ready(list(params.values()))
     return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
 

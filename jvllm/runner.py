@@ -39,6 +39,7 @@ from flax import nnx
 
 from jvllm import compile as jcompile
 from jvllm.config import ModelConfig, cdiv
+from jvllm.models.layers import lm_logits
 from jvllm.ops.attention import AttentionMetadata, build_metadata, tensor_parallel_mesh
 from jvllm.sampling import NUM_TOP_LOGPROBS, SamplingBatch, SamplingExtras, logprob_outputs, sample
 
@@ -317,9 +318,8 @@ class ModelRunner:
             return kv, h[md.logits_indices], h
         return kv, h
 
-    @staticmethod
-    def _logits(w, h, tied):
-        return jnp.dot(h, w.T if tied else w, preferred_element_type=jnp.float32)
+    def _logits(self, w, h, tied):
+        return lm_logits(w, h, tied, self.cfg.final_logit_softcap)
 
     def _sample_impl(self, w, h, sb, ex, *, tied):
         # GPUs: no lax.cond in the sampler (XLA copies a cond's predicate to the host and blocks,

@@ -258,3 +258,12 @@ class MLP(nnx.Module):
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
         y = (act * u) @ self.down_proj[...]
         return y + self.down_bias[...] if self.has_bias else y
+
+
+def lm_logits(w, h, tied: bool, softcap: float | None = None):
+    """float32 logits [.., vocab] of hidden states h [.., embed] through the LM head `w`
+    ([embed, vocab], or the embedding [vocab, embed] when `tied`); `softcap` (Gemma 2's final-logit
+    soft-cap) maps z -> softcap * tanh(z / softcap). The one place logits are computed: samplers,
+    greedy, prompt logprobs and `sequence_logits` all call it."""
+    z = jnp.dot(h, w.T if tied else w, preferred_element_type=jnp.float32)
+    return z if softcap is None else softcap * jnp.tanh(z / softcap)

@@ -48,13 +48,15 @@ class LlamaForCausalLM(nnx.Module):
     and the final norm (+ untied LM head) when end == num_layers. A stage's input is token ids if
     it is the first, else the previous stage's hidden states."""
 
+    layer_cls = DecoderLayer  # a family with another decoder layer subclasses and replaces this
+
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, layers: tuple[int, int] | None = None):
         start, end = layers or (0, cfg.num_layers)
         self.config = cfg
         self.first, self.last = start == 0, end == cfg.num_layers
         if self.first:
             self.embed = declare((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = _List([DecoderLayer(cfg, i, dtype) for i in range(start, end)])
+        self.layers = _List([self.layer_cls(cfg, i, dtype) for i in range(start, end)])
         if self.last:
             self.norm = norm(cfg, cfg.hidden_size, dtype)
             if not cfg.tie_word_embeddings:
@@ -69,6 +71,8 @@ class LlamaForCausalLM(nnx.Module):
         in interpret mode (CPU tests)."""
         if self.first:
             x = self.embed[...][x]
+            if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the model dtype, as transformers
+                x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
         new_kv = []
         for layer, layer_kv in zip(self.layers, kv):
             x, layer_kv = layer(x, layer_kv, md, kv_chunk_blocks, attention)
