@@ -27,7 +27,7 @@ ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict()),
     # soft-caps small enough to bite on these random weights; query_pre_attn_scalar != head_dim
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=0.05, final_logit_softcapping=0.1,
+        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=0.05, final_logit_softcapping=1.0,
         tie_word_embeddings=True)),
     # head_dim 256 as the real ones; sliding / global / sliding with the global layers' linear scaling
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
