@@ -16,7 +16,7 @@ def _logits(cfg, params, ids):
     import jax.numpy as jnp
 
     from jvllm.models import bind
-    from jvllm.runner import ModelRunner
+    from jvllm.worker.model_runner import ModelRunner
 
     g, s = bind(cfg, params)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
