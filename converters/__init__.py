@@ -42,6 +42,13 @@ RANDOM_PRESETS = {
                                 max_position_embeddings=8192),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048),
+    # google/gemma-3-4b-pt's text decoder: every 6th layer global (linear rope x8), the rest 1024-token windows
+    "gemma3-4b": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=2560,
+                      intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, vocab_size=262208, query_pre_attn_scalar=256, sliding_window=1024,
+                      max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 
 
@@ -82,8 +89,8 @@ def resolve_model(model: str) -> ModelSpec:
 def hf_config_dict(spec: ModelSpec) -> dict:
     if spec.kind == "random":
         if spec.path in RANDOM_PRESETS:
-            return dict(model_type="llama", architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2,
-                        rms_norm_eps=1e-5, **RANDOM_PRESETS[spec.path])
+            return {**dict(model_type="llama", architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2,
+                           rms_norm_eps=1e-5), **RANDOM_PRESETS[spec.path]}
         with open(spec.path) as f:
             return json.load(f)
     if spec.kind == "gguf":

@@ -100,3 +100,29 @@ def test_gemma3_tensor_parallel_identical(gemma3_one_device, tp):
     the one-device tokens; TP=4 has fewer KV heads (2) than devices (replicated KV path)."""
     path, expected = gemma3_one_device
     assert _tp_run(path, tensor_parallel_size=tp) == expected
+
+
+def test_registry_and_errors():
+    """Families are registered once; lookups and bad inputs fail naming the value and what exists."""
+    from jvllm.converters import CheckpointError, model_config, resolve_model
+    from jvllm.converters.name_map import map_name, t_split_qkv
+    from jvllm.models.registry import Family, family_of, register, supported_architectures
+
+    assert {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"} <= set(
+        supported_architectures())
+    assert family_of("Gemma3ForCausalLM").model_class().__name__ == "GemmaForCausalLM"
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported: .*Gemma3ForCausalLM"):
+        family_of("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match=r"architecture 'Gemma2ForCausalLM' is registered by 'gemma' and 'again'"):
+        register(Family("again", ("Gemma2ForCausalLM",), {}, "jvllm.models.gemma:GemmaForCausalLM"))
+    with pytest.raises(ValueError, match=r"model_types map to unregistered architectures \['X'\]"):
+        Family("bad", ("Y",), {"y": "X"}, "m:C")
+    with pytest.raises(ValueError, match=r"unknown name map 'moe2'; known: llama, gemma, phi3"):
+        map_name("model.norm.weight", "moe2")
+    assert map_name("model.layers.3.self_attn.qkv_proj.weight", "phi3")[0] == (
+        "layers.3.self_attn.q_proj", "layers.3.self_attn.k_proj", "layers.3.self_attn.v_proj")
+    with pytest.raises(CheckpointError, match=r"tensor 'qkv': shape \(10, 8\) but the model expects \(32, 8\)"):
+        t_split_qkv("qkv", np.zeros((10, 8)), [(8, 2, 8), (8, 1, 8), (8, 1, 8)])
+    c = model_config(resolve_model("random:gemma3-4b"))  # the GPU benchmark's shape
+    assert (c.architecture, c.head_dim, c.layer_windows[:6], c.rope_type, c.local_rope_theta) == (
+        "Gemma3ForCausalLM", 256, (1024,) * 5 + (None,), "linear", 10000.0)
