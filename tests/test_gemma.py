@@ -126,3 +126,20 @@ def test_registry_and_errors():
     c = model_config(resolve_model("random:gemma3-4b"))  # the GPU benchmark's shape
     assert (c.architecture, c.head_dim, c.layer_windows[:6], c.rope_type, c.local_rope_theta) == (
         "Gemma3ForCausalLM", 256, (1024,) * 5 + (None,), "linear", 10000.0)
+
+
+def test_gemma2_pallas_kernels_match_transformers(ckpt_dir):
+    """Gemma 2 through the Pallas backends (interpret mode): soft-capped and sliding layers take
+    the ragged kernel on every step, decode-only steps too."""
+    path = ckpt_dir("gemma2")
+    prompts = [[5, 9, 200, 31] * 5, list(range(3, 20))]
+    llm = LLM(path, dtype="float32", use_tqdm_on_load=False, max_model_len=32, max_num_batched_tokens=16,
+              token_buckets=(16,), max_num_seqs=2, attention_backend="pallas_interpret")
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    try:
+        ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                             use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    ref = hf_model(path)
+    assert ours == [hf_greedy(ref, p, 5) for p in prompts]
