@@ -162,8 +162,8 @@ class ModelConfig:
             local = rope.get("sliding_attention")
             rope = dict(rope["full_attention"])
             if local is not None:
-                local_theta, local_rope = _split_rope(dict(local), None, hf)
-        theta, rope = _split_rope(rope, getattr(hf, "rope_theta", None), hf)
+                local_theta, local_rope = _split_rope(dict(local), None)
+        theta, rope = _split_rope(rope, getattr(hf, "rope_theta", None))
         partial = float(rope.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None) or 1.0)
         if rope.get("rope_type") == "longrope":
             rope.setdefault("original_max_position_embeddings",
@@ -221,7 +221,7 @@ def _rope_type(scaling: tuple | None) -> str:
     return d.get("rope_type", d.get("type", "default")) or "default"
 
 
-def _split_rope(rope: dict, theta_default, hf) -> tuple[float, dict]:
+def _split_rope(rope: dict, theta_default) -> tuple[float, dict]:
     """(rope_theta, scaling dict without it; {} for plain default rope) of one rope parameter set."""
     if "rope_type" not in rope and "type" in rope:
         rope["rope_type"] = rope["type"]

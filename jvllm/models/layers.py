@@ -24,7 +24,7 @@ from jvllm.config import ModelConfig
 from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, shard_local
 from jvllm.ops.pallas_attention import ragged_paged_attention
 
-_List = getattr(nnx, "List", list)
+List = getattr(nnx, "List", list)  # a module list nnx tracks (older flax: a plain list)
 
 # Logical axis names used by model code (jvllm.sharding maps them onto mesh axes).
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")

@@ -19,12 +19,11 @@ jvllm.converters owns the mapping from checkpoint tensors:
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
-from jvllm.models.layers import MLP, Attention, _List, declare, norm
+from jvllm.models.layers import MLP, Attention, List, declare, norm
 from jvllm.ops.attention import AttentionMetadata
 
 
@@ -56,7 +55,7 @@ class LlamaForCausalLM(nnx.Module):
         self.first, self.last = start == 0, end == cfg.num_layers
         if self.first:
             self.embed = declare((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = _List([self.layer_cls(cfg, i, dtype) for i in range(start, end)])
+        self.layers = List([self.layer_cls(cfg, i, dtype) for i in range(start, end)])
         if self.last:
             self.norm = norm(cfg, cfg.hidden_size, dtype)
             if not cfg.tie_word_embeddings:
