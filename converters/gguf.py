@@ -15,7 +15,10 @@ import numpy as np
 
 from .name_map import CheckpointError
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+# GGUF architecture -> (HF architecture, HF model_type)
+_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _PERMUTED_ARCHS = ("llama",)
@@ -35,7 +38,17 @@ _GGUF_TO_HF = [
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
     (r"rope_freqs\.weight", None),  # llama3 rope factors: recomputed from the config
 ]
-_GGUF_RX = [(re.compile(p + r"\Z"), t) for p, t in _GGUF_TO_HF]
+# Gemma 3: llama.cpp's ffn_norm is the pre-MLP norm; the sandwich norms have names of their own
+_GEMMA_TO_HF = [
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.pre_feedforward_layernorm.weight"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
+] + [r for r in _GGUF_TO_HF if "ffn_norm" not in r[0]]
+GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF_TO_HF, "gemma3": _GEMMA_TO_HF}
+_GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GGUF_RULES_BY_ARCH.items()}
+# llama.cpp stores Gemma's norm weights as 1 + w (convert_hf_to_gguf.py adds 1; transformers'
+# GGUF reader subtracts it again): the checkpoint's w is the stored value minus 1
+_NORM_PLUS_ONE_ARCHS = ("gemma3",)
 
 
 def _reader(path: str):
@@ -72,10 +85,10 @@ def gguf_hf_config(path: str) -> dict:
     names = {t.name for t in r.tensors}
     if vocab is None:
         vocab = int([t for t in r.tensors if t.name == "token_embd.weight"][0].shape[1])
+    hf_arch, model_type = _GGUF_ARCHS[arch]
     cfg = {
-        "model_type": arch,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": model_type,
+        "architectures": [hf_arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(g("feed_forward_length")),
@@ -93,6 +106,8 @@ def gguf_hf_config(path: str) -> dict:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    if arch == "gemma3":
+        cfg.update(_gemma3_fields(cfg, g))
     st = g("rope.scaling.type")
     if st and st != "none":
         cfg["rope_scaling"] = {"rope_type": st, "factor": float(g("rope.scaling.factor", 1.0))}
@@ -100,6 +115,26 @@ def gguf_hf_config(path: str) -> dict:
         if orig:
             cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
     return cfg
+
+
+def _gemma3_fields(cfg: dict, g) -> dict:
+    """What llama.cpp fixes for Gemma 3 rather than storing: every 6th layer global (the rest
+    sliding), the sliding layers' rope base 10000, query_pre_attn_scalar = head_dim (hidden/heads
+    for the 62-layer 27B), GeGLU; a stored rope scaling applies to the global layers only."""
+    n, hd = cfg["num_hidden_layers"], cfg["head_dim"]
+    full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    if "rope_scaling" in cfg:
+        full.update(cfg.pop("rope_scaling"))
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(g("attention.sliding_window", 4096)),
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)],
+        "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else hd,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
 
 
 def model_config_from_dict(cfg: dict):
@@ -126,11 +161,11 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
 
     r = _reader(path)
     hf_cfg = hf_cfg or gguf_hf_config(path)
-    arch = hf_cfg["model_type"]
+    arch = r.get("general.architecture")
     H, KV = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
     for t in r.tensors:
         qtype = gguf.GGMLQuantizationType(t.ggml_type)
-        for rx, tgt in _GGUF_RX:
+        for rx, tgt in _GGUF_RX[arch]:
             m = rx.match(t.name)
             if m:
                 break
@@ -152,6 +187,8 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
                                       f"gguf version cannot dequantize") from None
             if arch in _PERMUTED_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 a = unpermute(a, H if ".q_proj" in hf_name else KV)
+            if arch in _NORM_PLUS_ONE_ARCHS and hf_name.endswith("norm.weight"):
+                a = a - np.float32(1.0)
             return a
 
         yield hf_name, load

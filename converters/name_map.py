@@ -1,7 +1,10 @@
 """Checkpoint tensor names -> jvllm parameter names, declaratively, with shape-checked transforms.
 
 `HF_RULES` maps a transformers-style tensor name (regex) to a jvllm parameter name template and a
-transform. `None` as a target means "drop" (e.g. rotary inv_freq buffers). Each transform derives
+transform. `None` as a target means "drop" (e.g. rotary inv_freq buffers). A tuple of templates
+splits one fused tensor into several parameters (Phi-3's qkv_proj, gate_up_proj): its transform
+takes the targets' shapes and returns one array per target. `HF_RULES_BY_MAP` holds each family's
+rules under the key its registration names (`jvllm.models.registry.Family.name_map`). Each transform derives
 the *source* shape it expects from the declared target shape and raises `CheckpointError` naming
 the tensor when they differ, so a wrong checkpoint never produces silently reshaped garbage.
 
@@ -54,6 +57,19 @@ def t_bias_heads(name, a, tgt):  # [heads*hd] -> [heads, hd]
     return a.reshape(h, hd)
 
 
+def t_split_qkv(name, a, tgts):  # [(H+2K)*hd, embed] -> q [embed, H, hd], k, v [embed, K, hd]
+    (d, h, hd), (_, k, _), _ = tgts
+    _expect(name, a, ((h + 2 * k) * hd, d))
+    q, kk, v = np.split(a, [h * hd, (h + k) * hd], axis=0)
+    return q.T.reshape(d, h, hd), kk.T.reshape(d, k, hd), v.T.reshape(d, k, hd)
+
+
+def t_split_gate_up(name, a, tgts):  # [2*mlp, embed] (gate rows first) -> gate, up [embed, mlp]
+    (d, i), _ = tgts
+    _expect(name, a, (2 * i, d))
+    return a[:i].T, a[i:].T
+
+
 _L = r"model\.layers\.(\d+)\."
 HF_RULES: list[tuple[str, str | None, Callable | None]] = [
     (r"model\.embed_tokens\.weight", "embed", t_identity),
@@ -70,14 +86,28 @@ HF_RULES: list[tuple[str, str | None, Callable | None]] = [
     (_L + r"self_attn\.rotary_emb\.inv_freq", None, None),
     (r"model\.rotary_emb\.inv_freq", None, None),
 ]
-_COMPILED = [(re.compile(p + r"\Z"), t, f) for p, t, f in HF_RULES]
+GEMMA_RULES = HF_RULES + [  # the sandwich norms around the MLP
+    (_L + r"(pre_feedforward_layernorm|post_feedforward_layernorm)\.weight", r"layers.\1.\2.weight", t_identity),
+]
+PHI3_RULES = [
+    (_L + r"self_attn\.qkv_proj\.weight",
+     (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj"), t_split_qkv),
+    (_L + r"mlp\.gate_up_proj\.weight", (r"layers.\1.mlp.gate_proj", r"layers.\1.mlp.up_proj"), t_split_gate_up),
+] + HF_RULES
+HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES}
+_COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 
 
-def map_name(name: str):
-    """(jvllm name or None to drop, transform); raises CheckpointError for an unknown tensor."""
-    for rx, tgt, fn in _COMPILED:
+def map_name(name: str, name_map: str = "llama"):
+    """(jvllm name, a tuple of names for a fused tensor, or None to drop; transform) under the
+    family name map `name_map`; raises CheckpointError for an unknown tensor."""
+    if name_map not in _COMPILED:
+        raise ValueError(f"unknown name map {name_map!r}; known: {', '.join(_COMPILED)}")
+    for rx, tgt, fn in _COMPILED[name_map]:
         m = rx.match(name)
         if m:
+            if isinstance(tgt, tuple):
+                return tuple(m.expand(t) for t in tgt), fn
             return (m.expand(tgt) if tgt is not None else None), fn
     from .quantization import quantized_name_error
 
@@ -89,7 +119,7 @@ def map_name(name: str):
 
 def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.ndarray]]], dtype,
                     put: Callable[[str, np.ndarray], object] | None = None,
-                    tied_embeddings: bool = False) -> dict:
+                    tied_embeddings: bool = False, name_map: str = "llama") -> dict:
     """Convert a stream of checkpoint tensors into {jvllm name: put(array)}.
 
     specs: `jvllm.models.param_specs(cfg)`; tensors: (checkpoint name, zero-arg loader) pairs;
@@ -99,15 +129,21 @@ def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.nd
     put = put or (lambda name, a: a)
     out = {}
     for src, load in tensors:
-        tgt, fn = map_name(src)
+        tgt, fn = map_name(src, name_map)
         if tgt is None or (tgt == "lm_head" and tied_embeddings):
             continue
-        if tgt not in specs:
-            raise CheckpointError(f"unexpected tensor {src!r}: this model declares no parameter {tgt!r}")
-        if tgt in out:
-            raise CheckpointError(f"tensor {src!r} appears twice in the checkpoint")
-        arr = fn(src, load(), specs[tgt][0])
-        out[tgt] = put(tgt, np.ascontiguousarray(arr).astype(dtype, copy=False))
+        tgts = tgt if isinstance(tgt, tuple) else (tgt,)
+        for t in tgts:
+            if t not in specs:
+                raise CheckpointError(f"unexpected tensor {src!r}: this model declares no parameter {t!r}")
+            if t in out:
+                raise CheckpointError(f"tensor {src!r} appears twice in the checkpoint")
+        if isinstance(tgt, tuple):
+            arrs = fn(src, load(), [specs[t][0] for t in tgts])
+        else:
+            arrs = (fn(src, load(), specs[tgt][0]),)
+        for t, arr in zip(tgts, arrs):
+            out[t] = put(t, np.ascontiguousarray(arr).astype(dtype, copy=False))
     missing = sorted(set(specs) - set(out))
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: "

@@ -12,13 +12,15 @@ import dataclasses
 import json
 import os
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """Every architecture a registered model family serves (`jvllm.models.registry`)."""
+    from jvllm.models.registry import supported_architectures as archs
+
+    return archs()
 
 
 def _freeze(d: dict | None) -> tuple | None:
@@ -29,10 +31,20 @@ def _freeze(d: dict | None) -> tuple | None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only Llama-family model.
+    """Shape and numerics of a decoder-only model of a registered family (`jvllm.models.registry`).
 
     `layer_windows[i]` is the sliding-window size of layer i (None = full attention); a token at
-    position q attends keys k with q - window < k <= q, as in transformers.
+    position q attends keys k with q - window < k <= q, as in transformers. Sliding-window layers
+    use `local_rope_theta` / `local_rope_scaling` when set (Gemma 3), else the global rope.
+
+    Family variants (each read by the shared layers in `jvllm.models.layers`):
+      norm_unit_offset     RMSNorm scales by (1 + w) in float32, then casts (Gemma)
+      embed_scale          embeddings are multiplied by sqrt(hidden_size) in the model dtype (Gemma)
+      sandwich_norms       extra norms after attention and around the MLP (Gemma 2/3)
+      query_pre_attn_scalar  attention scale is its -1/2 power instead of head_dim's
+      attn_logit_softcap   attention scores s -> cap * tanh(s / cap) before masking (Gemma 2)
+      final_logit_softcap  logits z -> cap * tanh(z / cap) (Gemma 2)
+      partial_rotary_factor  rotary embedding on the first head_dim * factor dims only
     """
 
     architecture: str
@@ -54,13 +66,22 @@ class ModelConfig:
     qk_norm: bool = False
     layer_windows: tuple = ()
     hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    local_rope_theta: float | None = None
+    local_rope_scaling: tuple | None = None
+    partial_rotary_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in supported_architectures():
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(supported_architectures())}")
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
@@ -68,19 +89,36 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{f} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}")
+        for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+            v = getattr(self, f)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"ModelConfig.{f} must be a positive number or None, got {v!r}")
+        rot = self.head_dim * self.partial_rotary_factor
+        if not (0 < self.partial_rotary_factor <= 1) or rot != int(rot) or int(rot) % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor!r} must be in (0, 1] and give an "
+                             f"even rotary dimension of head_dim {self.head_dim}")
         if len(self.layer_windows) != self.num_layers:
             object.__setattr__(self, "layer_windows", tuple([None] * self.num_layers))
-        rtype = self.rope_type
-        if rtype not in _ROPE_TYPES:
-            raise ValueError(f"unsupported rope scaling type {rtype!r}; supported: {', '.join(_ROPE_TYPES)}")
+        for rtype in (self.rope_type, _rope_type(self.local_rope_scaling)):
+            if rtype not in _ROPE_TYPES:
+                raise ValueError(f"unsupported rope scaling type {rtype!r}; supported: {', '.join(_ROPE_TYPES)}")
+        if self.rope_type == "longrope":
+            p, half = self.rope_params, self.rotary_dim // 2
+            for k in ("short_factor", "long_factor"):
+                if len(p.get(k) or ()) != half:
+                    raise ValueError(f"longrope {k} needs {half} values (rotary_dim / 2), got "
+                                     f"{len(p.get(k) or ())}")
 
     # ------------------------------------------------------------------ derived
     @property
     def rope_type(self) -> str:
-        d = dict(self.rope_scaling or ())
-        return d.get("rope_type", d.get("type", "default")) or "default"
+        return _rope_type(self.rope_scaling)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def rope_params(self) -> dict:
@@ -94,19 +132,21 @@ class ModelConfig:
     def num_params(self) -> int:
         D, I, H, K, hd, V = (self.hidden_size, self.intermediate_size, self.num_heads,
                              self.num_kv_heads, self.head_dim, self.vocab_size)
-        per_layer = D * hd * (H + 2 * K) + H * hd * D + 3 * D * I + 2 * D
+        per_layer = D * hd * (H + 2 * K) + H * hd * D + 3 * D * I + (4 if self.sandwich_norms else 2) * D
         return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + D
 
     # ------------------------------------------------------------------ builders
     @classmethod
     def from_hf_config(cls, hf) -> "ModelConfig":
         """From a `transformers.PretrainedConfig` (4.x or 5.x style)."""
+        from jvllm.models.registry import arch_of_model_type, family_of
+
         archs = list(getattr(hf, "architectures", None) or [])
-        arch = archs[0] if archs else _arch_from_model_type(getattr(hf, "model_type", ""))
-        if arch not in SUPPORTED_ARCHITECTURES:
+        arch = archs[0] if archs else (arch_of_model_type(getattr(hf, "model_type", "")) or "<none>")
+        if arch not in supported_architectures():
             raise ValueError(
                 f"unsupported architecture {arch!r} (architectures={archs}, model_type="
-                f"{getattr(hf, 'model_type', None)!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"{getattr(hf, 'model_type', None)!r}); supported: {', '.join(supported_architectures())}")
         heads = hf.num_attention_heads
         kv = getattr(hf, "num_key_value_heads", None) or heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
@@ -114,14 +154,23 @@ class ModelConfig:
         if rope is None:  # transformers 4.x
             rope = dict(getattr(hf, "rope_scaling", None) or {})
             rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+            if getattr(hf, "rope_local_base_freq", None):
+                rope = {"full_attention": rope, "sliding_attention": {"rope_theta": hf.rope_local_base_freq}}
         rope = dict(rope)
-        if "rope_type" not in rope and "type" in rope:
-            rope["rope_type"] = rope["type"]
-        theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", None) or 10000.0))
-        rope.pop("type", None)
-        rope.setdefault("rope_type", "default")
-        if rope["rope_type"] == "default" and len(rope) == 1:
-            rope = {}
+        local_theta = local_rope = None
+        if "full_attention" in rope:  # per layer type (Gemma 3): global rope, and the sliding layers' own
+            local = rope.get("sliding_attention")
+            rope = dict(rope["full_attention"])
+            if local is not None:
+                local_theta, local_rope = _split_rope(dict(local), None)
+        theta, rope = _split_rope(rope, getattr(hf, "rope_theta", None))
+        partial = float(rope.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None) or 1.0)
+        if rope.get("rope_type") == "longrope":
+            rope.setdefault("original_max_position_embeddings",
+                            getattr(hf, "original_max_position_embeddings", None) or hf.max_position_embeddings)
+            rope.setdefault("max_position_embeddings", hf.max_position_embeddings)
+        if local_rope is not None:
+            local_rope.pop("partial_rotary_factor", None)
         n = hf.num_hidden_layers
         windows = [None] * n
         sw = getattr(hf, "sliding_window", None)
@@ -129,14 +178,14 @@ class ModelConfig:
         if sw:
             if layer_types:
                 windows = [sw if t == "sliding_attention" else None for t in layer_types]
-            elif arch == "MistralForCausalLM":
+            elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
                 windows = [sw] * n
             elif getattr(hf, "use_sliding_window", False):
                 mwl = getattr(hf, "max_window_layers", n)
                 windows = [sw if i >= mwl else None for i in range(n)]
         eos = getattr(hf, "eos_token_id", None)
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
@@ -150,15 +199,16 @@ class ModelConfig:
             rope_scaling=_freeze(rope),
             max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048) or 2048),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-            o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(hf, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
             layer_windows=tuple(windows),
-            hidden_act=getattr(hf, "hidden_act", "silu"),
+            hidden_act=getattr(hf, "hidden_act", None) or "silu",
+            local_rope_theta=local_theta,
+            local_rope_scaling=_freeze(local_rope),
+            partial_rotary_factor=partial,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos,
         )
+        fields.update(family_of(arch).config_fields(arch, hf))
+        return cls(**fields)
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
@@ -166,9 +216,21 @@ class ModelConfig:
         return cls.from_hf_config(load_hf_config(path))
 
 
-def _arch_from_model_type(mt: str) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}.get(mt, mt or "<none>")
+def _rope_type(scaling: tuple | None) -> str:
+    d = dict(scaling or ())
+    return d.get("rope_type", d.get("type", "default")) or "default"
+
+
+def _split_rope(rope: dict, theta_default) -> tuple[float, dict]:
+    """(rope_theta, scaling dict without it; {} for plain default rope) of one rope parameter set."""
+    if "rope_type" not in rope and "type" in rope:
+        rope["rope_type"] = rope["type"]
+    theta = float(rope.pop("rope_theta", None) or theta_default or 10000.0)
+    rope.pop("type", None)
+    rope.setdefault("rope_type", "default")
+    if rope["rope_type"] == "default" and set(rope) <= {"rope_type", "partial_rotary_factor"}:
+        rope = {k: v for k, v in rope.items() if k == "partial_rotary_factor"}
+    return theta, rope
 
 
 def load_hf_config(path: str):
@@ -182,11 +244,13 @@ def load_hf_config(path: str):
             raw = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    from jvllm.models.registry import supported_model_types
+
     mt = raw.get("model_type")
-    if mt not in ("llama", "mistral", "qwen2", "qwen3"):
+    if mt not in supported_model_types():
         archs = raw.get("architectures")
         raise ValueError(f"unsupported architecture {archs!r} (model_type={mt!r}); "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"supported: {', '.join(supported_architectures())}")
     return transformers.AutoConfig.from_pretrained(path)
 
 

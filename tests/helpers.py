@@ -25,6 +25,22 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8,
                                                        max_window_layers=1)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict()),
+    # soft-caps small enough to bite on these random weights; query_pre_attn_scalar != head_dim
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=0.05, final_logit_softcapping=1.0,
+        tie_word_embeddings=True)),
+    # head_dim 256 as the real ones; sliding / global / sliding with the global layers' linear scaling
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=256, query_pre_attn_scalar=256, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+        tie_word_embeddings=True)),
+    # longrope (short factors below 64 positions) on half of each head (partial rotary)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        max_position_embeddings=512, original_max_position_embeddings=64, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.3, 1.7, 2.5], "long_factor": [1.5, 2.0, 3.0, 4.0]})),
 }
 
 

@@ -148,3 +148,37 @@ def test_split_merge_kernel_for_one_query_tiles(T, R):
     assert out.shape == ref.shape == (T, 8, 32)
     np.testing.assert_allclose(out[valid], ref[valid], atol=2e-5, rtol=2e-5)
     assert not out[~valid].any()
+
+
+# Gemma shapes: head_dim 256, G=2 (Gemma 3 270M: 4 heads, 1 KV head -> G=4), soft-capped scores
+GEMMA_CASES = [
+    # H, KH, D, block, Qt, window, spans, softcap
+    (4, 2, 256, 4, 8, None, [(0, 13), (5, 1), (20, 7)], 0.5),          # mixed, global layer, soft-cap
+    (4, 1, 256, 4, 8, 6, [(0, 30), (17, 1)], None),                    # sliding layer, G=4
+    (4, 1, 256, 4, 1, 6, [(0, 1), (30, 1), (17, 1)], 0.5),             # decode, window + soft-cap
+]
+
+
+@pytest.mark.parametrize("case", GEMMA_CASES, ids=["mixed_cap", "window_g4", "decode_window_cap"])
+@pytest.mark.parametrize("splits", [None, 2])
+def test_ragged_kernel_head_dim_256_softcap(case, splits):
+    """head_dim 256 and attention-logit soft-capping: the ragged kernel (split-K too) equals the
+    reference; the soft-cap changes the result (it bites at these scores)."""
+    H, KH, D, bs, Qt, window, spans, cap = case
+    md, q, kp, vp = _inputs(H, KH, D, bs, Qt, spans)
+    ref = paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, softcap=cap, kv_chunk_blocks=4)
+    out = ragged_paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, softcap=cap, interpret=True,
+                                 pages_per_block=2, num_splits=splits)
+    valid = np.asarray(md.positions) >= 0
+    np.testing.assert_allclose(np.asarray(out)[valid], np.asarray(ref)[valid], atol=2e-5, rtol=2e-5)
+    if cap is not None:
+        uncapped = paged_attention(q, kp, vp, md, scale=D ** -0.5, window=window, kv_chunk_blocks=4)
+        assert np.abs(np.asarray(uncapped) - np.asarray(ref))[valid].max() > 1e-2
+
+
+def test_pallas_decode_kernel_head_dim_256():
+    """JAX's Pallas decode kernel (global layers without soft-cap take it) at head_dim 256."""
+    md, q, kp, vp = _inputs(4, 1, 256, 4, 1, [(0, 1), (30, 1), (17, 1)])
+    ref = paged_attention(q, kp, vp, md, scale=256 ** -0.5, kv_chunk_blocks=4)
+    out = pallas_decode_attention(q, kp, vp, md, scale=256 ** -0.5, interpret=True)
+    np.testing.assert_allclose(np.asarray(out)[:3], np.asarray(ref)[:3], atol=2e-5, rtol=2e-5)

@@ -1,20 +1,17 @@
-"""Model registry: architecture name -> Flax NNX class, and helpers to build abstract or random models."""
+"""Models: the family registry (`registry.py`: architecture -> family -> Flax NNX class) and helpers
+to build abstract models, list declared parameters and bind parameter values."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
 
-from jvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from jvllm.models.llama import LlamaForCausalLM
-
-_REGISTRY = {a: LlamaForCausalLM for a in SUPPORTED_ARCHITECTURES}
+from jvllm.config import ModelConfig
+from jvllm.models.registry import family_of
 
 
 def model_class(cfg: ModelConfig):
-    try:
-        return _REGISTRY[cfg.architecture]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(_REGISTRY)}") from None
+    """The Flax class of the config's architecture (ValueError naming the supported ones)."""
+    return family_of(cfg.architecture).model_class()
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32, layers: tuple[int, int] | None = None):

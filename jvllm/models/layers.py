@@ -1,4 +1,7 @@
-"""Building blocks shared by model families: parameter declaration, RMSNorm, rotary embeddings.
+"""Building blocks shared by model families: parameter declaration, RMSNorm (plain and Gemma's
+(1 + w)), rotary embeddings (default / linear / llama3 / yarn / dynamic / longrope, partial rotary,
+per-layer local bases), attention (q/k norms, biases, soft-capping, sliding windows) and the gated
+MLP (SiLU or GeGLU).
 
 Every parameter is declared once, through `declare`, with its shape, dtype and *logical* axis names
 (`("embed", "heads", "head_dim")`...). Nothing else in jvllm states a parameter's shape: the
@@ -9,6 +12,7 @@ nothing).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -17,6 +21,10 @@ import numpy as np
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, shard_local
+from jvllm.ops.pallas_attention import ragged_paged_attention
+
+List = getattr(nnx, "List", list)  # a module list nnx tracks (older flax: a plain list)
 
 # Logical axis names used by model code (jvllm.sharding maps them onto mesh axes).
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
@@ -34,29 +42,77 @@ def declare(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, ones: bool 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype, axes=("norm",)):
+    """unit_offset=False: transformers' LlamaRMSNorm (normalise in float32, cast back, scale by w in
+    the input dtype). unit_offset=True: Gemma's (scale the float32 result by (1 + w), then cast;
+    the stored weight is w, initialised to 0 in checkpoints)."""
+
+    def __init__(self, dim: int, eps: float, dtype, axes=("norm",), unit_offset: bool = False):
         self.eps = eps
-        self.weight = declare((dim,), axes, dtype, ones=True)
+        self.unit_offset = unit_offset
+        self.weight = declare((dim,), axes, dtype, ones=not unit_offset)
 
     def __call__(self, x):
-        # transformers' LlamaRMSNorm: normalise in float32, cast back, then scale in the input dtype.
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
 
 
+def norm(cfg: ModelConfig, dim: int, dtype, axes=("norm",)) -> RMSNorm:
+    """The family's RMSNorm for a `dim`-wide activation."""
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype, axes=axes, unit_offset=cfg.norm_unit_offset)
+
+
 # ----------------------------------------------------------------------------------- rotary
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary embedding of one layer kind: `inv_freq` [rotary_dim/2] and the cos/sin scale.
+    longrope: `long_inv_freq` replaces `inv_freq` at positions >= `long_from` (the original
+    context length). Per position, as vLLM does; transformers switches a whole forward pass to the
+    long factors once its longest position passes `long_from`, so the two agree on every sequence
+    within the original context."""
+    inv_freq: tuple           # floats (hashable: a module attribute is static graph metadata)
+    scale: float
+    long_inv_freq: tuple | None = None
+    long_from: int = 0
+
+
+def layer_rope(cfg: ModelConfig, local: bool) -> Rope:
+    """The rope of a sliding-window layer (local=True: its own base when the config has one) or a
+    global layer."""
+    if local and cfg.local_rope_theta is not None:
+        cfg = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=cfg.local_rope_scaling,
+                                  local_rope_theta=None, local_rope_scaling=None)
+    if cfg.rope_type == "longrope":
+        p = cfg.rope_params
+        d, base = cfg.rotary_dim, cfg.rope_theta
+        orig = int(p["original_max_position_embeddings"])
+        factor = p.get("factor") or int(p.get("max_position_embeddings") or cfg.max_position_embeddings) / orig
+        att = p.get("attention_factor")
+        if att is None:
+            att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        shape = np.arange(0, d, 2, dtype=np.float64) / d
+        short = 1.0 / (np.asarray(p["short_factor"], np.float64) * base ** shape)
+        long = 1.0 / (np.asarray(p["long_factor"], np.float64) * base ** shape)
+        return Rope(tuple(short.tolist()), float(att), tuple(long.tolist()), orig)
+    inv, scale = rope_inv_freq(cfg)
+    return Rope(tuple(inv.tolist()), float(scale))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """(inverse frequencies [head_dim/2] float64, attention scaling) for the config's rope type.
+    """(inverse frequencies [rotary_dim/2] float64, attention scaling) for the config's rope type.
 
     default / linear / llama3 / yarn follow transformers' definitions exactly. `dynamic` (NTK) is
     position-independent here: for sequences within `max_position_embeddings` it equals the default
-    frequencies, which is what transformers computes at those lengths.
+    frequencies, which is what transformers computes at those lengths. longrope: `layer_rope`.
     """
-    d, base = cfg.head_dim, cfg.rope_theta
+    d, base = cfg.rotary_dim, cfg.rope_theta
     p = cfg.rope_params
     inv = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
     rtype = cfg.rope_type
+    if rtype == "longrope":
+        raise ValueError("longrope frequencies depend on the position: use layer_rope")
     scale = 1.0
     if rtype == "linear":
         inv = inv / float(p["factor"])
@@ -101,12 +157,113 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     return inv, scale
 
 
-def apply_rope(x, positions, inv_freq, scale: float):
-    """x [T, heads, head_dim]; positions [T] int; rotate-half layout (transformers' convention)."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos = (jnp.cos(freqs) * scale)[:, None, :]
-    sin = (jnp.sin(freqs) * scale)[:, None, :]
+def apply_rope(x, positions, rope: Rope):
+    """x [T, heads, head_dim]; positions [T] int; rotate-half layout (transformers' convention) on
+    the first 2 * len(inv_freq) dims (partial rotary), the rest passed through."""
+    inv = jnp.asarray(rope.inv_freq, jnp.float32)[None, :]
+    if rope.long_inv_freq is not None:
+        inv = jnp.where(positions[:, None] >= rope.long_from, jnp.asarray(rope.long_inv_freq, jnp.float32)[None, :], inv)
+    freqs = positions.astype(jnp.float32)[:, None] * inv  # [T, rot/2]
+    cos = (jnp.cos(freqs) * rope.scale)[:, None, :]
+    sin = (jnp.sin(freqs) * rope.scale)[:, None, :]
+    rot = 2 * len(rope.inv_freq)
     xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2 = jnp.split(xf[..., :rot], 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rot:]], axis=-1)
     return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------- blocks
+class Attention(nnx.Module):
+    """q/k/v projections (optional biases, optional q/k norms), rope, paged attention over the
+    layer's KV pages (sliding window and soft-cap as configured), o projection. The attention
+    backend string is the model's `attention` argument (see `LlamaForCausalLM.__call__`); the
+    JAX Pallas decode kernel has neither window nor soft-cap, so such layers use the ragged kernel."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        D, H, K, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = declare((D, H, hd), ("embed", "heads", "head_dim"), dtype)
+        self.k_proj = declare((D, K, hd), ("embed", "kv_heads", "head_dim"), dtype)
+        self.v_proj = declare((D, K, hd), ("embed", "kv_heads", "head_dim"), dtype)
+        self.o_proj = declare((H, hd, D), ("heads", "head_dim", "embed"), dtype)
+        if cfg.attention_bias:
+            self.q_bias = declare((H, hd), ("heads", "head_dim"), dtype)
+            self.k_bias = declare((K, hd), ("kv_heads", "head_dim"), dtype)
+            self.v_bias = declare((K, hd), ("kv_heads", "head_dim"), dtype)
+        if cfg.o_bias:
+            self.o_bias = declare((D,), ("embed",), dtype)
+        if cfg.qk_norm:
+            self.q_norm = norm(cfg, hd, dtype, axes=("head_dim",))
+            self.k_norm = norm(cfg, hd, dtype, axes=("head_dim",))
+        self.bias = cfg.attention_bias
+        self.has_o_bias = cfg.o_bias
+        self.qk_norm = cfg.qk_norm
+        self.window = cfg.layer_windows[layer]
+        self.softcap = cfg.attn_logit_softcap
+        self.scale = float(cfg.query_pre_attn_scalar or hd) ** -0.5
+        self.rope = layer_rope(cfg, local=self.window is not None)  # trace-time constants
+
+    def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks, attention="xla"):
+        q = jnp.einsum("td,dhk->thk", x, self.q_proj[...])
+        k = jnp.einsum("td,dhk->thk", x, self.k_proj[...])
+        v = jnp.einsum("td,dhk->thk", x, self.v_proj[...])
+        if self.bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        pos = jnp.maximum(md.positions, 0)
+        q = apply_rope(q, pos, self.rope)
+        k = apply_rope(k, pos, self.rope)
+        k_pages, v_pages = kv
+        interpret = attention.endswith("_interpret")
+
+        def attend(q, k_pages, v_pages, md):  # per device under TP (shard_local)
+            if attention == "xla":
+                return paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
+                                       softcap=self.softcap, kv_chunk_blocks=kv_chunk_blocks)
+            if attention.startswith("pallas") and self.window is None and self.softcap is None:  # decode-only
+                return pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale, interpret=interpret)
+            return ragged_paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
+                                          softcap=self.softcap,
+                                          num_splits="auto" if attention.startswith("ragged_split") else None,
+                                          interpret=interpret)
+
+        o, k_pages, v_pages = shard_local(attend, q, k, v, k_pages, v_pages, md)
+        out = jnp.einsum("thk,hkd->td", o, self.o_proj[...])
+        if self.has_o_bias:
+            out = out + self.o_bias[...]
+        return out, (k_pages, v_pages)
+
+
+class MLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu_pytorch_tanh, Gemma)."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        D, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = declare((D, I), ("embed", "mlp"), dtype)
+        self.up_proj = declare((D, I), ("embed", "mlp"), dtype)
+        self.down_proj = declare((I, D), ("mlp", "embed"), dtype)
+        if cfg.mlp_bias:
+            self.gate_bias = declare((I,), ("mlp",), dtype)
+            self.up_bias = declare((I,), ("mlp",), dtype)
+            self.down_bias = declare((D,), ("embed",), dtype)
+        self.has_bias = cfg.mlp_bias
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+
+    def __call__(self, x):
+        g = x @ self.gate_proj[...]
+        u = x @ self.up_proj[...]
+        if self.has_bias:
+            g, u = g + self.gate_bias[...], u + self.up_bias[...]
+        act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
+        y = (act * u) @ self.down_proj[...]
+        return y + self.down_bias[...] if self.has_bias else y
+
+
+def lm_logits(w, h, tied: bool, softcap: float | None = None):
+    """float32 logits [.., vocab] of hidden states h [.., embed] through the LM head `w`
+    ([embed, vocab], or the embedding [vocab, embed] when `tied`); `softcap` (Gemma 2's final-logit
+    soft-cap) maps z -> softcap * tanh(z / softcap). The one place logits are computed: samplers,
+    greedy, prompt logprobs and `sequence_logits` all call it."""
+    z = jnp.dot(h, w.T if tied else w, preferred_element_type=jnp.float32)
+    return z if softcap is None else softcap * jnp.tanh(z / softcap)

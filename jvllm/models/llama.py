@@ -1,5 +1,6 @@
 """The Llama family in Flax NNX: Llama 2/3 (llama3 rope scaling), Mistral (sliding window),
-Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), SmolLM2.
+Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), SmolLM2, and Phi-3 (longrope, partial rotary; its fused
+checkpoint tensors are split by the converters' name map).
 
 Forward contract (what the engine calls, see jvllm.runner):
     hidden, kv = model(tokens[T], kv, md)
@@ -18,101 +19,23 @@ jvllm.converters owns the mapping from checkpoint tensors:
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
-from jvllm.models.layers import RMSNorm, apply_rope, declare, rope_inv_freq
-from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, shard_local
-from jvllm.ops.pallas_attention import ragged_paged_attention
-
-_List = getattr(nnx, "List", list)
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype):
-        D, H, K, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = declare((D, H, hd), ("embed", "heads", "head_dim"), dtype)
-        self.k_proj = declare((D, K, hd), ("embed", "kv_heads", "head_dim"), dtype)
-        self.v_proj = declare((D, K, hd), ("embed", "kv_heads", "head_dim"), dtype)
-        self.o_proj = declare((H, hd, D), ("heads", "head_dim", "embed"), dtype)
-        if cfg.attention_bias:
-            self.q_bias = declare((H, hd), ("heads", "head_dim"), dtype)
-            self.k_bias = declare((K, hd), ("kv_heads", "head_dim"), dtype)
-            self.v_bias = declare((K, hd), ("kv_heads", "head_dim"), dtype)
-        if cfg.o_bias:
-            self.o_bias = declare((D,), ("embed",), dtype)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, axes=("head_dim",))
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype, axes=("head_dim",))
-        self.bias = cfg.attention_bias
-        self.has_o_bias = cfg.o_bias
-        self.qk_norm = cfg.qk_norm
-        self.window = cfg.layer_windows[layer]
-        self.scale = float(hd) ** -0.5
-
-    def __call__(self, x, kv, md: AttentionMetadata, inv_freq, rope_scale, kv_chunk_blocks, attention="xla"):
-        q = jnp.einsum("td,dhk->thk", x, self.q_proj[...])
-        k = jnp.einsum("td,dhk->thk", x, self.k_proj[...])
-        v = jnp.einsum("td,dhk->thk", x, self.v_proj[...])
-        if self.bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        pos = jnp.maximum(md.positions, 0)
-        q = apply_rope(q, pos, inv_freq, rope_scale)
-        k = apply_rope(k, pos, inv_freq, rope_scale)
-        k_pages, v_pages = kv
-        interpret = attention.endswith("_interpret")
-
-        def attend(q, k_pages, v_pages, md):  # per device under TP (shard_local)
-            if attention == "xla":
-                return paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
-                                       kv_chunk_blocks=kv_chunk_blocks)
-            if attention.startswith("pallas") and self.window is None:  # decode-only steps
-                return pallas_decode_attention(q, k_pages, v_pages, md, scale=self.scale, interpret=interpret)
-            return ragged_paged_attention(q, k_pages, v_pages, md, scale=self.scale, window=self.window,
-                                          num_splits="auto" if attention.startswith("ragged_split") else None,
-                                          interpret=interpret)
-
-        o, k_pages, v_pages = shard_local(attend, q, k, v, k_pages, v_pages, md)
-        out = jnp.einsum("thk,hkd->td", o, self.o_proj[...])
-        if self.has_o_bias:
-            out = out + self.o_bias[...]
-        return out, (k_pages, v_pages)
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype):
-        D, I = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = declare((D, I), ("embed", "mlp"), dtype)
-        self.up_proj = declare((D, I), ("embed", "mlp"), dtype)
-        self.down_proj = declare((I, D), ("mlp", "embed"), dtype)
-        if cfg.mlp_bias:
-            self.gate_bias = declare((I,), ("mlp",), dtype)
-            self.up_bias = declare((I,), ("mlp",), dtype)
-            self.down_bias = declare((D,), ("embed",), dtype)
-        self.has_bias = cfg.mlp_bias
-
-    def __call__(self, x):
-        g = x @ self.gate_proj[...]
-        u = x @ self.up_proj[...]
-        if self.has_bias:
-            g, u = g + self.gate_bias[...], u + self.up_bias[...]
-        y = (jax.nn.silu(g) * u) @ self.down_proj[...]
-        return y + self.down_bias[...] if self.has_bias else y
+from jvllm.models.layers import MLP, Attention, List, declare, norm
+from jvllm.ops.attention import AttentionMetadata
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = norm(cfg, cfg.hidden_size, dtype)
         self.self_attn = Attention(cfg, layer, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm(cfg, cfg.hidden_size, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def __call__(self, x, kv, md, inv_freq, rope_scale, kv_chunk_blocks, attention="xla"):
-        a, kv = self.self_attn(self.input_layernorm(x), kv, md, inv_freq, rope_scale, kv_chunk_blocks, attention)
+    def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
+        a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv
@@ -124,15 +47,17 @@ class LlamaForCausalLM(nnx.Module):
     and the final norm (+ untied LM head) when end == num_layers. A stage's input is token ids if
     it is the first, else the previous stage's hidden states."""
 
+    layer_cls = DecoderLayer  # a family with another decoder layer subclasses and replaces this
+
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, layers: tuple[int, int] | None = None):
         start, end = layers or (0, cfg.num_layers)
         self.config = cfg
         self.first, self.last = start == 0, end == cfg.num_layers
         if self.first:
             self.embed = declare((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = _List([DecoderLayer(cfg, i, dtype) for i in range(start, end)])
+        self.layers = List([self.layer_cls(cfg, i, dtype) for i in range(start, end)])
         if self.last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.norm = norm(cfg, cfg.hidden_size, dtype)
             if not cfg.tie_word_embeddings:
                 self.lm_head = declare((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
@@ -145,10 +70,10 @@ class LlamaForCausalLM(nnx.Module):
         in interpret mode (CPU tests)."""
         if self.first:
             x = self.embed[...][x]
-        inv_np, rope_scale = rope_inv_freq(self.config)  # trace-time constants
-        inv = jnp.asarray(inv_np, jnp.float32)
+            if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the model dtype, as transformers
+                x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
         new_kv = []
         for layer, layer_kv in zip(self.layers, kv):
-            x, layer_kv = layer(x, layer_kv, md, inv, rope_scale, kv_chunk_blocks, attention)
+            x, layer_kv = layer(x, layer_kv, md, kv_chunk_blocks, attention)
             new_kv.append(layer_kv)
         return (self.norm(x) if self.last else x), new_kv

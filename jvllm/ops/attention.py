@@ -135,8 +135,9 @@ def pallas_decode_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale
 # per-layer traces of this op were about half of a CPU step program's trace time
 @functools.partial(jax.jit, static_argnames=("scale", "window", "kv_chunk_blocks"))
 def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
-                    window: int | None = None, kv_chunk_blocks: int = 16):
-    """q [T, H, D] -> [T, H, D]. Reads K/V (including this step's tokens) from the pages."""
+                    window: int | None = None, softcap: float | None = None, kv_chunk_blocks: int = 16):
+    """q [T, H, D] -> [T, H, D]. Reads K/V (including this step's tokens) from the pages.
+    `softcap`: scores s = scale * q.k become softcap * tanh(s / softcap) before masking (Gemma 2)."""
     T, H, D = q.shape
     KH, _, bs, _ = k_pages.shape
     G = H // KH
@@ -166,6 +167,8 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
         kc = k_pages[:, blocks].reshape(KH, NT, chunk, D)
         vc = v_pages[:, blocks].reshape(KH, NT, chunk, D)
         s = jnp.einsum("nqhgd,hnkd->nhgqk", qt, kc, preferred_element_type=jnp.float32) * scale
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
         kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         mask = kpos[None, None, :] <= qpos[:, :, None]
         if window is not None:

@@ -28,13 +28,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.compilation.registry import ProgramKind, Signature, register
+from jvllm.models.layers import lm_logits
 from jvllm.ops.attention import tensor_parallel_mesh
 from jvllm.sampling import logprob_outputs, sample
 from jvllm.worker import sampler
 
 
-def logits(w, h, tied: bool):
-    return jnp.dot(h, w.T if tied else w, preferred_element_type=jnp.float32)
+def logits(w, h, tied: bool, softcap: float | None = None):
+    """The model's float32 logits (`jvllm.models.layers.lm_logits`: tied head, final soft-cap)."""
+    return lm_logits(w, h, tied, softcap)
 
 
 def _pad_tok(tok, max_num_seqs: int):
@@ -54,18 +56,18 @@ def step_body(layout, graphdef, treedef, first, last, attention, mesh, decode, k
     return kv, h
 
 
-def sample_body(w, h, sb, ex, *, tied, branchless, max_num_seqs):
-    tok, lp = sample(logits(w, h, tied), sb, ex, branchless=branchless)
+def sample_body(w, h, sb, ex, *, tied, softcap, branchless, max_num_seqs):
+    tok, lp = sample(logits(w, h, tied, softcap), sb, ex, branchless=branchless)
     return tok, lp, _pad_tok(tok, max_num_seqs)
 
 
-def greedy_body(w, h, *, tied, max_num_seqs):
-    tok = jnp.argmax(logits(w, h, tied), axis=-1).astype(jnp.int32)
+def greedy_body(w, h, *, tied, softcap, max_num_seqs):
+    tok = jnp.argmax(logits(w, h, tied, softcap), axis=-1).astype(jnp.int32)
     return tok, _pad_tok(tok, max_num_seqs)
 
 
-def prompt_lp_body(w, h, targets, *, tied):
-    return logprob_outputs(logits(w, h, tied), targets)
+def prompt_lp_body(w, h, targets, *, tied, softcap):
+    return logprob_outputs(logits(w, h, tied, softcap), targets)
 
 
 _cache_lock = threading.Lock()
@@ -91,7 +93,8 @@ def step_fn(ctx, s: int, decode: bool):
 
 
 def logits_fn(ctx):
-    return cached(ctx, "logits", lambda: jax.jit(functools.partial(logits, tied=ctx.cfg.tie_word_embeddings)))
+    return cached(ctx, "logits", lambda: jax.jit(functools.partial(logits, tied=ctx.cfg.tie_word_embeddings,
+                                                                   softcap=ctx.cfg.final_logit_softcap)))
 
 
 def _sds(shape, dtype, sharding=None):
@@ -141,7 +144,7 @@ def _sample_signature(ctx, key) -> Signature:
     # GPUs: no lax.cond in the sampler (a cond's predicate goes to the host and blocks the
     # dispatcher); elsewhere conds skip the unneeded work
     fn = cached(ctx, "sample", lambda: jax.jit(functools.partial(
-        sample_body, tied=ctx.cfg.tie_word_embeddings, branchless=ctx.platform == "gpu", max_num_seqs=ctx.max_num_seqs)))
+        sample_body, tied=ctx.cfg.tie_word_embeddings, softcap=ctx.cfg.final_logit_softcap, branchless=ctx.platform == "gpu", max_num_seqs=ctx.max_num_seqs)))
     return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb, ex),
                      tuple(last.devices()))
 
@@ -149,7 +152,7 @@ def _sample_signature(ctx, key) -> Signature:
 def _greedy_signature(ctx, R) -> Signature:
     last = ctx.stages[-1]
     fn = cached(ctx, "greedy", lambda: jax.jit(functools.partial(
-        greedy_body, tied=ctx.cfg.tie_word_embeddings, max_num_seqs=ctx.max_num_seqs)))
+        greedy_body, tied=ctx.cfg.tie_word_embeddings, softcap=ctx.cfg.final_logit_softcap, max_num_seqs=ctx.max_num_seqs)))
     return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, last.sharding())),
                      tuple(last.devices()))
 
@@ -157,7 +160,8 @@ def _greedy_signature(ctx, R) -> Signature:
 def _prompt_lp_signature(ctx, T) -> Signature:
     last = ctx.stages[-1]
     shard = last.sharding()
-    fn = cached(ctx, "prompt_lp", lambda: jax.jit(functools.partial(prompt_lp_body, tied=ctx.cfg.tie_word_embeddings)))
+    fn = cached(ctx, "prompt_lp", lambda: jax.jit(functools.partial(prompt_lp_body, tied=ctx.cfg.tie_word_embeddings,
+                                                                            softcap=ctx.cfg.final_logit_softcap)))
     return Signature(fn, (_like(ctx.head_w), _sds((T, ctx.cfg.hidden_size), ctx.dtype, shard),
                                                 _sds((T,), jnp.int32, shard)), tuple(last.devices()))
 

@@ -1,0 +1,124 @@
+"""Model families: one registration each, as data (no jax import here).
+
+A family is one model file (`jvllm/models/<family>.py`) plus one `register(Family(...))` below. The
+registration says which architectures and `model_type`s it serves, where its Flax class lives
+(imported on first use, so host-only code can read configs without jax), which converter name
+maps read its checkpoints (`jvllm.converters.name_map.HF_RULES_BY_MAP`, `gguf.GGUF_RULES_BY_MAP`),
+and how an HF config fills the family's `ModelConfig` fields:
+
+  defaults   ModelConfig fields that are fixed for the family (Gemma: `norm_unit_offset=True`)
+  hf_fields  {ModelConfig field: HF config attribute} read when the attribute is present and not None
+  per_arch   {architecture: fixed fields, applied last} (Qwen2's q/k/v bias without o bias, Qwen3's q/k norm)
+
+Adding a family (e.g. mixture-of-experts) is a new file plus one `register` call; nothing else in
+jvllm lists architectures.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]
+    model_types: dict            # {HF model_type: architecture}
+    model: str                   # "module:Class" of the Flax NNX model
+    name_map: str = "llama"      # key of the converters' HF / GGUF name maps
+    defaults: dict = dataclasses.field(default_factory=dict)
+    hf_fields: dict = dataclasses.field(default_factory=dict)
+    per_arch: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if ":" not in self.model:
+            raise ValueError(f"family {self.name!r}: model must be 'module:Class', got {self.model!r}")
+        bad = sorted(set(self.model_types.values()) - set(self.architectures))
+        if bad:
+            raise ValueError(f"family {self.name!r}: model_types map to unregistered architectures {bad}")
+
+    def model_class(self):
+        mod, cls = self.model.split(":")
+        return getattr(importlib.import_module(mod), cls)
+
+    def config_fields(self, arch: str, hf) -> dict:
+        """The family's extra ModelConfig fields for architecture `arch` from HF config `hf`."""
+        out = dict(self.defaults)
+        for field, attr in self.hf_fields.items():
+            v = getattr(hf, attr, None)
+            if v is not None:
+                out[field] = v
+        out.update(self.per_arch.get(arch, {}))
+        return out
+
+
+_FAMILIES: dict[str, Family] = {}
+_BY_ARCH: dict[str, Family] = {}
+_BY_MODEL_TYPE: dict[str, str] = {}
+
+
+def register(family: Family) -> Family:
+    """Add a family; an architecture or model_type registered twice is an error naming both."""
+    for a in family.architectures:
+        if a in _BY_ARCH:
+            raise ValueError(f"architecture {a!r} is registered by {_BY_ARCH[a].name!r} and {family.name!r}")
+    for mt in family.model_types:
+        if mt in _BY_MODEL_TYPE:
+            raise ValueError(f"model_type {mt!r} is registered twice (family {family.name!r})")
+    _FAMILIES[family.name] = family
+    _BY_ARCH.update({a: family for a in family.architectures})
+    _BY_MODEL_TYPE.update(family.model_types)
+    return family
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_BY_ARCH)
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(_BY_MODEL_TYPE)
+
+
+def family_of(arch: str) -> Family:
+    try:
+        return _BY_ARCH[arch]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(_BY_ARCH)}") from None
+
+
+def arch_of_model_type(model_type: str) -> str | None:
+    return _BY_MODEL_TYPE.get(model_type)
+
+
+# ------------------------------------------------------------------------- built-in families
+register(Family(
+    name="llama",
+    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    model_types={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
+    per_arch={"Qwen2ForCausalLM": {"attention_bias": True, "o_bias": False},
+              "Qwen3ForCausalLM": {"qk_norm": True}},
+))
+register(Family(
+    # Phi-3 is a Llama-shaped decoder; its fused qkv_proj / gate_up_proj are split by the name map
+    # at load time (q heads and kv heads shard differently under TP, so the model keeps them apart)
+    name="phi3",
+    architectures=("Phi3ForCausalLM",),
+    model_types={"phi3": "Phi3ForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    name_map="phi3",
+))
+register(Family(
+    name="gemma",
+    architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+    model_types={"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"},
+    model="jvllm.models.gemma:GemmaForCausalLM",
+    name_map="gemma",
+    defaults={"norm_unit_offset": True, "embed_scale": True, "sandwich_norms": True},
+    hf_fields={"hidden_act": "hidden_activation", "query_pre_attn_scalar": "query_pre_attn_scalar",
+               "attn_logit_softcap": "attn_logit_softcapping", "final_logit_softcap": "final_logit_softcapping",
+               "attention_bias": "attention_bias", "o_bias": "attention_bias"},
+    per_arch={"Gemma3ForCausalLM": {"qk_norm": True}},
+))

@@ -1,0 +1,145 @@
+"""Gemma 2 / Gemma 3 / Phi-3 beyond logit parity (tests/test_models.py has that): each variant
+really changes the numbers, and the engine equals transformers' greedy generation token for token
+with batching, chunked prefill, prefix-cache hits and preemption all in one run per family."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jvllm import LLM, SamplingParams
+from tests.helpers import hf_greedy, hf_model
+
+N_NEW = 10
+
+
+def _logits(cfg, params, ids):
+    import jax.numpy as jnp
+
+    from jvllm.models import bind
+    from jvllm.worker.model_runner import ModelRunner
+
+    g, s = bind(cfg, params)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    r = ModelRunner(cfg, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=4, max_model_len=40,
+                    max_num_seqs=1, token_buckets=(len(ids),))
+    return r.sequence_logits(ids)
+
+
+@pytest.mark.parametrize("arch,field,value", [
+    ("gemma2", "attn_logit_softcap", None), ("gemma2", "final_logit_softcap", None),
+    ("gemma2", "query_pre_attn_scalar", None), ("gemma3", "local_rope_theta", None),
+    ("gemma3", "embed_scale", False), ("phi3", "partial_rotary_factor", 1.0)])
+def test_variant_matters(ckpt_dir, arch, field, value):
+    """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
+    the parity tests would catch it missing."""
+    from jvllm.converters import load_checkpoint
+
+    ck = load_checkpoint(ckpt_dir(arch))
+    ids = list(range(3, 40))
+    base = _logits(ck.config, ck.params, ids)
+    if field == "partial_rotary_factor":  # full rotary needs factors for every pair
+        rs = dict(ck.config.rope_params)
+        rs.update(short_factor=rs["short_factor"] * 2, long_factor=rs["long_factor"] * 2)
+        cfg = dataclasses.replace(ck.config, partial_rotary_factor=1.0, rope_scaling=tuple(sorted(rs.items())))
+    else:
+        cfg = dataclasses.replace(ck.config, **{field: value})
+    assert np.abs(_logits(cfg, ck.params, ids) - base).max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+def test_engine_modes_match_transformers(ckpt_dir, arch):
+    """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
+    prefill), prompts that share a 35-token prefix and a second pass (prefix-cache hits); the
+    sliding windows (8) span block boundaries."""
+    path = ckpt_dir(arch)
+    rng = np.random.default_rng(2)
+    shared = rng.integers(3, 256, 35).tolist()
+    prompts = [rng.integers(3, 256, int(k)).tolist() for k in rng.integers(20, 60, 5)]
+    prompts += [shared + [5, 6], shared + [9, 9, 9]]
+    llm = LLM(path, dtype="float32", use_tqdm_on_load=False, max_model_len=96, num_gpu_blocks_override=13,
+              block_size=8, max_num_batched_tokens=32, token_buckets=(8, 32), max_num_seqs=8)
+    sp = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True)
+    try:
+        run = lambda: [o.outputs[0].token_ids for o in llm.generate(  # noqa: E731
+            [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+        ours = run()
+        assert run() == ours
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0.02, {k: stats[k] for k in ("num_preemptions", "prefix_cache_hit_rate")}
+    assert stats["num_free_blocks"] == stats["num_blocks"] - 1
+    assert stats["compiles_after_warmup"] == 0
+    ref = hf_model(path)
+    assert ours == [hf_greedy(ref, p, N_NEW) for p in prompts]
+
+
+TP_PROMPTS = [[3, 4, 5, 6, 7], list(range(10, 37)), [200, 1, 2] * 6]
+
+
+def _tp_run(path, **kw):
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
+              token_buckets=(8, 32), use_tqdm_on_load=False, **kw)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in TP_PROMPTS], sp,
+                                                             use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gemma3_one_device(ckpt_dir):
+    path = ckpt_dir("gemma3")
+    return path, _tp_run(path)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gemma3_tensor_parallel_identical(gemma3_one_device, tp):
+    """Gemma 3 (head_dim 256, sliding + global layers, q/k norms) on 2 and 4 fake CPU devices gives
+    the one-device tokens; TP=4 has fewer KV heads (2) than devices (replicated KV path)."""
+    path, expected = gemma3_one_device
+    assert _tp_run(path, tensor_parallel_size=tp) == expected
+
+
+def test_registry_and_errors():
+    """Families are registered once; lookups and bad inputs fail naming the value and what exists."""
+    from jvllm.converters import CheckpointError, model_config, resolve_model
+    from jvllm.converters.name_map import map_name, t_split_qkv
+    from jvllm.models.registry import Family, family_of, register, supported_architectures
+
+    assert {"Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "LlamaForCausalLM"} <= set(
+        supported_architectures())
+    assert family_of("Gemma3ForCausalLM").model_class().__name__ == "GemmaForCausalLM"
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported: .*Gemma3ForCausalLM"):
+        family_of("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match=r"architecture 'Gemma2ForCausalLM' is registered by 'gemma' and 'again'"):
+        register(Family("again", ("Gemma2ForCausalLM",), {}, "jvllm.models.gemma:GemmaForCausalLM"))
+    with pytest.raises(ValueError, match=r"model_types map to unregistered architectures \['X'\]"):
+        Family("bad", ("Y",), {"y": "X"}, "m:C")
+    with pytest.raises(ValueError, match=r"unknown name map 'moe2'; known: llama, gemma, phi3"):
+        map_name("model.norm.weight", "moe2")
+    assert map_name("model.layers.3.self_attn.qkv_proj.weight", "phi3")[0] == (
+        "layers.3.self_attn.q_proj", "layers.3.self_attn.k_proj", "layers.3.self_attn.v_proj")
+    with pytest.raises(CheckpointError, match=r"tensor 'qkv': shape \(10, 8\) but the model expects \(32, 8\)"):
+        t_split_qkv("qkv", np.zeros((10, 8)), [(8, 2, 8), (8, 1, 8), (8, 1, 8)])
+    c = model_config(resolve_model("random:gemma3-4b"))  # the GPU benchmark's shape
+    assert (c.architecture, c.head_dim, c.layer_windows[:6], c.rope_type, c.local_rope_theta) == (
+        "Gemma3ForCausalLM", 256, (1024,) * 5 + (None,), "linear", 10000.0)
+
+
+def test_gemma2_pallas_kernels_match_transformers(ckpt_dir):
+    """Gemma 2 through the Pallas backends (interpret mode): soft-capped and sliding layers take
+    the ragged kernel on every step, decode-only steps too."""
+    path = ckpt_dir("gemma2")
+    prompts = [[5, 9, 200, 31] * 5, list(range(3, 20))]
+    llm = LLM(path, dtype="float32", use_tqdm_on_load=False, max_model_len=32, max_num_batched_tokens=16,
+              token_buckets=(16,), max_num_seqs=2, attention_backend="pallas_interpret")
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    try:
+        ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                             use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    ref = hf_model(path)
+    assert ours == [hf_greedy(ref, p, 5) for p in prompts]
