@@ -133,7 +133,7 @@ def pallas_decode_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale
 
 # jitted so that a model's layers share one trace of it per program (XLA inlines the call): the
 # per-layer traces of this op were about half of a CPU step program's trace time
-@functools.partial(jax.jit, static_argnames=("scale", "window", "kv_chunk_blocks"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "kv_chunk_blocks"))
 def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
                     window: int | None = None, softcap: float | None = None, kv_chunk_blocks: int = 16):
     """q [T, H, D] -> [T, H, D]. Reads K/V (including this step's tokens) from the pages.
