@@ -15,6 +15,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from .moe_names import ExpertSlice, moe_rules
+
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match the model's declared parameters, or a damaged file."""
@@ -54,6 +56,11 @@ def t_bias_heads(name, a, tgt):  # [heads*hd] -> [heads, hd]
     return a.reshape(h, hd)
 
 
+def t_row(name, a, tgt):  # Linear(D, 1) [1, D] -> [D]
+    _expect(name, a, (1, tgt[0]))
+    return a[0]
+
+
 _L = r"model\.layers\.(\d+)\."
 HF_RULES: list[tuple[str, str | None, Callable | None]] = [
     (r"model\.embed_tokens\.weight", "embed", t_identity),
@@ -70,6 +77,7 @@ HF_RULES: list[tuple[str, str | None, Callable | None]] = [
     (_L + r"self_attn\.rotary_emb\.inv_freq", None, None),
     (r"model\.rotary_emb\.inv_freq", None, None),
 ]
+HF_RULES += moe_rules(t_identity, t_transpose, t_row)
 _COMPILED = [(re.compile(p + r"\Z"), t, f) for p, t, f in HF_RULES]
 
 
@@ -78,6 +86,8 @@ def map_name(name: str):
     for rx, tgt, fn in _COMPILED:
         m = rx.match(name)
         if m:
+            if isinstance(fn, ExpertSlice):
+                fn = fn.at(int(m.group("expert")))
             return (m.expand(tgt) if tgt is not None else None), fn
     from .quantization import quantized_name_error
 
@@ -98,6 +108,7 @@ def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.nd
     """
     put = put or (lambda name, a: a)
     out = {}
+    stacks: dict[str, tuple[np.ndarray, set]] = {}  # stacked expert targets still being filled
     for src, load in tensors:
         tgt, fn = map_name(src)
         if tgt is None or (tgt == "lm_head" and tied_embeddings):
@@ -106,8 +117,24 @@ def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.nd
             raise CheckpointError(f"unexpected tensor {src!r}: this model declares no parameter {tgt!r}")
         if tgt in out:
             raise CheckpointError(f"tensor {src!r} appears twice in the checkpoint")
+        if isinstance(fn, ExpertSlice):
+            shape = specs[tgt][0]
+            if fn.index >= shape[0]:
+                raise CheckpointError(f"tensor {src!r}: expert {fn.index} but the model has {shape[0]} experts")
+            buf, seen = stacks.setdefault(tgt, (np.empty(shape, dtype), set()))
+            if fn.index in seen:
+                raise CheckpointError(f"tensor {src!r} appears twice in the checkpoint")
+            buf[fn.index] = fn.fn(src, load(), shape[1:])
+            seen.add(fn.index)
+            if len(seen) == shape[0]:
+                out[tgt] = put(tgt, buf)
+                del stacks[tgt]
+            continue
         arr = fn(src, load(), specs[tgt][0])
         out[tgt] = put(tgt, np.ascontiguousarray(arr).astype(dtype, copy=False))
+    for tgt, (buf, seen) in sorted(stacks.items()):
+        absent = sorted(set(range(buf.shape[0])) - seen)
+        raise CheckpointError(f"checkpoint is missing expert(s) {absent[:8]} of {tgt!r} ({len(seen)} of {buf.shape[0]})")
     missing = sorted(set(specs) - set(out))
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: "

@@ -17,7 +17,11 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",  # jvllm.models.moe
+    "Qwen2MoeForCausalLM",  # jvllm.models.moe
+    "Qwen3MoeForCausalLM",  # jvllm.models.moe
 )
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
@@ -25,6 +29,41 @@ def _freeze(d: dict | None) -> tuple | None:
     if not d:
         return None
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a model (jvllm.models.moe).
+
+    Router: softmax over `num_experts` logits in float32, the `top_k` largest, renormalised to sum
+    to one when `norm_topk_prob` (Mixtral always). Layer i is sparse iff i is not in
+    `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; other layers keep the dense MLP of
+    `intermediate_size`. `shared_expert_size` > 0 adds Qwen2-MoE's shared expert, scaled by a
+    sigmoid gate. `expert_parallel` picks the expert computation's variant under a tensor-parallel
+    mesh (experts sharded over the devices, not their hidden dimension); the engine sets it from
+    `enable_expert_parallel`, it changes no parameter."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate size (moe_intermediate_size)
+    norm_topk_prob: bool = True
+    shared_expert_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    expert_parallel: bool = False
+
+    def __post_init__(self):
+        for f in ("num_experts", "top_k", "expert_size", "decoder_sparse_step"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"MoEConfig.{f} must be a positive integer, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.num_experts})")
+        if not isinstance(self.shared_expert_size, int) or self.shared_expert_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be an integer >= 0, got {self.shared_expert_size!r}")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +95,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
+    moe: MoEConfig | None = None  # mixture-of-experts layers (the MoE architectures only)
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -72,6 +112,9 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu")
         if len(self.layer_windows) != self.num_layers:
             object.__setattr__(self, "layer_windows", tuple([None] * self.num_layers))
+        if (self.moe is not None) != (self.architecture in _MOE_ARCHITECTURES):
+            raise ValueError(f"architecture {self.architecture!r} {'needs' if self.moe is None else 'takes no'} "
+                             f"mixture-of-experts settings (moe={self.moe!r})")
         rtype = self.rope_type
         if rtype not in _ROPE_TYPES:
             raise ValueError(f"unsupported rope scaling type {rtype!r}; supported: {', '.join(_ROPE_TYPES)}")
@@ -94,8 +137,15 @@ class ModelConfig:
     def num_params(self) -> int:
         D, I, H, K, hd, V = (self.hidden_size, self.intermediate_size, self.num_heads,
                              self.num_kv_heads, self.head_dim, self.vocab_size)
-        per_layer = D * hd * (H + 2 * K) + H * hd * D + 3 * D * I + 2 * D
-        return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + D
+        per_layer = D * hd * (H + 2 * K) + H * hd * D + 2 * D
+        mlp = 3 * D * I * self.num_layers
+        if self.moe is not None:  # sparse layers: router + experts (+ shared expert and its gate)
+            m = self.moe
+            sparse = sum(m.is_sparse(i) for i in range(self.num_layers))
+            moe = D * m.num_experts + 3 * D * m.expert_size * m.num_experts
+            moe += (3 * D * m.shared_expert_size + D) if m.shared_expert_size else 0
+            mlp += sparse * (moe - 3 * D * I)
+        return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + mlp + D
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -150,14 +200,16 @@ class ModelConfig:
             rope_scaling=_freeze(rope),
             max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048) or 2048),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-            o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(hf, "attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False))
+            or (arch == "Qwen2MoeForCausalLM" and bool(getattr(hf, "qkv_bias", True))),
+            o_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") and bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             layer_windows=tuple(windows),
             hidden_act=getattr(hf, "hidden_act", "silu"),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos,
+            moe=_moe_from_hf(hf, arch),
         )
 
     @classmethod
@@ -166,9 +218,26 @@ class ModelConfig:
         return cls.from_hf_config(load_hf_config(path))
 
 
+def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
+    """The MoE settings of a transformers config (None for dense architectures). Router options
+    jvllm does not implement are refused by name."""
+    if arch not in _MOE_ARCHITECTURES:
+        return None
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                         expert_size=hf.intermediate_size, norm_topk_prob=True)
+    return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.moe_intermediate_size,
+                     norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+                     shared_expert_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+                     if arch == "Qwen2MoeForCausalLM" else 0,
+                     decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+                     mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()))
+
+
 def _arch_from_model_type(mt: str) -> str:
     return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}.get(mt, mt or "<none>")
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}.get(mt, mt or "<none>")
 
 
 def load_hf_config(path: str):
@@ -183,7 +252,7 @@ def load_hf_config(path: str):
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
     mt = raw.get("model_type")
-    if mt not in ("llama", "mistral", "qwen2", "qwen3"):
+    if mt not in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
         archs = raw.get("architectures")
         raise ValueError(f"unsupported architecture {archs!r} (model_type={mt!r}); "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -26,6 +26,15 @@ ARCHS = {
                                                        max_window_layers=1)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict()),
 }
+ARCHS.update({  # mixture of experts (jvllm.models.moe); Qwen2-MoE with one dense layer too
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                             intermediate_size=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=4,
+                                                                 moe_intermediate_size=32, norm_topk_prob=True)),
+})
 
 
 def smollm2_gguf_path() -> str:

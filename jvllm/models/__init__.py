@@ -6,8 +6,10 @@ from flax import nnx
 
 from jvllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jvllm.models.llama import LlamaForCausalLM
+from jvllm.models.moe import MoEForCausalLM
 
 _REGISTRY = {a: LlamaForCausalLM for a in SUPPORTED_ARCHITECTURES}
+_REGISTRY.update(dict.fromkeys(("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"), MoEForCausalLM))
 
 
 def model_class(cfg: ModelConfig):

@@ -1,0 +1,110 @@
+"""Mixture-of-experts families in Flax NNX: Mixtral (top-2 of 8), Qwen2-MoE (shared expert behind
+a sigmoid gate, qkv bias), Qwen3-MoE (top-8 of 128, q/k norms, `norm_topk_prob`).
+
+Attention, norms, embedding and head are the Llama family's (jvllm.models.llama); only the
+feed-forward of a sparse layer differs (`ModelConfig.moe.is_sparse(i)`; other layers keep the dense
+MLP). Forward contract: as `LlamaForCausalLM`.
+
+Parameter layout of a sparse layer's `mlp` (logical axes in brackets):
+  router [embed, router]; expert_gate / expert_up [expert, embed, moe_mlp]; expert_down
+  [expert, moe_mlp, embed]; Qwen2-MoE adds shared_expert.{gate,up,down}_proj (a dense MLP) and
+  shared_expert_gate [embed].
+The expert computation is jvllm.ops.grouped_matmul (tokens sorted by expert, ragged_dot). Under a
+tensor-parallel mesh the variant is fixed at construction by `cfg.moe.expert_parallel`: experts
+sharded over the devices (expert parallel) or each expert's hidden dimension split (tensor
+parallel); both sum partial outputs with one psum.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jvllm.config import ModelConfig
+from jvllm.models.layers import RMSNorm, declare
+from jvllm.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from jvllm.ops import grouped_matmul as gm
+from jvllm.ops.attention import _TP_MESH
+
+_List = getattr(nnx, "List", list)
+
+
+class SharedExpertMLP(MLP):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP of `shared_expert_size`."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        D, I = cfg.hidden_size, cfg.moe.shared_expert_size
+        self.gate_proj = declare((D, I), ("embed", "mlp"), dtype)
+        self.up_proj = declare((D, I), ("embed", "mlp"), dtype)
+        self.down_proj = declare((I, D), ("mlp", "embed"), dtype)
+        self.has_bias = False
+
+
+class SparseMoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype):
+        m = cfg.moe
+        D, E, I = cfg.hidden_size, m.num_experts, m.expert_size
+        self.router = declare((D, E), ("embed", "router"), dtype)
+        self.expert_gate = declare((E, D, I), ("expert", "embed", "moe_mlp"), dtype)
+        self.expert_up = declare((E, D, I), ("expert", "embed", "moe_mlp"), dtype)
+        self.expert_down = declare((E, I, D), ("expert", "moe_mlp", "embed"), dtype)
+        self.has_shared = m.shared_expert_size > 0
+        if self.has_shared:
+            self.shared_expert = SharedExpertMLP(cfg, dtype)
+            self.shared_expert_gate = declare((D,), ("embed",), dtype)
+        self.top_k, self.norm_topk = m.top_k, m.norm_topk_prob
+        self.expert_parallel = m.expert_parallel
+
+    def route(self, x):
+        """(top_idx [T, k] int32, top_w [T, k] float32): softmax in float32 over all experts, the
+        k largest, renormalised when `norm_topk_prob` (transformers' TopKRouter)."""
+        probs = jax.nn.softmax((x @ self.router[...]).astype(jnp.float32), axis=-1)
+        top_w, top_idx = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk:
+            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        return top_idx, top_w
+
+    def __call__(self, x):
+        top_idx, top_w = self.route(x)
+        ws = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
+        mesh = _TP_MESH.get()
+        if mesh is None or int(dict(mesh.shape).get("tensor", 1)) == 1:
+            y = gm.moe_ffn(x, top_idx, top_w, *ws)
+        elif self.expert_parallel:
+            y = gm.expert_parallel_ffn(x, top_idx, top_w, *ws, mesh=mesh, axis="tensor")
+        else:
+            y = gm.tensor_parallel_ffn(x, top_idx, top_w, *ws, mesh=mesh, axis="tensor")
+        y = y.astype(x.dtype)
+        if self.has_shared:
+            gate = jax.nn.sigmoid((x @ self.shared_expert_gate[...]).astype(jnp.float32))
+            y = y + (gate[:, None] * self.shared_expert(x).astype(jnp.float32)).astype(x.dtype)
+        return y
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A Llama decoder layer whose MLP is a `SparseMoE` on sparse layers (same forward)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = SparseMoE(cfg, dtype) if cfg.moe.is_sparse(layer) else MLP(cfg, dtype)
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Mixtral / Qwen2-MoE / Qwen3-MoE: `LlamaForCausalLM` with `MoEDecoderLayer`s (pipeline
+    stages as there: `layers=(start, end)`)."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, layers: tuple[int, int] | None = None):
+        if cfg.moe is None:
+            raise ValueError(f"{cfg.architecture}: MoEForCausalLM needs ModelConfig.moe")
+        start, end = layers or (0, cfg.num_layers)
+        self.config = cfg
+        self.first, self.last = start == 0, end == cfg.num_layers
+        if self.first:
+            self.embed = declare((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = _List([MoEDecoderLayer(cfg, i, dtype) for i in range(start, end)])
+        if self.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            if not cfg.tie_word_embeddings:
+                self.lm_head = declare((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)

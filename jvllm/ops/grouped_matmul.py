@@ -1,0 +1,108 @@
+"""Mixture-of-experts FFN as grouped matmuls over tokens sorted by expert (`jax.lax.ragged_dot`).
+
+    y = moe_ffn(x[T, D], top_idx[T, k], top_w[T, k], w_gate[E, D, I], w_up[E, D, I], w_down[E, I, D])
+
+Every (token, choice) pair becomes one row of a static [T * k, D] buffer, sorted by expert; the
+group sizes (rows per expert) are *values* computed on device, so one compiled program serves
+every routing. Three ragged_dot calls (gate, up, down) do the expert work: never a Python loop over
+experts, never a dense all-experts product. The rows are then weighted, put back in token order
+and summed over the k choices (a reshape, not a scatter-add, so the sum order is fixed).
+
+Expert parallelism (`expert_parallel_ffn`): the experts' leading dimension is sharded over the
+mesh axis; each device takes the rows of its own experts (contiguous in the sorted buffer: one
+dynamic slice at their offset), runs the same grouped matmuls on them and the per-device partial
+outputs are summed with one psum. Tokens are *gathered*, not sent by all-to-all: after attention's
+all-reduce every tensor-parallel device already holds all T tokens, so no token has to move, and
+the psum replaces the all-reduce a tensor-parallel MLP needs anyway. (An all-to-all pays off when
+tokens are sharded over the devices, i.e. data-parallel attention, which jvllm does not run.)
+
+Hazards: padded tokens of a step are routed like real ones (their rows cost compute, their outputs
+are discarded by the caller); `jax.lax.ragged_dot` writes zeros for rows past the sum of the group
+sizes, which the expert-parallel path relies on for rows of other devices' experts.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sort_by_expert(top_idx: jax.Array, num_experts: int):
+    """(order [T*k], group_sizes [E] int32): row r of the sorted buffer is pair order[r] of the
+    flattened [T, k] choices (token order[r] // k); stable, so ties keep token order."""
+    flat = top_idx.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return order, sizes
+
+
+def _expert_mlp(xs, w_gate, w_up, w_down, sizes):
+    g = jax.lax.ragged_dot(xs, w_gate, sizes)
+    u = jax.lax.ragged_dot(xs, w_up, sizes)
+    return jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(xs.dtype), w_down, sizes)
+
+
+def _combine(ys, order, top_w, T: int, k: int):
+    """Sorted rows [T*k, D] -> weighted sum over each token's k choices [T, D]."""
+    inv = jnp.argsort(order)  # sorted position of each (token, choice) pair
+    y = ys[inv].reshape(T, k, -1)
+    w = top_w.astype(jnp.float32)[..., None]
+    return jnp.sum(y.astype(jnp.float32) * w, axis=1)
+
+
+def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down):
+    """SwiGLU experts on one device. x [T, D]; top_idx/top_w [T, k]; weights [E, ...]. Returns
+    [T, D] in float32 (the caller casts)."""
+    T, k = top_idx.shape
+    order, sizes = sort_by_expert(top_idx, w_gate.shape[0])
+    xs = x[order // k]
+    return _combine(_expert_mlp(xs, w_gate, w_up, w_down, sizes), order, top_w, T, k)
+
+
+def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: str):
+    """`moe_ffn` with the experts sharded over `axis` of `mesh` (the number of experts must be a
+    multiple of the axis size); x and the routing are replicated. Same result as `moe_ffn` up to
+    the float32 summation order of the psum."""
+    from jax.sharding import PartitionSpec as P
+
+    n = int(dict(mesh.shape)[axis])
+    E = w_gate.shape[0]
+    if E % n:
+        raise ValueError(f"expert parallelism: {E} experts do not split over {n} devices of mesh axis {axis!r}")
+    T, k = top_idx.shape
+    M = T * k
+
+    def local(x, top_idx, top_w, wg, wu, wd):
+        El = wg.shape[0]
+        order, sizes = sort_by_expert(top_idx, E)
+        e0 = jax.lax.axis_index(axis) * El
+        local_sizes = jax.lax.dynamic_slice_in_dim(sizes, e0, El)
+        start = jnp.sum(jnp.where(jnp.arange(E) < e0, sizes, 0))  # first row of this device's experts
+        xs = x[order // k]
+        # rotate this device's rows to the front; ragged_dot zeroes the rows past them
+        rows = (jnp.arange(M) + start) % M
+        ys = _expert_mlp(xs[rows], wg, wu, wd, local_sizes)
+        ys = jnp.zeros_like(ys).at[rows].set(ys)  # back to sorted positions (others' rows stay 0)
+        return jax.lax.psum(_combine(ys, order, top_w, T, k), axis)
+
+    ex = P(axis, None, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), ex, ex, ex), out_specs=P(),
+                         check_vma=False)(x, top_idx, top_w, w_gate, w_up, w_down)
+
+
+def tensor_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: str):
+    """`moe_ffn` with every expert's hidden dimension sharded over `axis` (Megatron-style: gate
+    and up split on their output, down on its input); each device runs all experts on its slice
+    and one psum sums the partial outputs. GSPMD is not trusted to split ragged_dot itself."""
+    from jax.sharding import PartitionSpec as P
+
+    n = int(dict(mesh.shape)[axis])
+    if w_gate.shape[2] % n:
+        raise ValueError(f"tensor parallelism: expert size {w_gate.shape[2]} does not split over {n} devices "
+                         f"of mesh axis {axis!r}")
+
+    def local(x, top_idx, top_w, wg, wu, wd):
+        return jax.lax.psum(moe_ffn(x, top_idx, top_w, wg, wu, wd), axis)
+
+    col, row = P(None, None, axis), P(None, axis, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), col, col, row), out_specs=P(),
+                         check_vma=False)(x, top_idx, top_w, w_gate, w_up, w_down)
