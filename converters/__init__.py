@@ -119,7 +119,11 @@ def hf_config_dict(spec: ModelSpec) -> dict:
 def model_config(spec: ModelSpec):
     from jvllm.config import ModelConfig, load_hf_config
 
-    if spec.kind in ("gguf", "random"):
+    if spec.kind == "gguf":  # the dict is complete: no transformers config class (its import pulls torch)
+        from .gguf import model_config_from_dict
+
+        return model_config_from_dict(hf_config_dict(spec))
+    if spec.kind == "random":
         import transformers
 
         d = hf_config_dict(spec)
@@ -201,17 +205,24 @@ def load_checkpoint(spec: ModelSpec | str, dtype="float32",
     return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
 
 
-def convert_to_orbax(src: str, dst: str, dtype="float32") -> dict:
-    """`jvllm convert`: write SRC's converted params (Orbax) + config.json + tokenizer to DST."""
+def convert_to_orbax(src: str, dst: str, dtype="float32", log=None):
+    """`jvllm convert`: write SRC's converted params (Orbax) + config.json + tokenizer to DST.
+    `log(str)` hears each step as it starts. Returns a ConvertReport."""
+    from .convert_report import ConvertReport
     from .orbax_io import save
 
+    log = log or (lambda msg: None)
     spec = resolve_model(src)
+    log(f"reading {spec.path} ({spec.kind}) and converting to {dtype} ...")
     ck = load_checkpoint(spec, dtype)
     tok = load_tokenizer(spec)
     d = hf_config_dict(spec)
+    log(f"writing {len(ck.params)} tensors to {dst} ...")
     t0 = time.perf_counter()
     save(dst, ck.params, d, tok, source=spec.path, dtype=str(dtype))
-    return {"load_s": ck.load_seconds, "save_s": time.perf_counter() - t0}
+    return ConvertReport(src=src, src_path=spec.path, src_kind=spec.kind, dst=dst, dtype=str(dtype),
+                         num_tensors=len(ck.params), num_params=int(sum(int(np.prod(p.shape)) for p in ck.params.values())),
+                         load_s=ck.load_seconds, save_s=time.perf_counter() - t0, has_tokenizer=tok is not None)
 
 
 def remote_placeholder(shape: tuple, dtype, sharding):

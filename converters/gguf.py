@@ -1,14 +1,13 @@
 """GGUF files (llama.cpp): config from metadata, tensors dequantized and renamed to HF names.
 
-Tensor data are dequantized with the `gguf` package's numpy kernels (F32, F16, BF16, Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, Q2_K..Q6_K and more). llama.cpp stores Llama/Mistral q and k projections with
+The header is parsed by `gguf_file.GGUFFile`; tensor data are dequantized by `gguf_dequant`
+(vectorized numpy for the common types, the `gguf` package's kernels for the rest). llama.cpp stores Llama/Mistral q and k projections with
 its rotary permutation (`convert_hf_to_gguf.py: LlamaModel.permute`); `unpermute` undoes it so the
 result is the HF layout, which `name_map` then converts like any HF checkpoint. The tokenizer is
-read from the same metadata through transformers (`gguf_file=`).
+built from the same metadata by `gguf_tokenizer` (no torch needed).
 """
 from __future__ import annotations
 
-import os
 import re
 from typing import Iterator
 
@@ -40,22 +39,20 @@ _GGUF_RX = [(re.compile(p + r"\Z"), t) for p, t in _GGUF_TO_HF]
 
 
 def _reader(path: str):
+    from .deps import MissingDependencyError
+
     try:
-        import gguf
+        import gguf  # noqa: F401  (type tables and dequantization kernels)
     except ImportError:
-        raise ImportError("reading GGUF files needs the gguf package: pip install 'jvllm[gguf]'") from None
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # truncated / corrupt: numpy memmap errors, bad magic, ...
-        raise CheckpointError(f"{path}: cannot read GGUF file ({type(e).__name__}: {e})") from None
+        raise MissingDependencyError(f"reading the GGUF file {path} needs the gguf package: "
+                                     f"pip install 'jvllm[gguf]'") from None
+    from .gguf_file import GGUFFile
+
+    return GGUFFile(path)
 
 
 def _field(r, key, default=None):
-    f = r.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return r.get(key, default)
 
 
 def gguf_hf_config(path: str) -> dict:
@@ -70,8 +67,8 @@ def gguf_hf_config(path: str) -> dict:
 
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
-    tokens = r.fields.get("tokenizer.ggml.tokens")
-    vocab = g("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    tokens = r.get("tokenizer.ggml.tokens")
+    vocab = g("vocab_size") or (len(tokens) if tokens is not None else None)
     names = {t.name for t in r.tensors}
     if vocab is None:
         vocab = int([t for t in r.tensors if t.name == "token_embd.weight"][0].shape[1])
@@ -105,6 +102,17 @@ def gguf_hf_config(path: str) -> dict:
     return cfg
 
 
+def model_config_from_dict(cfg: dict):
+    """jvllm's ModelConfig from `gguf_hf_config`'s dict, read as attributes: the dict names every
+    field ModelConfig.from_hf_config needs, so no transformers config class is built (importing
+    one imports torch where torch is installed, seconds of start-up)."""
+    import types
+
+    from jvllm.config import ModelConfig
+
+    return ModelConfig.from_hf_config(types.SimpleNamespace(**cfg))
+
+
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k permutation ([n_head*hd, ...] rows)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -114,12 +122,14 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
     """(HF tensor name, loader) for every tensor of the file, dequantized to float32."""
     import gguf
 
+    from .gguf_dequant import dequantize
+
     r = _reader(path)
     hf_cfg = hf_cfg or gguf_hf_config(path)
     arch = hf_cfg["model_type"]
     H, KV = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
-    size = os.path.getsize(path)
     for t in r.tensors:
+        qtype = gguf.GGMLQuantizationType(t.ggml_type)
         for rx, tgt in _GGUF_RX:
             m = rx.match(t.name)
             if m:
@@ -129,25 +139,17 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
         if tgt is None:
             continue
         hf_name = m.expand(tgt)
-        qtype = t.tensor_type
         if qtype.name not in SUPPORTED_GGUF_TYPES:
             raise CheckpointError(f"{path}: tensor {t.name!r} has unsupported GGUF type {qtype.name}; "
                                   f"supported: {', '.join(SUPPORTED_GGUF_TYPES)}")
-        if t.data_offset + t.n_bytes > size:
-            raise CheckpointError(f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte "
-                                  f"{t.data_offset + t.n_bytes}, file has {size}")
+        raw = r.tensor_bytes(t)  # checks the file holds the whole tensor
 
-        def load(t=t, qtype=qtype, hf_name=hf_name):
-            shape = tuple(int(x) for x in reversed(t.shape))
+        def load(t=t, qtype=qtype, hf_name=hf_name, raw=raw):
             try:
-                if qtype.name in ("F32", "F16", "F64"):
-                    a = np.asarray(t.data)
-                else:  # the reader may type BF16 data as uint16: dequantize wants the raw bytes
-                    a = gguf.quants.dequantize(np.ascontiguousarray(t.data).view(np.uint8), qtype)
+                a = dequantize(raw, qtype, t.numpy_shape)
             except NotImplementedError:
                 raise CheckpointError(f"{path}: tensor {t.name!r} uses GGUF type {qtype.name}, which this "
                                       f"gguf version cannot dequantize") from None
-            a = np.asarray(a, dtype=np.float32).reshape(shape)
             if arch in _PERMUTED_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 a = unpermute(a, H if ".q_proj" in hf_name else KV)
             return a
@@ -156,11 +158,7 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
 
 
 def gguf_tokenizer(path: str):
-    """The file's tokenizer through transformers, or None when the file carries none."""
-    import transformers
+    """The file's tokenizer built from its metadata (no torch), or None when it carries none."""
+    from .gguf_tokenizer import tokenizer_from_gguf
 
-    if "tokenizer.ggml.model" not in _reader(path).fields:
-        return None
-
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                      gguf_file=os.path.basename(path))
+    return tokenizer_from_gguf(_reader(path))

@@ -68,11 +68,9 @@ def read_safetensors(path: str) -> Iterator[tuple[str, callable]]:
 
 
 def read_torch(path: str) -> Iterator[tuple[str, callable]]:
-    try:
-        import torch
-    except ImportError:
-        raise ImportError("reading PyTorch .bin/.pt checkpoints needs torch: pip install 'jvllm[torch]' "
-                          "(on a CPU machine: pip install torch==2.13.0)") from None
+    from .deps import require_torch
+
+    torch = require_torch(f"reading the PyTorch checkpoint {path}")
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # zip errors, pickle errors, EOF ...

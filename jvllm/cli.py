@@ -4,34 +4,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+from jvllm.converters.deps import MissingDependencyError
 
 
 def add_engine_args(p: argparse.ArgumentParser):
     """Every LLM(...) engine option as a flag (shared by generate, chat, serve, bench)."""
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-tokenizer-init", action="store_true", default=None)
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (None: the model's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of device memory jvllm may use")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV blocks (None: sized from memory)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool bytes (None: sized from memory)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (None: engine default)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests in one step (None: engine default)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off (default: on)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--skip-tokenizer-init", action="store_true", default=None, help="token ids in and out only")
     p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="comma-separated token-count buckets compiled at start-up")
     p.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache ('off' to disable)")
     p.add_argument("--attention-backend", default="auto",
                    help="auto (GPU: ragged, else xla) | ragged | ragged_split (split-K for every decode step; ragged splits small decode batches only) | pallas (JAX decode kernel + ragged) | pallas_decode | xla")
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="dispatch step N+1 before reading step N (default: on in a single process; data-parallel replicas step synchronously)")
+                   help="dispatch step N+1 before reading step N (None: on in a single process; data-parallel replicas step synchronously)")
     p.add_argument("--query-tile", type=int, default=None, help="tokens per attention query tile of mixed steps")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices per tensor-parallel group")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
     p.add_argument("--pipeline-stage-threads", action="store_true",
                    help="launch pipeline stages after the first from one thread per stage (experimental)")
     p.add_argument("--pipeline-handoff", default="device_put", choices=("device_put", "ppermute"),
@@ -57,13 +61,15 @@ def engine_kwargs(a) -> dict:
                 compilation_cache_dir=a.compilation_cache_dir)
 
 
-def add_sampling_args(p):
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None)
+def add_sampling_args(p, max_tokens: int):
+    """Sampling flags. The CLI's max_tokens default is its own (`generate` 64, `chat` 256); the
+    offline API keeps vLLM's SamplingParams default of 16."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed (None: random)")
 
 
 def sampling_params(a):
@@ -73,12 +79,27 @@ def sampling_params(a):
                           min_p=a.min_p, seed=a.sampling_seed)
 
 
-def cmd_generate(a):
+def start_engine(a):
+    """LLM(a.model, ...) with a line before ("loading MODEL ...") and one after (how long the
+    load and the compiles took), on stderr."""
     from jvllm import LLM
 
+    say(f"loading {a.model} ...")
     t0 = time.perf_counter()
     llm = LLM(a.model, **engine_kwargs(a))
-    t_load = time.perf_counter() - t0
+    eng = llm.llm_engine
+    parts = [f"{name} {getattr(eng, attr):.1f}s" for name, attr in
+             (("weights", "load_seconds"), ("compile", "warmup_seconds")) if isinstance(getattr(eng, attr, None), float)]
+    say(f"{a.model} ready in {time.perf_counter() - t0:.1f}s" + (f" ({', '.join(parts)})" if parts else ""))
+    return llm, time.perf_counter() - t0
+
+
+def say(msg: str):
+    print(f"jvllm: {msg}", file=sys.stderr, flush=True)
+
+
+def cmd_generate(a):
+    llm, t_load = start_engine(a)
     prompts = a.prompt or ["The capital of France is"]
     sp = sampling_params(a)
     t1 = time.perf_counter()
@@ -94,9 +115,7 @@ def cmd_generate(a):
 
 
 def cmd_chat(a):
-    from jvllm import LLM
-
-    llm = LLM(a.model, **engine_kwargs(a))
+    llm, _ = start_engine(a)
     sp = sampling_params(a)
     messages = []
     if a.system:
@@ -134,6 +153,9 @@ def cmd_chat(a):
 
 
 def cmd_verify(a):
+    from jvllm.converters.deps import require_torch
+
+    require_torch("jvllm verify")
     import jax
 
     from jvllm.verify import verify
@@ -146,18 +168,17 @@ def cmd_verify(a):
 def cmd_convert(a):
     from jvllm.converters import convert_to_orbax, load_checkpoint
 
-    r = convert_to_orbax(a.src, a.dst, a.dtype)
+    r = convert_to_orbax(a.src, a.dst, a.dtype, log=say)
+    say(f"reloading {a.dst} to check it ...")
     t0 = time.perf_counter()
     ck = load_checkpoint(a.dst, a.dtype)
-    r["reload_s"] = time.perf_counter() - t0
-    r.update(src=a.src, dst=a.dst, dtype=a.dtype, params=len(ck.params))
-    print(json.dumps(r, indent=1))
+    if len(ck.params) != r.num_tensors:
+        raise SystemExit(f"jvllm convert: {a.dst} reloaded {len(ck.params)} tensors, {r.num_tensors} were written")
+    print(r.table(reload_s=time.perf_counter() - t0))
 
 
 def cmd_compile_report(a):
-    from jvllm import LLM
-
-    llm = LLM(a.model, **engine_kwargs(a))
+    llm, _ = start_engine(a)
     rows = llm.compile_report()
     eng = llm.llm_engine
     print(f"{'program':<28} {'GFLOP':>10} {'MB accessed':>12} {'temp MB':>9} {'fusions':>8}")
@@ -171,40 +192,50 @@ def cmd_compile_report(a):
     llm.shutdown()
 
 
-def main(argv=None):
+def show_defaults(parser: argparse.ArgumentParser):
+    """Every option's --help line ends with its default (also for options that have no help
+    text, such as those other modules register)."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    for action in parser._actions:
+        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS:
+            action.help = "(default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `jvllm` parser with every subcommand (serve, bench and launch when importable)."""
     from jvllm.converters import DEFAULT_MODEL
 
     ap = argparse.ArgumentParser(prog="jvllm", description="LLM inference on JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("prompt", nargs="*")
-    g.add_argument("--model", default=DEFAULT_MODEL)
+    g.add_argument("prompt", nargs="*", help="prompts (none: one example prompt)")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, checkpoint folder or .gguf file")
     add_engine_args(g)
-    add_sampling_args(g)
+    add_sampling_args(g, max_tokens=64)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template")
-    c.add_argument("--model", default=DEFAULT_MODEL)
-    c.add_argument("--system", default=None)
+    c.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, checkpoint folder or .gguf file")
+    c.add_argument("--system", default=None, help="system prompt")
     add_engine_args(c)
-    add_sampling_args(c)
-    c.set_defaults(func=cmd_chat, max_tokens=256)
+    add_sampling_args(c, max_tokens=256)
+    c.set_defaults(func=cmd_chat)
 
-    v = sub.add_parser("verify", help="compare jvllm's logits with transformers' on a checkpoint")
-    v.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    v.add_argument("--atol", type=float, default=None)
+    v = sub.add_parser("verify", help="compare jvllm's logits with transformers' on a checkpoint (needs torch)")
+    v.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="built-in name, checkpoint folder or .gguf file")
+    v.add_argument("--atol", type=float, default=None, help="max |logit difference| allowed (None: 1e-3)")
     v.set_defaults(func=cmd_verify)
 
     cv = sub.add_parser("convert", help="convert a checkpoint to an Orbax folder (params + config + tokenizer)")
-    cv.add_argument("src")
-    cv.add_argument("dst")
-    cv.add_argument("--dtype", default="float32")
+    cv.add_argument("src", help="built-in name, checkpoint folder or .gguf file")
+    cv.add_argument("dst", help="Orbax folder to write")
+    cv.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     cv.set_defaults(func=cmd_convert)
 
     cr = sub.add_parser("compile-report", help="compile every bucket and report what XLA produced")
-    cr.add_argument("--model", default=DEFAULT_MODEL)
-    cr.add_argument("--output-json", default=None)
+    cr.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, checkpoint folder or .gguf file")
+    cr.add_argument("--output-json", default=None, help="also write the rows to this JSON file")
     add_engine_args(cr)
     cr.set_defaults(func=cmd_compile_report)
 
@@ -213,13 +244,27 @@ def main(argv=None):
             __import__(mod, fromlist=["register"]).register(sub)
         except ImportError:
             pass
+    for p in sub.choices.values():
+        show_defaults(p)
+    return ap
 
-    a = ap.parse_args(argv)
+
+def main(argv=None):
+    from jvllm.platform import cpu_only_default
+
+    cpu_only_default()  # before jax starts: no TPU probe (and its log line) on a CPU-only install
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" on import
+    a = build_parser().parse_args(argv)
     if a.cmd == "verify" and a.atol is None:
         from jvllm.verify import DEFAULT_ATOL
 
         a.atol = DEFAULT_ATOL
-    a.func(a)
+    try:
+        a.func(a)
+    except MissingDependencyError as e:  # one line, no traceback: what is missing and how to get it
+        msg = str(e)
+        print(msg if msg.startswith("jvllm") else f"jvllm {a.cmd}: {msg}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

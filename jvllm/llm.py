@@ -149,9 +149,9 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
+            from jvllm.progress import bar as progress_bar
 
-            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+            bar = progress_bar(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
         t0, ntok = time.perf_counter(), 0
         try:
             while eng.has_unfinished_requests() and len(done) < len(want):

@@ -37,8 +37,11 @@ class PromptReport:
 
 
 def load_reference(spec):
-    """transformers' own model for the checkpoint (float32, CPU)."""
-    import torch
+    """transformers' own model for the checkpoint (float32, CPU). MissingDependencyError (one line)
+    without torch."""
+    from jvllm.converters.deps import require_torch
+
+    torch = require_torch("the transformers reference of `jvllm verify`")
     import transformers
 
     if spec.kind == "gguf":
@@ -59,19 +62,22 @@ def fixed_token_prompts(vocab_size: int, n: int = 4, seed: int = 0) -> list[list
 
 def verify(model: str, prompts=None, atol: float = DEFAULT_ATOL, log=print) -> tuple[bool, list[PromptReport]]:
     import jax.numpy as jnp
-    import torch
 
     from jvllm.config import cdiv
+    from jvllm.converters.deps import require_torch
     from jvllm.converters import load_checkpoint, load_tokenizer, resolve_model
     from jvllm.models import bind
     from jvllm.runner import ModelRunner
 
+    torch = require_torch("jvllm verify")
     spec = resolve_model(model)
     t0 = time.perf_counter()
+    log(f"jvllm: loading {spec.path} ...")
     ck = load_checkpoint(spec, "float32")
     log(f"jvllm: loaded {spec.kind} checkpoint {spec.path} in {ck.load_seconds:.1f}s "
         f"({ck.config.architecture}, {ck.config.num_layers} layers)")
     t1 = time.perf_counter()
+    log("transformers: loading the same checkpoint (float32, CPU) ...")
     ref = load_reference(spec)
     log(f"transformers: loaded in {time.perf_counter() - t1:.1f}s")
     tok = load_tokenizer(spec)
@@ -89,14 +95,19 @@ def verify(model: str, prompts=None, atol: float = DEFAULT_ATOL, log=print) -> t
     graphdef, state = bind(cfg, ck.params, jnp.float32)
     head = ck.params["embed"] if cfg.tie_word_embeddings else ck.params["lm_head"]
     bs = 16
+    log(f"jvllm: compiling the forward pass for {max_len} tokens ...")
     runner = ModelRunner(cfg, graphdef, state, head, dtype=jnp.float32, block_size=bs,
                          num_blocks=cdiv(max_len, bs) + 1, max_model_len=max_len, max_num_seqs=1,
                          token_buckets=(max_len,))
     reports = []
-    for text, ids in prompts:
+    for i, (text, ids) in enumerate(prompts):
+        t2 = time.perf_counter()
         ours = runner.sequence_logits(ids)
+        t3 = time.perf_counter()
         with torch.no_grad():
             theirs = ref(torch.tensor([ids])).logits[0].float().numpy()
+        log(f"prompt {i + 1}/{len(prompts)} ({len(ids)} tokens): jvllm {t3 - t2:.1f}s, "
+            f"transformers {time.perf_counter() - t3:.1f}s")
         diff = float(np.max(np.abs(ours - theirs)))
         a, b = ours.argmax(-1), theirs.argmax(-1)
         srt = np.sort(theirs, axis=-1)

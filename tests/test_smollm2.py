@@ -41,9 +41,11 @@ def test_convert_smollm2_to_orbax_and_generate(tmp_path, smollm2_path):
     from jvllm.converters import convert_to_orbax, load_checkpoint
 
     dst = str(tmp_path / "smollm2-orbax")
-    times = convert_to_orbax("smollm2", dst)
+    report = convert_to_orbax("smollm2", dst)
     ck = load_checkpoint(dst)
-    assert times["load_s"] > 0 and ck.load_seconds > 0
+    assert report.load_s > 0 and ck.load_seconds > 0
+    assert report.num_tensors == len(ck.params) and report.has_tokenizer
+    assert report.num_params == sum(int(p.size) for p in ck.params.values()) > 100_000_000
     llm = LLM(dst, dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2,
               token_buckets=(16,), use_tqdm_on_load=False)
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)

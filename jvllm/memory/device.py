@@ -53,6 +53,11 @@ def claim_device_memory(utilization: float) -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms and not any(p in platforms.lower() for p in GPU_PLATFORMS):
         return False  # no GPU allocator in this process (CPU tests, TPU)
+    if not platforms:
+        from jvllm.platform import accelerator_plugins
+
+        if not accelerator_plugins():
+            return False  # a CPU-only install: no GPU allocator, and nothing to say about one
     user = [v for v in ALLOCATOR_VARS if v in os.environ]
     if user or backends_initialized():
         log.info("device memory: JAX's allocator settings are kept (%s); gpu_memory_utilization %.2f "
