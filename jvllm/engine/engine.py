@@ -50,6 +50,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # mixture-of-experts models: shard the experts over the tensor-parallel devices (vLLM's flag;
+    # attention stays tensor parallel); an error for a model without experts
+    enable_expert_parallel: bool = False
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
     # launch pipeline stages after the first from one thread per stage (a stage whose input copy
     # from the previous stage's devices blocks then stalls only its own thread); experimental,
@@ -154,6 +157,10 @@ class LLMEngine:
         spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
         self.model_config: ModelConfig = model_config(spec)
+        if config.enable_expert_parallel:
+            from jvllm.models.moe import with_expert_parallel
+
+            self.model_config = with_expert_parallel(self.model_config)
         layout = self._layout(config, devices)
         try:
             ckpt = load_checkpoint(spec, self.dtype, shardings=layout["shardings"])
@@ -255,9 +262,9 @@ class LLMEngine:
         from jax.sharding import NamedSharding
 
         from jvllm.models import param_specs, stage_layers, stage_names
-        from jvllm.sharding import make_mesh, partition_spec, stage_mesh, tensor_parallel_rules
+        from jvllm.sharding import expert_parallel_rules, make_mesh, partition_spec, stage_mesh, tensor_parallel_rules
 
-        rules = tensor_parallel_rules(mc, tp)
+        rules = (expert_parallel_rules if config.enable_expert_parallel else tensor_parallel_rules)(mc, tp)
         mesh = make_mesh(tensor=tp, stage=pp, data=1, devices=devices)
         ranges = stage_layers(mc.num_layers, pp)
         meshes = [stage_mesh(mesh, 0, s) for s in range(pp)]

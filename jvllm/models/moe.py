@@ -16,6 +16,8 @@ parallel); both sum partial outputs with one psum.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,6 +29,14 @@ from jvllm.ops import grouped_matmul as gm
 from jvllm.ops.attention import _TP_MESH
 
 _List = getattr(nnx, "List", list)
+
+
+def with_expert_parallel(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with its experts computed expert-parallel (`enable_expert_parallel`); ValueError for a
+    model without experts."""
+    if cfg.moe is None:
+        raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {cfg.architecture} has no experts")
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=True))
 
 
 class SharedExpertMLP(MLP):
