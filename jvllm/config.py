@@ -41,7 +41,8 @@ class MoEConfig:
     `intermediate_size`. `shared_expert_size` > 0 adds Qwen2-MoE's shared expert, scaled by a
     sigmoid gate. `expert_parallel` picks the expert computation's variant under a tensor-parallel
     mesh (experts sharded over the devices, not their hidden dimension); the engine sets it from
-    `enable_expert_parallel`, it changes no parameter."""
+    `enable_expert_parallel`, it changes no parameter; so does `grouped_matmul`, the expert
+    matmuls' backend (jvllm.ops.grouped_matmul.BACKENDS, from the engine's `moe_backend`)."""
 
     num_experts: int
     top_k: int
@@ -51,6 +52,7 @@ class MoEConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
     expert_parallel: bool = False
+    grouped_matmul: str = "xla"
 
     def __post_init__(self):
         for f in ("num_experts", "top_k", "expert_size", "decoder_sparse_step"):

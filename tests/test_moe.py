@@ -52,6 +52,16 @@ def test_grouped_ffn_matches_oracle(ffn_case):
     assert np.all(np.diff(idx.ravel()[np.asarray(order)]) >= 0)  # rows sorted by expert
 
 
+def test_tokamax_backend(ffn_case):
+    """tokamax.ragged_dot through the same path (on CPU it runs its XLA implementation)."""
+    pytest.importorskip("tokamax")
+    from jvllm.ops.grouped_matmul import moe_ffn
+
+    x, idx, w, ws, want = ffn_case
+    got = jax.jit(lambda *a: moe_ffn(*a, backend="tokamax"))(x, idx, w, *ws)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_expert_and_tensor_parallel_ffn(ffn_case, n):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -203,6 +213,10 @@ def test_moe_errors(ckpt_dir, tmp_path):
         _llm(ckpt_dir("llama"), tensor_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="tensor_parallel_size 8 does not fit.*num_experts 4"):
         _llm(ckpt_dir("qwen2_moe"), tensor_parallel_size=8, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="moe_backend must be one of auto, xla, tokamax; got 'cutlass'"):
+        _llm(ckpt_dir("qwen2_moe"), moe_backend="cutlass")
+    with pytest.raises(ValueError, match="moe_backend='xla' needs a mixture-of-experts model"):
+        _llm(ckpt_dir("llama"), moe_backend="xla")
     assert map_name("model.layers.3.block_sparse_moe.experts.5.w2.weight")[0] == "layers.3.mlp.expert_down"
     # a checkpoint that lacks one expert names it
     import shutil

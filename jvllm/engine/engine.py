@@ -53,6 +53,8 @@ class EngineConfig:
     # mixture-of-experts models: shard the experts over the tensor-parallel devices (vLLM's flag;
     # attention stays tensor parallel); an error for a model without experts
     enable_expert_parallel: bool = False
+    # the experts' grouped matmuls: auto (tokamax on GPUs when installed, else xla) | xla | tokamax
+    moe_backend: str = "auto"
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
     # launch pipeline stages after the first from one thread per stage (a stage whose input copy
     # from the previous stage's devices blocks then stalls only its own thread); experimental,
@@ -157,10 +159,9 @@ class LLMEngine:
         spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
         self.model_config: ModelConfig = model_config(spec)
-        if config.enable_expert_parallel:
-            from jvllm.models.moe import with_expert_parallel
+        from jvllm.models.moe import configure_moe
 
-            self.model_config = with_expert_parallel(self.model_config)
+        self.model_config = configure_moe(self.model_config, config.enable_expert_parallel, config.moe_backend)
         layout = self._layout(config, devices)
         try:
             ckpt = load_checkpoint(spec, self.dtype, shardings=layout["shardings"])

@@ -31,12 +31,26 @@ from jvllm.ops.attention import _TP_MESH
 _List = getattr(nnx, "List", list)
 
 
-def with_expert_parallel(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` with its experts computed expert-parallel (`enable_expert_parallel`); ValueError for a
-    model without experts."""
+def configure_moe(cfg: ModelConfig, expert_parallel: bool = False, backend: str = "auto") -> ModelConfig:
+    """`cfg` with the engine's choices for its experts: `expert_parallel` (enable_expert_parallel)
+    and the grouped-matmul `backend` (moe_backend: "auto" = "tokamax" on GPUs when the package is
+    installed, else "xla"; see jvllm.ops.grouped_matmul). A dense model is returned unchanged with
+    the defaults and refused, naming the option, otherwise."""
+    if backend not in ("auto", *gm.BACKENDS):
+        raise ValueError(f"moe_backend must be one of auto, {', '.join(gm.BACKENDS)}; got {backend!r}")
     if cfg.moe is None:
-        raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {cfg.architecture} has no experts")
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=True))
+        if expert_parallel:
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {cfg.architecture} has no experts")
+        if backend != "auto":
+            raise ValueError(f"moe_backend={backend!r} needs a mixture-of-experts model; {cfg.architecture} has no experts")
+        return cfg
+    if backend == "auto":
+        import importlib.util
+
+        backend = "tokamax" if jax.default_backend() == "gpu" and importlib.util.find_spec("tokamax") else "xla"
+    gm.ragged_dot_fn(backend)  # unknown name / missing package: fail now, not at the first trace
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=bool(expert_parallel),
+                                                            grouped_matmul=backend))
 
 
 class SharedExpertMLP(MLP):
@@ -64,6 +78,7 @@ class SparseMoE(nnx.Module):
             self.shared_expert_gate = declare((D,), ("embed",), dtype)
         self.top_k, self.norm_topk = m.top_k, m.norm_topk_prob
         self.expert_parallel = m.expert_parallel
+        self.backend = m.grouped_matmul
 
     def route(self, x):
         """(top_idx [T, k] int32, top_w [T, k] float32): softmax in float32 over all experts, the
@@ -79,11 +94,11 @@ class SparseMoE(nnx.Module):
         ws = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
         mesh = _TP_MESH.get()
         if mesh is None or int(dict(mesh.shape).get("tensor", 1)) == 1:
-            y = gm.moe_ffn(x, top_idx, top_w, *ws)
+            y = gm.moe_ffn(x, top_idx, top_w, *ws, backend=self.backend)
         elif self.expert_parallel:
-            y = gm.expert_parallel_ffn(x, top_idx, top_w, *ws, mesh=mesh, axis="tensor")
+            y = gm.expert_parallel_ffn(x, top_idx, top_w, *ws, mesh=mesh, axis="tensor", backend=self.backend)
         else:
-            y = gm.tensor_parallel_ffn(x, top_idx, top_w, *ws, mesh=mesh, axis="tensor")
+            y = gm.tensor_parallel_ffn(x, top_idx, top_w, *ws, mesh=mesh, axis="tensor", backend=self.backend)
         y = y.astype(x.dtype)
         if self.has_shared:
             gate = jax.nn.sigmoid((x @ self.shared_expert_gate[...]).astype(jnp.float32))

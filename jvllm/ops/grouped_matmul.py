@@ -16,11 +16,20 @@ all-reduce every tensor-parallel device already holds all T tokens, so no token 
 the psum replaces the all-reduce a tensor-parallel MLP needs anyway. (An all-to-all pays off when
 tokens are sharded over the devices, i.e. data-parallel attention, which jvllm does not run.)
 
+Backends (`backend=`, fixed at model construction): "xla" is `jax.lax.ragged_dot`; "tokamax" is
+`tokamax.ragged_dot` (same signature; Pallas kernels: Mosaic GPU on Hopper, Triton elsewhere on
+GPUs, falling back to XLA). Hazard: upstream XLA lowers ragged_dot on CUDA GPUs by expanding it to a
+zero-padded dense product over every group (its own PRs say so), i.e. a dense all-experts product
+in disguise that reads every expert's weights each step; on GPUs use "tokamax" unless a
+measurement says otherwise. On CPU both compute the same thing.
+
 Hazards: padded tokens of a step are routed like real ones (their rows cost compute, their outputs
 are discarded by the caller); `jax.lax.ragged_dot` writes zeros for rows past the sum of the group
 sizes, which the expert-parallel path relies on for rows of other devices' experts.
 """
 from __future__ import annotations
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +44,35 @@ def sort_by_expert(top_idx: jax.Array, num_experts: int):
     return order, sizes
 
 
-def _expert_mlp(xs, w_gate, w_up, w_down, sizes):
-    g = jax.lax.ragged_dot(xs, w_gate, sizes)
-    u = jax.lax.ragged_dot(xs, w_up, sizes)
-    return jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(xs.dtype), w_down, sizes)
+BACKENDS = ("xla", "tokamax")
+
+
+def ragged_dot_fn(backend: str):
+    """The grouped matmul `f(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]` of `backend`;
+    ValueError naming it when unknown, ImportError naming the package when tokamax is absent."""
+    if backend == "xla":
+        return jax.lax.ragged_dot
+    if backend == "tokamax":
+        try:
+            import tokamax
+        except ImportError as e:
+            raise ImportError(f"moe_backend 'tokamax' needs the tokamax package (pip install tokamax): {e}") from None
+        from absl import flags
+
+        # tokamax reads its options from absl flags and, if nobody parsed them, parses sys.argv on
+        # first use, which fails on any program's own arguments (pytest's, jvllm's CLI): parse
+        # none, so tokamax keeps its defaults
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS([sys.argv[0] if sys.argv else "jvllm"])
+        return tokamax.ragged_dot
+    raise ValueError(f"unknown grouped-matmul backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+def _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend):
+    dot = ragged_dot_fn(backend)
+    g = dot(xs, w_gate, sizes)
+    u = dot(xs, w_up, sizes)
+    return dot((jax.nn.silu(g) * u).astype(xs.dtype), w_down, sizes)
 
 
 def _combine(ys, order, top_w, T: int, k: int):
@@ -49,16 +83,16 @@ def _combine(ys, order, top_w, T: int, k: int):
     return jnp.sum(y.astype(jnp.float32) * w, axis=1)
 
 
-def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down):
+def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, backend: str = "xla"):
     """SwiGLU experts on one device. x [T, D]; top_idx/top_w [T, k]; weights [E, ...]. Returns
     [T, D] in float32 (the caller casts)."""
     T, k = top_idx.shape
     order, sizes = sort_by_expert(top_idx, w_gate.shape[0])
     xs = x[order // k]
-    return _combine(_expert_mlp(xs, w_gate, w_up, w_down, sizes), order, top_w, T, k)
+    return _combine(_expert_mlp(xs, w_gate, w_up, w_down, sizes, backend), order, top_w, T, k)
 
 
-def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: str):
+def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: str, backend: str = "xla"):
     """`moe_ffn` with the experts sharded over `axis` of `mesh` (the number of experts must be a
     multiple of the axis size); x and the routing are replicated. Same result as `moe_ffn` up to
     the float32 summation order of the psum."""
@@ -80,7 +114,7 @@ def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: 
         xs = x[order // k]
         # rotate this device's rows to the front; ragged_dot zeroes the rows past them
         rows = (jnp.arange(M) + start) % M
-        ys = _expert_mlp(xs[rows], wg, wu, wd, local_sizes)
+        ys = _expert_mlp(xs[rows], wg, wu, wd, local_sizes, backend)
         ys = jnp.zeros_like(ys).at[rows].set(ys)  # back to sorted positions (others' rows stay 0)
         return jax.lax.psum(_combine(ys, order, top_w, T, k), axis)
 
@@ -89,7 +123,7 @@ def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: 
                          check_vma=False)(x, top_idx, top_w, w_gate, w_up, w_down)
 
 
-def tensor_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: str):
+def tensor_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: str, backend: str = "xla"):
     """`moe_ffn` with every expert's hidden dimension sharded over `axis` (Megatron-style: gate
     and up split on their output, down on its input); each device runs all experts on its slice
     and one psum sums the partial outputs. GSPMD is not trusted to split ragged_dot itself."""
@@ -101,7 +135,7 @@ def tensor_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: 
                          f"of mesh axis {axis!r}")
 
     def local(x, top_idx, top_w, wg, wu, wd):
-        return jax.lax.psum(moe_ffn(x, top_idx, top_w, wg, wu, wd), axis)
+        return jax.lax.psum(moe_ffn(x, top_idx, top_w, wg, wu, wd, backend=backend), axis)
 
     col, row = P(None, None, axis), P(None, axis, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), col, col, row), out_specs=P(),
