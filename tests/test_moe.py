@@ -242,3 +242,44 @@ def test_random_moe_presets():
     assert 30.4e9 < big.num_params < 30.6e9
     tiny = model_config(resolve_model("random:tiny-moe"))
     assert tiny.architecture == "Qwen3MoeForCausalLM" and tiny.moe.num_experts == 8
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def test_profile_share_attribution():
+    """moe_profile_share: kernels classed through their HLO instruction's op_name scope."""
+    import sys
+
+    sys.path.insert(0, os.path.join(BENCH, "probes"))
+    from moe_profile_share import attribute, op_names
+
+    hlo = """HloModule jit_step, entry_computation_layout={}
+  %sort.3 = s32[8]{0} sort(%p), dimensions={0}, metadata={op_name="jit(step)/moe_routing/sort" source_file="x.py"}
+  ROOT %fusion.7 = bf16[8,4]{1,0} fusion(%a, %b), kind=kCustom, metadata={op_name="jit(step)/moe_grouped_matmul/ragged_dot"}
+  %fusion.8 = f32[8]{0} fusion(%c), kind=kLoop, metadata={op_name="jit(step)/attention/exp"}
+"""
+    names = op_names([hlo])
+    assert names[("jit_step", "sort.3")] == "jit(step)/moe_routing/sort"
+    ev = lambda op, dur: {"ph": "X", "name": op, "dur": dur, "args": {"hlo_module": "jit_step", "hlo_op": op}}  # noqa: E731
+    trace = {"traceEvents": [ev("sort.3", 10), ev("fusion.7", 30), ev("fusion.7", 30), ev("fusion.8", 30),
+                             {"ph": "X", "name": "memcpy", "dur": 99, "args": {}}]}
+    out = attribute(trace, names, steps=2)
+    c = out["classes"]
+    assert (c["routing"]["share"], c["grouped_matmul"]["share"], c["other"]["share"]) == (0.1, 0.6, 0.3)
+    assert c["grouped_matmul"]["ms_per_step"] == 0.03 and out["events_without_op_name"] == 0
+
+
+def test_grouped_matmul_probe_dry_run(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "gmm.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "moe_grouped_matmul.py"), "--tiny", "--tokens",
+                        "8", "--backends", "xla", "--devices", "2", "--iters", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"one_device", "expert_parallel", "tensor_parallel"}
+    assert all(r["ms"] > 0 for r in rows)

@@ -90,7 +90,8 @@ class SparseMoE(nnx.Module):
         return top_idx, top_w
 
     def __call__(self, x):
-        top_idx, top_w = self.route(x)
+        with jax.named_scope(gm.ROUTING_SCOPE):
+            top_idx, top_w = self.route(x)
         ws = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
         mesh = _TP_MESH.get()
         if mesh is None or int(dict(mesh.shape).get("tensor", 1)) == 1:

@@ -68,11 +68,18 @@ def ragged_dot_fn(backend: str):
     raise ValueError(f"unknown grouped-matmul backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 
+# Named scopes (they reach the HLO op names and so the kernels of a profile): the expert matmuls
+# and the routing around them (sort, gathers, combine), which benchmarks/probes/moe_profile_share.py
+# sums; SparseMoE puts the router under ROUTING_SCOPE too.
+GMM_SCOPE, ROUTING_SCOPE = "moe_grouped_matmul", "moe_routing"
+
+
 def _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend):
     dot = ragged_dot_fn(backend)
-    g = dot(xs, w_gate, sizes)
-    u = dot(xs, w_up, sizes)
-    return dot((jax.nn.silu(g) * u).astype(xs.dtype), w_down, sizes)
+    with jax.named_scope(GMM_SCOPE):
+        g = dot(xs, w_gate, sizes)
+        u = dot(xs, w_up, sizes)
+        return dot((jax.nn.silu(g) * u).astype(xs.dtype), w_down, sizes)
 
 
 def _combine(ys, order, top_w, T: int, k: int):
@@ -87,9 +94,12 @@ def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, backend: str = "xla"):
     """SwiGLU experts on one device. x [T, D]; top_idx/top_w [T, k]; weights [E, ...]. Returns
     [T, D] in float32 (the caller casts)."""
     T, k = top_idx.shape
-    order, sizes = sort_by_expert(top_idx, w_gate.shape[0])
-    xs = x[order // k]
-    return _combine(_expert_mlp(xs, w_gate, w_up, w_down, sizes, backend), order, top_w, T, k)
+    with jax.named_scope(ROUTING_SCOPE):
+        order, sizes = sort_by_expert(top_idx, w_gate.shape[0])
+        xs = x[order // k]
+    ys = _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend)
+    with jax.named_scope(ROUTING_SCOPE):
+        return _combine(ys, order, top_w, T, k)
 
 
 def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: str, backend: str = "xla"):
@@ -107,16 +117,19 @@ def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: 
 
     def local(x, top_idx, top_w, wg, wu, wd):
         El = wg.shape[0]
-        order, sizes = sort_by_expert(top_idx, E)
-        e0 = jax.lax.axis_index(axis) * El
-        local_sizes = jax.lax.dynamic_slice_in_dim(sizes, e0, El)
-        start = jnp.sum(jnp.where(jnp.arange(E) < e0, sizes, 0))  # first row of this device's experts
-        xs = x[order // k]
-        # rotate this device's rows to the front; ragged_dot zeroes the rows past them
-        rows = (jnp.arange(M) + start) % M
-        ys = _expert_mlp(xs[rows], wg, wu, wd, local_sizes, backend)
-        ys = jnp.zeros_like(ys).at[rows].set(ys)  # back to sorted positions (others' rows stay 0)
-        return jax.lax.psum(_combine(ys, order, top_w, T, k), axis)
+        with jax.named_scope(ROUTING_SCOPE):
+            order, sizes = sort_by_expert(top_idx, E)
+            e0 = jax.lax.axis_index(axis) * El
+            local_sizes = jax.lax.dynamic_slice_in_dim(sizes, e0, El)
+            start = jnp.sum(jnp.where(jnp.arange(E) < e0, sizes, 0))  # first row of this device's experts
+            # this device's rows rotated to the front; ragged_dot zeroes the rows past them
+            rows = (jnp.arange(M) + start) % M
+            xs = x[(order // k)[rows]]
+        ys = _expert_mlp(xs, wg, wu, wd, local_sizes, backend)
+        with jax.named_scope(ROUTING_SCOPE):
+            ys = jnp.zeros_like(ys).at[rows].set(ys)  # back to sorted positions (others' rows stay 0)
+            y = _combine(ys, order, top_w, T, k)
+        return jax.lax.psum(y, axis)
 
     ex = P(axis, None, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), ex, ex, ex), out_specs=P(),
