@@ -50,6 +50,12 @@ def test_grouped_ffn_matches_oracle(ffn_case):
     order, sizes = sort_by_expert(jnp.asarray(idx), 8)
     assert np.asarray(sizes).tolist() == np.bincount(idx.ravel(), minlength=8).tolist()
     assert np.all(np.diff(idx.ravel()[np.asarray(order)]) >= 0)  # rows sorted by expert
+    # padding tokens: in no group (no expert reads for them), output 0, the others unchanged
+    valid = np.arange(x.shape[0]) % 3 != 0
+    _, sizes = sort_by_expert(jnp.asarray(idx), 8, jnp.asarray(valid))
+    assert np.asarray(sizes).tolist() == np.bincount(idx[valid].ravel(), minlength=8).tolist()
+    got = jax.jit(moe_ffn)(x, idx, w, *ws, jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(got), np.where(valid[:, None], want, 0.0), atol=1e-4, rtol=1e-4)
 
 
 def test_tokamax_backend(ffn_case):
@@ -73,6 +79,9 @@ def test_expert_and_tensor_parallel_ffn(ffn_case, n):
     ep = [jax.device_put(a, NamedSharding(mesh, P("tensor"))) for a in ws]
     got = jax.jit(lambda *a: expert_parallel_ffn(*a, mesh=mesh, axis="tensor"))(x, idx, w, *ep)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    valid = np.arange(x.shape[0]) >= 4
+    got = jax.jit(lambda *a: expert_parallel_ffn(*a, mesh=mesh, axis="tensor"))(x, idx, w, *ep, jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(got), np.where(valid[:, None], want, 0.0), atol=1e-4, rtol=1e-4)
     if 8 % n == 0 and n <= 8:
         col, row = NamedSharding(mesh, P(None, None, "tensor")), NamedSharding(mesh, P(None, "tensor"))
         tp = [jax.device_put(ws[0], col), jax.device_put(ws[1], col), jax.device_put(ws[2], row)]
@@ -139,8 +148,9 @@ def qwen3_moe_base(ckpt_dir):
 
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=8, enable_expert_parallel=True),
                                 dict(tensor_parallel_size=2, enable_expert_parallel=True),
-                                dict(tensor_parallel_size=4)],
-                         ids=["ep8", "ep2", "tp4"])
+                                dict(tensor_parallel_size=4),
+                                dict(tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["ep8", "ep2", "tp4", "ep2pp2"])
 def test_parallel_moe_equals_one_device(qwen3_moe_base, kw, monkeypatch):
     from jvllm.ops import grouped_matmul as gm
 

@@ -89,17 +89,18 @@ class SparseMoE(nnx.Module):
             top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
         return top_idx, top_w
 
-    def __call__(self, x):
+    def __call__(self, x, valid=None):
+        """x [T, D]; valid [T] bool (False: a padding token, computed by no expert) or None."""
         with jax.named_scope(gm.ROUTING_SCOPE):
             top_idx, top_w = self.route(x)
         ws = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
         mesh = _TP_MESH.get()
         if mesh is None or int(dict(mesh.shape).get("tensor", 1)) == 1:
-            y = gm.moe_ffn(x, top_idx, top_w, *ws, backend=self.backend)
+            y = gm.moe_ffn(x, top_idx, top_w, *ws, valid, backend=self.backend)
         elif self.expert_parallel:
-            y = gm.expert_parallel_ffn(x, top_idx, top_w, *ws, mesh=mesh, axis="tensor", backend=self.backend)
+            y = gm.expert_parallel_ffn(x, top_idx, top_w, *ws, valid, mesh=mesh, axis="tensor", backend=self.backend)
         else:
-            y = gm.tensor_parallel_ffn(x, top_idx, top_w, *ws, mesh=mesh, axis="tensor", backend=self.backend)
+            y = gm.tensor_parallel_ffn(x, top_idx, top_w, *ws, valid, mesh=mesh, axis="tensor", backend=self.backend)
         y = y.astype(x.dtype)
         if self.has_shared:
             gate = jax.nn.sigmoid((x @ self.shared_expert_gate[...]).astype(jnp.float32))
@@ -108,13 +109,22 @@ class SparseMoE(nnx.Module):
 
 
 class MoEDecoderLayer(DecoderLayer):
-    """A Llama decoder layer whose MLP is a `SparseMoE` on sparse layers (same forward)."""
+    """A Llama decoder layer whose MLP is a `SparseMoE` on sparse layers; the step's padding
+    tokens (position -1) are kept out of the experts."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = SparseMoE(cfg, dtype) if cfg.moe.is_sparse(layer) else MLP(cfg, dtype)
+        self.sparse = cfg.moe.is_sparse(layer)
+        self.mlp = SparseMoE(cfg, dtype) if self.sparse else MLP(cfg, dtype)
+
+    def __call__(self, x, kv, md, inv_freq, rope_scale, kv_chunk_blocks, attention="xla"):
+        a, kv = self.self_attn(self.input_layernorm(x), kv, md, inv_freq, rope_scale, kv_chunk_blocks, attention)
+        x = x + a
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp(h, md.positions >= 0) if self.sparse else self.mlp(h))
+        return x, kv
 
 
 class MoEForCausalLM(LlamaForCausalLM):

@@ -23,8 +23,8 @@ zero-padded dense product over every group (its own PRs say so), i.e. a dense al
 in disguise that reads every expert's weights each step; on GPUs use "tokamax" unless a
 measurement says otherwise. On CPU both compute the same thing.
 
-Hazards: padded tokens of a step are routed like real ones (their rows cost compute, their outputs
-are discarded by the caller); `jax.lax.ragged_dot` writes zeros for rows past the sum of the group
+Hazards: a step's padding tokens must be passed as `valid=False`, else they are routed like real
+ones (at batch 1 in a bucket of 8 they would double the experts read); `jax.lax.ragged_dot` writes zeros for rows past the sum of the group
 sizes, which the expert-parallel path relies on for rows of other devices' experts.
 """
 from __future__ import annotations
@@ -35,12 +35,16 @@ import jax
 import jax.numpy as jnp
 
 
-def sort_by_expert(top_idx: jax.Array, num_experts: int):
+def sort_by_expert(top_idx: jax.Array, num_experts: int, valid: jax.Array | None = None):
     """(order [T*k], group_sizes [E] int32): row r of the sorted buffer is pair order[r] of the
-    flattened [T, k] choices (token order[r] // k); stable, so ties keep token order."""
+    flattened [T, k] choices (token order[r] // k); stable, so ties keep token order. Tokens with
+    `valid[t]` False (a step's padding) are sorted past every group and counted in none, so the
+    grouped matmuls neither compute them nor read an expert for them (their outputs are 0)."""
+    if valid is not None:
+        top_idx = jnp.where(valid[:, None], top_idx, num_experts)
     flat = top_idx.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
     return order, sizes
 
 
@@ -90,19 +94,20 @@ def _combine(ys, order, top_w, T: int, k: int):
     return jnp.sum(y.astype(jnp.float32) * w, axis=1)
 
 
-def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, backend: str = "xla"):
-    """SwiGLU experts on one device. x [T, D]; top_idx/top_w [T, k]; weights [E, ...]. Returns
-    [T, D] in float32 (the caller casts)."""
+def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, backend: str = "xla"):
+    """SwiGLU experts on one device. x [T, D]; top_idx/top_w [T, k]; weights [E, ...]; `valid`
+    [T] bool or None (all valid). Returns [T, D] in float32 (the caller casts); 0 for invalid tokens."""
     T, k = top_idx.shape
     with jax.named_scope(ROUTING_SCOPE):
-        order, sizes = sort_by_expert(top_idx, w_gate.shape[0])
+        order, sizes = sort_by_expert(top_idx, w_gate.shape[0], valid)
         xs = x[order // k]
     ys = _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend)
     with jax.named_scope(ROUTING_SCOPE):
         return _combine(ys, order, top_w, T, k)
 
 
-def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: str, backend: str = "xla"):
+def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, mesh, axis: str,
+                        backend: str = "xla"):
     """`moe_ffn` with the experts sharded over `axis` of `mesh` (the number of experts must be a
     multiple of the axis size); x and the routing are replicated. Same result as `moe_ffn` up to
     the float32 summation order of the psum."""
@@ -114,11 +119,13 @@ def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: 
         raise ValueError(f"expert parallelism: {E} experts do not split over {n} devices of mesh axis {axis!r}")
     T, k = top_idx.shape
     M = T * k
+    if valid is None:
+        valid = jnp.ones((T,), bool)
 
-    def local(x, top_idx, top_w, wg, wu, wd):
+    def local(x, top_idx, top_w, valid, wg, wu, wd):
         El = wg.shape[0]
         with jax.named_scope(ROUTING_SCOPE):
-            order, sizes = sort_by_expert(top_idx, E)
+            order, sizes = sort_by_expert(top_idx, E, valid)
             e0 = jax.lax.axis_index(axis) * El
             local_sizes = jax.lax.dynamic_slice_in_dim(sizes, e0, El)
             start = jnp.sum(jnp.where(jnp.arange(E) < e0, sizes, 0))  # first row of this device's experts
@@ -132,11 +139,12 @@ def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: 
         return jax.lax.psum(y, axis)
 
     ex = P(axis, None, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), ex, ex, ex), out_specs=P(),
-                         check_vma=False)(x, top_idx, top_w, w_gate, w_up, w_down)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), ex, ex, ex), out_specs=P(),
+                         check_vma=False)(x, top_idx, top_w, valid, w_gate, w_up, w_down)
 
 
-def tensor_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: str, backend: str = "xla"):
+def tensor_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, mesh, axis: str,
+                        backend: str = "xla"):
     """`moe_ffn` with every expert's hidden dimension sharded over `axis` (Megatron-style: gate
     and up split on their output, down on its input); each device runs all experts on its slice
     and one psum sums the partial outputs. GSPMD is not trusted to split ragged_dot itself."""
@@ -147,9 +155,12 @@ def tensor_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, *, mesh, axis: 
         raise ValueError(f"tensor parallelism: expert size {w_gate.shape[2]} does not split over {n} devices "
                          f"of mesh axis {axis!r}")
 
-    def local(x, top_idx, top_w, wg, wu, wd):
-        return jax.lax.psum(moe_ffn(x, top_idx, top_w, wg, wu, wd, backend=backend), axis)
+    if valid is None:
+        valid = jnp.ones((top_idx.shape[0],), bool)
+
+    def local(x, top_idx, top_w, valid, wg, wu, wd):
+        return jax.lax.psum(moe_ffn(x, top_idx, top_w, wg, wu, wd, valid, backend=backend), axis)
 
     col, row = P(None, None, axis), P(None, axis, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), col, col, row), out_specs=P(),
-                         check_vma=False)(x, top_idx, top_w, w_gate, w_up, w_down)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), col, col, row), out_specs=P(),
+                         check_vma=False)(x, top_idx, top_w, valid, w_gate, w_up, w_down)
