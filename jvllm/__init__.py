@@ -1,5 +1,6 @@
 """jvllm: a vLLM-style LLM inference engine on JAX/XLA."""
-from jvllm.engine.engine import EngineConfig, LLMEngine
+from jvllm.engine.engine_config import EngineConfig
+from jvllm.engine.llm_engine import LLMEngine
 from jvllm.llm import LLM
 from jvllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jvllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams

@@ -10,7 +10,8 @@ import dataclasses
 import time
 from typing import Sequence
 
-from jvllm.engine.engine import EngineConfig, LLMEngine
+from jvllm.engine.engine_config import EngineConfig
+from jvllm.engine.llm_engine import LLMEngine
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -176,12 +177,13 @@ class LLM:
     def compile_report(self) -> list[dict]:
         """What XLA produced for every compiled program (one row per bucket): kind, bucket,
         FLOPs and bytes from XLA's cost analysis, argument / output / temp bytes, fusion count."""
-        from jvllm.compile import program_report
+        from jvllm.compilation import program_report
 
+        self.llm_engine.wait_for_warmup()
         eng = self.llm_engine
         eng = getattr(eng, "replicas", [eng])[0]
         rows = []
-        for (kind, key), exe in sorted(eng.runner._compiled.items(), key=lambda kv: str(kv[0])):
+        for (kind, key), exe in sorted(eng.worker.compiled_programs().items(), key=lambda kv: str(kv[0])):
             rows.append(dict(kind=kind, key=str(key), **program_report(exe)))
         return rows
 

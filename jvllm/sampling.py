@@ -10,7 +10,7 @@ never on what else is in the batch. Logprobs are the model's raw log-softmax (vL
 `branchless=True` (the runner's choice on GPUs): the program has no data-dependent control flow
 (no `lax.cond`, no `while` of unknown trip count). XLA on GPUs runs those by copying the predicate
 to the host and waiting for it, which makes every sampled step block the dispatcher on the step
-before it (measured: the greedy shortcut's cond alone held W1's host at 35.9 of 37.1 ms a step).
+before it.
 Greedy rows, logprobs and the exact top_k / top_p of rows the candidates cannot decide are then
 computed always and selected per row: about 65 extra passes over [R, V]. `branchless=False`
 (CPUs, TPUs: conds run on the device) skips that work with conds; both give the same ids.

@@ -67,7 +67,7 @@ def verify(model: str, prompts=None, atol: float = DEFAULT_ATOL, log=print) -> t
     from jvllm.converters.deps import require_torch
     from jvllm.converters import load_checkpoint, load_tokenizer, resolve_model
     from jvllm.models import bind
-    from jvllm.runner import ModelRunner
+    from jvllm.worker.model_runner import ModelRunner
 
     torch = require_torch("jvllm verify")
     spec = resolve_model(model)

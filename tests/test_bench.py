@@ -21,7 +21,7 @@ FAST = ["--num-iters", "2", "--num-iters-warmup", "1", "--copy-bytes", str(8 << 
 
 @pytest.fixture(scope="module")
 def shared_engine():
-    from jvllm.compile import compile_count
+    from jvllm.compilation import compile_count
 
     cache = {}
     real = bench.build_llm

@@ -97,7 +97,7 @@ def test_engine_sizes_the_kv_cache_inside_a_short_pool(ckpt_dir, monkeypatch):
     """The engine's sizing uses the pool the allocator holds, and a pool too small for 2 blocks is
     an error naming every term."""
     from jvllm import LLM
-    from jvllm.engine import engine as eng_mod
+    from jvllm.memory import sizing as eng_mod
 
     monkeypatch.setattr(device, "_claimed", None)
     M = 2**20
@@ -121,7 +121,7 @@ def test_weights_that_do_not_fit_are_a_clear_error(ckpt_dir, monkeypatch):
     """An allocator failure while loading the weights names the memory figures and what to do."""
     import jvllm.converters as conv_mod
     from jvllm import LLM
-    from jvllm.engine import engine as eng_mod
+    from jvllm.memory import sizing as eng_mod
 
     def oom(*a, **k):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1048576 bytes.")

@@ -76,6 +76,7 @@ def test_engine_modes_match_transformers(llama_ref, case):
     elif case == "no_prefix_cache":
         kw = dict(enable_prefix_caching=False)
     llm = _small_llm(path, **kw)
+    llm.llm_engine.wait_for_warmup()
     try:
         ours = _greedy(llm, prompts)
         if case == "prefix_cache":
@@ -104,6 +105,19 @@ def test_bad_engine_options_fail_before_loading(ckpt_dir, monkeypatch):
         _small_llm(path, async_scheduling=True, data_parallel_size=2)
     with pytest.raises(ValueError, match=r"attention_backend must be auto or one of xla, .* got 'flash'"):
         _small_llm(path, attention_backend="flash")
+
+
+def test_max_model_len_beyond_the_config_fails_before_loading(ckpt_dir, monkeypatch):
+    """max_model_len over what the checkpoint's config allows fails from config.json alone."""
+    import time
+
+    from jvllm import converters
+
+    monkeypatch.setattr(converters, "load_checkpoint", lambda *a, **k: pytest.fail("loaded the weights first"))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"max_model_len \(100000\) exceeds the model's max_position_embeddings \(\d+\)"):
+        _small_llm(ckpt_dir("llama"), max_model_len=100000)
+    assert time.perf_counter() - t0 < 20  # no weights, no compiles (a few ms on the CPU)
 
 
 def test_request_that_can_never_fit_is_rejected_at_start(ckpt_dir):
@@ -142,7 +156,7 @@ def test_ragged_kernel_engine_matches_transformers(ckpt_dir, arch, backend):
 def test_memory_sizing_from_device_stats(ckpt_dir, monkeypatch):
     """The accelerator sizing rule (utilization x limit - weights - XLA's activation peak of the
     largest step), exercised on the CPU with fake allocator stats."""
-    from jvllm.engine import engine as eng_mod
+    from jvllm.memory import sizing as eng_mod
 
     limit, used = 64 * 2**20, 4 * 2**20
     monkeypatch.setattr("jvllm.memory.device._claimed", None)  # JAX's own pool: utilization applies inside it
@@ -162,7 +176,7 @@ def test_async_scheduling_matches_sync(ckpt_dir):
     """Dispatching step N+1 before reading step N (pending tokens fed on the device) gives exactly
     the outputs of the synchronous loop: greedy and seeded sampling, n > 1, logprobs, EOS-like stop
     ids and stop strings hit mid-flight, max_tokens of 1, and a pool too small for all requests."""
-    from jvllm.runner import ModelRunner
+    from jvllm.worker.model_runner import ModelRunner
 
     path = ckpt_dir("llama", tokenizer=True)
     rng = np.random.default_rng(5)
@@ -170,6 +184,7 @@ def test_async_scheduling_matches_sync(ckpt_dir):
 
     def run(async_on, params_list):
         llm = _small_llm(path, async_scheduling=async_on, num_gpu_blocks_override=20, block_size=8, max_model_len=96)
+        llm.llm_engine.wait_for_warmup()
         ahead = []
         orig = ModelRunner.dispatch
         llm.llm_engine.runner.dispatch = lambda sched, prev=None: (ahead.append(prev is not None), orig(llm.llm_engine.runner, sched, prev))[1]

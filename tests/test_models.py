@@ -34,7 +34,7 @@ def test_sliding_window_matters(ckpt_dir):
 
     from jvllm.converters import load_checkpoint
     from jvllm.models import bind
-    from jvllm.runner import ModelRunner
+    from jvllm.worker.model_runner import ModelRunner
 
     ck = load_checkpoint(ckpt_dir("mistral"))
     outs = []

@@ -1,17 +1,14 @@
-"""ModelRunner.prepare (the host side of every step) against a plain per-request loop."""
+"""InputLayout.prepare (the host side of every step) against a plain per-request loop."""
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from jvllm.runner import ModelRunner
+from jvllm.worker.inputs import InputLayout
 
 
 def _runner(bs=4, W=16, buckets=(8, 16, 32, 64), max_num_seqs=8, qt=4, num_blocks=200):
-    r = ModelRunner.__new__(ModelRunner)
-    r.token_buckets, r.max_num_seqs, r.query_tile = buckets, max_num_seqs, qt
-    r.block_size, r.table_width, r.num_blocks = bs, W, num_blocks
-    return r
+    return InputLayout(buckets, max_num_seqs, qt, bs, num_blocks, W)
 
 
 def _reference(r, scheduled, decode, T, R, prev_rows):
@@ -63,7 +60,8 @@ def test_prepare_matches_reference(seed):
         if pending:
             prev_rows[f"r{i}"] = int(rng.integers(0, 8))
         scheduled.append(SimpleNamespace(req=req, num_tokens=n, start=ctx - n, block_ids=blocks))
-    T, R, decode, tokens, md, src = r.prepare(scheduled, prev_rows=prev_rows)
+    p = r.prepare(scheduled, prev_rows=prev_rows)
+    T, R, decode, tokens, md, src = p.T, p.R, p.decode, p.tokens, p.md, p.src
     ref = _reference(r, scheduled, decode, T, R, prev_rows)
     got = (tokens, src, md.positions, md.slot_mapping, md.block_tables, md.tile_token_idx, md.tile_req, md.logits_indices)
     for name, a, b in zip("tokens src positions slots tables tile_idx tile_req logits_idx".split(), got, ref):

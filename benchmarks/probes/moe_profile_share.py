@@ -98,6 +98,7 @@ def main(argv=None):
     ekw = {k: v for k, v in engine_kwargs(a).items() if v is not None}
     llm, _ = build_llm(a.model, ekw)
     eng = llm.llm_engine
+    eng.wait_for_warmup()  # every program compiled (background compile), so the map below is complete
     vocab = eng.model_config.vocab_size
     big = a.steps * 4 + 64
     if a.workload == "b1":
@@ -125,7 +126,7 @@ def main(argv=None):
     if not paths:
         raise SystemExit(f"no trace under {d}")
     trace = json.load(gzip.open(paths[0]))
-    names = op_names(exe.as_text() for exe in eng.runner._compiled.values())
+    names = op_names(exe.as_text() for exe in eng.worker.compiled_programs().values())
     res = dict(workload=a.workload, model=a.model, engine=ekw, moe=str(eng.model_config.moe),
                wall_ms_per_step=wall * 1e3 / a.steps, batch=len(eng.scheduler.running),
                **attribute(trace, names, a.steps))

@@ -5,28 +5,31 @@ How the scheduler is fed: a new request goes to the replica with the fewest unfi
 (ties: lowest index), and all n samples of a request stay on one replica (they share its prompt
 blocks). `step()` first dispatches one step on every replica that has work, then collects them,
 so the replicas' device programs run at the same time while the host post-processes in turn.
-The object has LLMEngine's interface, so `LLM` and the server use it unchanged.
+The object has LLMEngine's interface, so `LLM` and the server use it unchanged. Host only: device
+facts come from the worker module.
 """
 from __future__ import annotations
 
 import itertools
 
-import jax
-
-from jvllm.engine.engine import EngineConfig, LLMEngine
+from jvllm.engine.engine_config import EngineConfig
+from jvllm.engine.llm_engine import LLMEngine
 
 
 class DataParallelEngine:
     def __init__(self, config: EngineConfig, devices=None):
+        from jvllm.worker import worker as device
+
         d = config.data_parallel_size
         per = config.tensor_parallel_size * config.pipeline_parallel_size
-        devices = list(devices if devices is not None else jax.devices())
-        if jax.process_count() > 1:
+        devices = list(devices if devices is not None else device.devices())
+        nproc = device.process_count()
+        if nproc > 1:
             # every replica is stepped from this process, so its devices must all be local; run one
             # engine per process instead (same requests in every process) or tensor parallelism
-            raise ValueError(f"data_parallel_size={d} needs a single-process run (got {jax.process_count()} "
+            raise ValueError(f"data_parallel_size={d} needs a single-process run (got {nproc} "
                              f"processes); across processes use tensor parallelism (tensor_parallel_size up to "
-                             f"{jax.device_count()})")
+                             f"{len(devices)})")
         if d * per > len(devices):
             raise ValueError(
                 f"data_parallel_size ({d}) x tensor_parallel_size ({config.tensor_parallel_size}) x "
@@ -34,11 +37,7 @@ class DataParallelEngine:
                 f"{len(devices)} are available")
         self.config = config
         self.replicas = [LLMEngine(config, devices=devices[i * per:(i + 1) * per]) for i in range(d)]
-        from jvllm.compile import compile_count
-
-        base = compile_count()  # the counter is process-wide: warm-up ends after the last replica's
-        for e in self.replicas:
-            e.compiles_after_warmup_base = base
+        self._warm = False
         self._owner: dict[str, LLMEngine] = {}
         self._ids = itertools.count()
 
@@ -80,13 +79,27 @@ class DataParallelEngine:
                 self._owner.pop(o.request_id, None)
         return outs
 
+    def wait_for_warmup(self, timeout: float | None = None) -> float:
+        """Wait for every replica's background warm-up; the process-wide compile counter then
+        counts from the end of the last one."""
+        secs = max(e.wait_for_warmup(timeout) for e in self.replicas)
+        base = self.replicas[0].worker.compile_count()
+        for e in self.replicas:
+            e.compiles_after_warmup_base = base
+        self._warm = True
+        return secs
+
     def get_stats(self) -> dict:
+        if not self._warm and all(e.warmup_done() for e in self.replicas):
+            self.wait_for_warmup()
         per = [e.get_stats() for e in self.replicas]
         out = {}
         for k in per[0]:
             vals = [p[k] for p in per]
             if k in ("kv_usage", "prefix_cache_hit_rate"):
                 out[k] = sum(vals) / len(vals)
+            elif k == "warmup_pending":
+                out[k] = any(vals)
             elif k == "compiles_after_warmup":  # one process-wide counter
                 out[k] = vals[0]
             else:

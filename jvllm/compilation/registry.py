@@ -1,0 +1,203 @@
+"""The program registry: every device program kind is declared once, where the code that owns it
+lives, and registers itself; a runner asks `programs.get(kind, key)` and never names a kind's
+signature itself.
+
+A `ProgramKind` says, for a runner (its `ctx`) and a key (a bucket, a stage, a variant):
+  signature(ctx, key) -> Signature   the jitted fn (donation and shardings are part of it and of
+                                     its abstract arguments) and the devices it runs on, in order
+  keys(ctx) -> list                  every key this runner needs compiled before serving
+  owned(ctx, key) -> bool            whether this process compiles and runs it (stages over
+                                     processes: a stage's programs live in its own process)
+  family                             which owner's programs it is ("model_runner"): a `Programs`
+                                     takes every kind of its family, so a new kind is one
+                                     registration in a module its owner imports
+
+`Programs.get` compiles on demand (through jvllm's executable cache where it is on) and is
+thread-safe: one lock per key, so two threads asking for one key compile it once and a thread
+asking for another key does not wait. `warm_up(keys, background=True)` compiles a list in a daemon
+thread and returns a `WarmUp` handle (`wait()`, `done()`); serving meanwhile compiles what it needs
+first on demand (or waits for the key the warm-up thread is compiling).
+
+Hazards: every process of a multi-process run must compile the same programs (on GPUs XLA shares
+autotuning between them); callers warm up in the foreground there. A process must not exit while
+the warm-up thread is inside XLA (the runtime aborts): an atexit hook cancels every warm-up still
+running and waits for the program it is compiling.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from jvllm.compilation import executable_cache
+from jvllm.compilation.counter import compile_count
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    fn: Any                    # a jax.jit'ed callable (donation declared on it)
+    args: tuple                # abstract arguments (ShapeDtypeStruct trees carrying shardings)
+    devices: tuple             # the devices the executable runs on, in its order
+    kwargs: dict = dataclasses.field(default_factory=dict)  # static keyword arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKind:
+    name: str
+    signature: Callable[[Any, Any], Signature]
+    keys: Callable[[Any], list]
+    owned: Callable[[Any, Any], bool] = lambda ctx, key: True
+    family: str = "model_runner"
+
+
+KINDS: dict[str, ProgramKind] = {}
+
+
+def register(kind: ProgramKind) -> ProgramKind:
+    """Declare a program kind (once per name; a second declaration of a name is an error)."""
+    if kind.name in KINDS and KINDS[kind.name] is not kind:
+        raise ValueError(f"program kind {kind.name!r} is already registered")
+    KINDS[kind.name] = kind
+    return kind
+
+
+def kind(name: str) -> ProgramKind:
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise KeyError(f"unknown program kind {name!r}; registered: {sorted(KINDS)}") from None
+
+
+class WarmUp:
+    """A warm-up in progress (or done): `wait()` blocks until every program is compiled and re-raises
+    the first error; `done()` does not block. `seconds` and `compile_count_at_end` are set at the end."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self.compile_count_at_end: int | None = None
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> "WarmUp":
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"warm-up not done after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def cancel(self):
+        """Stop after the program being compiled now (shutdown)."""
+        self.cancelled = True
+
+    def _finish(self, t0: float):
+        self.seconds = time.perf_counter() - t0
+        self.compile_count_at_end = compile_count()
+        self._event.set()
+
+
+_running: "weakref.WeakSet[WarmUp]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_warmups():
+    for h in list(_running):
+        h.cancel()
+    for h in list(_running):
+        h._event.wait(120)
+
+
+class Programs:
+    """The compiled programs of one owner (`ctx`), by (kind, key): every registered kind of `family`."""
+
+    def __init__(self, ctx, family: str = "model_runner"):
+        self.ctx = ctx
+        self.kinds = tuple(n for n, k in KINDS.items() if k.family == family)
+        if not self.kinds:
+            raise KeyError(f"no program kind of family {family!r} is registered; families: "
+                           f"{sorted({k.family for k in KINDS.values()})}")
+        self._compiled: dict = {}
+        self._locks: dict = {}
+        self._lock = threading.Lock()
+
+    def keys(self) -> list[tuple]:
+        """Every (kind, key) this process compiles before serving, kind by kind."""
+        out = []
+        for n in self.kinds:
+            k = KINDS[n]
+            out += [(n, key) for key in k.keys(self.ctx) if k.owned(self.ctx, key)]
+        return out
+
+    def get(self, name: str, key):
+        """The executable of (name, key), compiled now if it is not yet."""
+        exe = self._compiled.get((name, key))
+        if exe is not None:
+            return exe
+        with self._lock:
+            lock = self._locks.setdefault((name, key), threading.Lock())
+        with lock:
+            exe = self._compiled.get((name, key))
+            if exe is None:
+                exe = self._compile(name, key)
+                self._compiled[(name, key)] = exe
+        return exe
+
+    def lower(self, name: str, key):
+        """(lowered module, devices) of (name, key), without compiling."""
+        sig = kind(name).signature(self.ctx, key)
+        return sig.fn.lower(*sig.args, **sig.kwargs), sig.devices
+
+    def cache_key(self, name: str, key) -> str:
+        """jvllm's executable-cache key of (name, key) (`executable_cache.executable_key`)."""
+        return executable_cache.executable_key(*self.lower(name, key))
+
+    def _compile(self, name: str, key):
+        lowered, devices = self.lower(name, key)
+        ck = None
+        if executable_cache.enabled():
+            ck = executable_cache.executable_key(lowered, devices)
+            exe = executable_cache.load(ck, devices)
+            if exe is not None:
+                return exe
+        exe = lowered.compile()
+        if ck is not None:
+            executable_cache.store(ck, exe)
+        return exe
+
+    def compiled(self) -> dict:
+        """A snapshot {(kind, key): executable} of what is compiled so far."""
+        return dict(self._compiled)
+
+    def warm_up(self, keys: list[tuple], background: bool = False, progress=None) -> WarmUp:
+        """Compile `keys` in order (in a daemon thread with background=True). `progress`: an
+        optional wrapper of the key list (a tqdm bar)."""
+        handle = WarmUp()
+        t0 = time.perf_counter()
+
+        def run():
+            try:
+                for name, key in (progress(keys) if progress else keys):
+                    if handle.cancelled:
+                        break
+                    self.get(name, key)
+            except BaseException as e:  # reported by wait()
+                handle.error = e
+            finally:
+                handle._finish(t0)
+
+        if background:
+            _running.add(handle)
+            threading.Thread(target=run, name="jvllm-warmup", daemon=True).start()
+        else:
+            run()
+        return handle
+
+    def clear(self):
+        with self._lock:
+            self._compiled.clear()

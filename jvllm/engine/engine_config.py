@@ -1,0 +1,50 @@
+"""EngineConfig: everything `LLM(...)` / `jvllm serve` accept (host only: no jax import)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """None means "pick a default for this device"."""
+
+    model: str = "smollm2"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    skip_tokenizer_init: bool | None = None  # None: auto (True when the checkpoint has no tokenizer)
+    token_buckets: tuple[int, ...] | None = None
+    query_tile: int | None = None  # tokens per attention query tile of mixed steps (None: 16 on accelerators, 8 on CPU)
+    kv_chunk_blocks: int | None = None  # KV blocks per attention chunk (None: 16 on accelerators, 4 on CPU)
+    compilation_cache_dir: str | None = None
+    use_tqdm_on_load: bool = True
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # mixture-of-experts models: shard the experts over the tensor-parallel devices (vLLM's flag;
+    # attention stays tensor parallel); an error for a model without experts
+    enable_expert_parallel: bool = False
+    # the experts' grouped matmuls: auto (tokamax on GPUs when installed, else xla) | xla | tokamax
+    moe_backend: str = "auto"
+    num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
+    # auto (GPU: ragged, elsewhere xla) | xla | pallas (decode steps: JAX's Pallas paged-attention
+    # kernel; mixed steps: jvllm's ragged kernel) | pallas_decode (mixed steps on XLA) | ragged (all
+    # steps on the ragged kernel) | ragged_split (every decode-only step split-K; "ragged" splits
+    # only grids under 512 programs, such as B1); "_interpret" runs the Pallas kernels in
+    # interpret mode (CPU tests)
+    attention_backend: str = "auto"
+    # dispatch step N+1 before reading step N's results, so the host's scheduling and input
+    # building overlap the device's work (None: on wherever supported: a single-process engine,
+    # TP and PP included, that is not a data-parallel replica; True there, False anywhere)
+    async_scheduling: bool | None = None
+    # compile the programs a first request needs at start-up and the rest in a background thread
+    # (LLMEngine.wait_for_warmup waits for them); False compiles everything before returning.
+    # Multi-process runs always compile in the foreground.
+    background_compile: bool = True

@@ -1,0 +1,313 @@
+"""LLMEngine: add_request / abort_request / step / has_unfinished_requests.
+
+The loop is nano-vllm's: schedule -> run -> postprocess. `step()` runs one scheduled batch (through
+the loop chosen at construction, `loop.py`) and returns a RequestOutput for every user request that
+made progress (or finished). Requests with n > 1 fan out into n sequences that share the prompt's
+KV blocks through the prefix cache.
+
+Host only: this module never imports jax; device work goes through the worker
+(`jvllm.worker.worker.Worker`), imported at construction.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from jvllm.config import CacheConfig, SchedulerConfig, pow2_buckets
+from jvllm.engine.engine_config import EngineConfig
+from jvllm.engine.input_processor import InputProcessor
+from jvllm.engine.loop import StepHandle, make_loop
+from jvllm.engine.output_processor import OutputProcessor, RequestGroup
+from jvllm.engine.request import Status
+from jvllm.engine.scheduler import Scheduler
+from jvllm.memory.block_pool import KVCacheManager
+from jvllm.outputs import RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+log = logging.getLogger("jvllm")
+
+
+def check_options(config: EngineConfig, model_config, data_parallel_replica: bool):
+    """Option checks that need no weights (a bad value fails before minutes of loading)."""
+    from jvllm.worker.attention_modes import attention_modes
+
+    attention_modes(config.attention_backend, platform="any")
+    if config.async_scheduling and data_parallel_replica:
+        raise ValueError("async_scheduling needs an engine that is not a data-parallel replica "
+                         "(got a data-parallel device slice)")
+    mc = model_config
+    if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings \
+            and mc.rope_type == "default":
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
+                         f"({mc.max_position_embeddings})")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, devices=None):
+        """`devices`: the devices of this engine (a data-parallel replica gets a slice); default all."""
+        from jvllm.worker.worker import Worker
+
+        t0 = time.perf_counter()
+        self.config = config
+        self.worker = worker = Worker(config, devices)
+        self.model_config = mc = worker.model_config
+        self.dtype = worker.dtype
+        check_options(config, mc, data_parallel_replica=devices is not None)
+        # async scheduling: a whole engine (data-parallel replicas are stepped by
+        # DataParallelEngine through step_dispatch / step_collect, which is synchronous)
+        self.async_scheduling = devices is None if config.async_scheduling is None else bool(config.async_scheduling)
+        self.tokenizer, self.load_seconds = worker.load()
+        self.eos_token_ids = tuple(mc.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None else ())
+        self.num_stages = config.pipeline_parallel_size
+        acc = worker.on_accelerator
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        mnbt = config.max_num_batched_tokens or (2048 if acc else 512)
+        mns = config.max_num_seqs or min(256 if acc else 32, mnbt)
+        # with pipeline stages the budget is per micro-batch (SchedulerConfig), so the runner's
+        # micro-batches are the scheduler's and each one fits the largest bucket
+        n_mb = (config.num_microbatches or self.num_stages) if self.num_stages > 1 else 1
+        self.sched_config = SchedulerConfig(max_num_batched_tokens=mnbt, max_num_seqs=mns, max_model_len=max_model_len,
+                                            num_microbatches=n_mb)
+        buckets = tuple(sorted(set(config.token_buckets or pow2_buckets(8, mnbt))))
+        if buckets[-1] < mnbt:
+            buckets = buckets + (mnbt,)
+        bs = config.block_size
+        self.cache_config = CacheConfig(block_size=bs, num_blocks=config.num_gpu_blocks_override,
+                                        gpu_memory_utilization=config.gpu_memory_utilization,
+                                        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                                        enable_prefix_caching=config.enable_prefix_caching)
+        num_blocks = worker.build_runner(self.sched_config, self.cache_config, buckets)
+        self.runner = worker.runner
+        self.init_parts = worker.init_parts
+        t = time.perf_counter()
+        self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.init_parts["block_pool_s"] = time.perf_counter() - t
+        self.scheduler = Scheduler(self.sched_config, self.kv_manager)
+        refused = None
+        if worker.multiprocess:
+            refused = (f"logprobs are not available with pipeline stages over {worker.process_count} processes "
+                       f"(only the sampled ids cross between them); run the stages in one process for logprobs")
+        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, max_model_len, self.eos_token_ids, config.seed,
+                                     logprobs_refused=refused)
+        self.output = OutputProcessor(self.tokenizer)
+        self.groups: dict[str, RequestGroup] = {}
+        self._ids = itertools.count()
+        self.loop = make_loop(self, self.async_scheduling, n_mb)
+        # host_seconds: scheduling, input building, dispatch and post-processing (the device idles
+        # through these unless a step is already queued); device_wait_seconds: blocked on results
+        self.stats = dict(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0, num_requests=0,
+                          host_seconds=0.0, device_wait_seconds=0.0)
+        self.warmup_seconds, self._warmup = worker.warm_up(config.background_compile, use_tqdm=config.use_tqdm_on_load)
+        self.compiles_after_warmup_base = (self._warmup.compile_count_at_end if self._warmup.done() else None)
+        self.init_seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ warm-up
+    def wait_for_warmup(self, timeout: float | None = None) -> float:
+        """Block until the background warm-up has compiled every program (re-raising its error);
+        `compiles_after_warmup` counts from then. Returns the background warm-up's seconds."""
+        self._warmup.wait(timeout)
+        if self.compiles_after_warmup_base is None:
+            self.compiles_after_warmup_base = self._warmup.compile_count_at_end
+        return self._warmup.seconds or 0.0
+
+    def warmup_done(self) -> bool:
+        return self._warmup.done()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request. Raises ValueError/TypeError for bad input (nothing queued)."""
+        params = params or SamplingParams()
+        request_id = str(request_id) if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, seqs = self.inputs.process(request_id, prompt, params, arrival_time)
+        self.groups[request_id] = RequestGroup(request_id, text, ids, params, seqs)
+        for s in seqs:
+            self.scheduler.add(s)
+        self.stats["num_requests"] += 1
+        return request_id
+
+    def abort_request(self, request_id) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            g = self.groups.get(rid)
+            if g is None:
+                continue
+            for s in g.seqs:
+                if not s.is_finished:
+                    self.scheduler.finish(s, Status.FINISHED_ABORTED)
+            self.groups.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and post-process one batch; returns the outputs of the batch that
+        completed (with async scheduling the next batch is dispatched before this one is read)."""
+        return self.loop.step()
+
+    def drain(self) -> list[RequestOutput]:
+        """Collect the step(s) in flight, if any (async scheduling)."""
+        return self.loop.drain()
+
+    def dispatch_ahead(self, prev: StepHandle, only=None) -> StepHandle | None:
+        """Schedule and dispatch the step after `prev` while `prev` runs. Each request that samples
+        in `prev` has one pending token: its id stays on the device and feeds this step's input.
+        Returns the new handle, or None to fall back to a synchronous step (a request needs its
+        tokens on the host: penalties, logit bias, min_tokens), or when nothing is left to run.
+        Requests whose pending token is their last (max_tokens, max_model_len) are left out; one
+        that stops on EOS / a stop string costs one wasted row, discarded when its results come.
+        Never preempts (the step ends where blocks run out)."""
+        last = set()
+        for s in prev.sched.scheduled:
+            r = s.req
+            if not s.samples or r.status is not Status.RUNNING:
+                continue
+            if r.params.needs_extras:
+                return None
+            n_out = r.num_output_tokens + r.num_pending
+            if n_out >= r.max_tokens or n_out >= r.length_cap:
+                last.add(r)
+        # counts as if `prev` were done (step_collect repeats this; it is idempotent)
+        self.scheduler.update_after_step(prev.sched)
+        sched = self.scheduler.schedule(skip=frozenset(last), allow_preempt=False, only=only)
+        if sched.empty:
+            return None
+        return self._launch(sched, prev.run)
+
+    def _launch(self, sched, prev_run=None) -> StepHandle:
+        try:
+            run = self.runner.dispatch(sched.scheduled, prev=prev_run)
+        except Exception as e:
+            return StepHandle(sched, error=e)
+        for s in sched.scheduled:  # the engine alone writes num_pending (read by scheduler and runner)
+            if s.samples:
+                s.req.num_pending += 1
+        return StepHandle(sched, run)
+
+    def step_dispatch(self) -> StepHandle:
+        """Schedule a batch and enqueue it on the device(s) without waiting (data-parallel replicas
+        dispatch all, then collect all, so they run at the same time)."""
+        t0 = time.perf_counter()
+        try:
+            return self.dispatch()
+        finally:
+            self.stats["host_seconds"] += time.perf_counter() - t0
+
+    def dispatch(self, only=None, allow_preempt=True) -> StepHandle:
+        sched = self.scheduler.schedule(allow_preempt=allow_preempt, only=only)
+        if sched.empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # nothing fits even in an empty pool: fail the head request instead of spinning
+                req = self.scheduler.waiting[0]
+                req.error = "request does not fit in the KV cache"
+                self.scheduler.finish(req, Status.FINISHED_ERROR)
+                return StepHandle(outputs=self.output.outputs(self.groups, {req.group_id}))
+            return StepHandle()
+        return self._launch(sched)
+
+    def step_collect(self, handle: StepHandle) -> list[RequestOutput]:
+        if handle.sched is None:
+            return handle.outputs
+        sched = handle.sched
+        try:
+            if handle.error is not None:
+                raise handle.error
+            t0 = time.perf_counter()
+            res = self.runner.collect(handle.run)
+            t1 = time.perf_counter()
+            self.stats["device_wait_seconds"] += t1 - t0
+        except Exception as e:  # an engine error fails the requests of this step, not the engine
+            log.exception("step failed")
+            for s in sched.scheduled:
+                if s.samples:
+                    s.req.num_pending = max(0, s.req.num_pending - 1)
+                if s.req.is_finished:
+                    continue
+                s.req.error = f"{type(e).__name__}: {e}"
+                self.scheduler.finish(s.req, Status.FINISHED_ERROR)
+            return self.output.outputs(self.groups, {s.req.group_id for s in sched.scheduled})
+        now = time.time()
+        self.scheduler.update_after_step(sched)
+        self.stats["num_steps"] += 1
+        touched = set()
+        op = self.output
+        for r, s in enumerate(sched.scheduled):
+            req = s.req
+            touched.add(req.group_id)
+            if s.start < req.num_prompt_tokens:
+                self.stats["num_prompt_tokens"] += min(s.num_tokens, req.num_prompt_tokens - s.start)
+            if r in res.prompt_logprobs:
+                op.add_prompt_logprobs(req, *res.prompt_logprobs[r])
+            if not s.samples:
+                continue
+            req.num_pending = max(0, req.num_pending - 1)
+            if req.is_finished:  # stopped (or aborted) while this step was in flight: a wasted row
+                continue
+            tok = int(res.token_ids[r])
+            entry, lp = None, None
+            if res.logprobs is not None:
+                lp = float(res.logprobs[0][r])
+                if req.params.logprobs is not None:
+                    entry = op.logprob_entry(tok, lp, int(res.logprobs[1][r]), res.logprobs[2][r],
+                                             res.logprobs[3][r], req.params.logprobs)
+            req.append_token(tok, entry, lp)
+            self.stats["num_generation_tokens"] += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            if req.is_finished:
+                req.metrics.finished_time = now
+                self.scheduler.finish(req, req.status)
+        outs = op.outputs(self.groups, touched)
+        self.stats["host_seconds"] += time.perf_counter() - t1
+        return outs
+
+    def make_output(self, g: RequestGroup) -> RequestOutput | None:
+        return self.output.make_output(g)
+
+    # ------------------------------------------------------------------ stats / lifecycle
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes on the most loaded device (`jvllm.memory.kv_cache.bytes_per_block`)."""
+        return self.worker.kv_bytes_per_block()
+
+    def get_stats(self) -> dict:
+        """Counters and gauges; `compiles_after_warmup` counts from the end of the background
+        warm-up (0 while it runs: `warmup_pending`)."""
+        pool = self.kv_manager.pool
+        base = self.compiles_after_warmup_base
+        if base is None and self._warmup.done():
+            base = self.compiles_after_warmup_base = self._warmup.compile_count_at_end
+        return dict(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=pool.usage(), num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
+            prefix_cache_hit_rate=self.kv_manager.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
+            compiles_after_warmup=self.worker.compile_count() - base if base is not None else 0,
+            warmup_pending=base is None,
+            **self.stats, **(self.runner.timers if self.runner is not None else {}))
+
+    def shutdown(self):
+        """Free the weights and the KV pool on the device. The engine is unusable afterwards."""
+        warm = getattr(self, "_warmup", None)
+        if warm is not None:
+            warm.cancel()
+            try:
+                warm.wait()
+            except Exception:
+                pass
+        try:
+            self.drain()
+        except Exception:
+            pass
+        for g in list(self.groups):
+            self.abort_request(g)
+        if getattr(self, "worker", None) is not None:
+            self.worker.release()
+        self.runner = None

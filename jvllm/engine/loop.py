@@ -1,0 +1,125 @@
+"""The engine's step loops, one chosen at construction (`make_loop`), all behind `step()` /
+`drain()`:
+
+  SyncLoop       schedule -> run -> read, one step at a time
+  AsyncLoop      dispatch step N+1 before reading step N, so the host's scheduling and input
+                 building overlap the device's work (requests sampled in N have one pending token,
+                 whose id stays on the device and feeds N+1)
+  PipelinedLoop  async with pipeline stages: one scheduler step per micro-batch, each micro-batch
+                 with its own step in flight (vLLM's virtual engines, over one scheduler and one KV
+                 pool), so the host's work on micro-batch a's results overlaps the stages' work on b
+
+A dispatched step is a `StepHandle`. Multi-process runs may use the async loops: their decisions
+depend only on the order of steps (schedule N+1 from the counts as if N were done, then read N),
+never on timing or device readiness, so every process takes the same ones.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """One scheduled step: launched (`run` is the runner's handle), failed to launch (`error`), or
+    nothing to run (`sched` None, `outputs` ready now)."""
+    sched: object = None              # SchedulerOutput
+    run: object = None                # the runner's StepHandle while the step is in flight
+    error: BaseException | None = None
+    outputs: list = dataclasses.field(default_factory=list)
+
+    @property
+    def launched(self) -> bool:
+        return self.run is not None
+
+
+class SyncLoop:
+    def __init__(self, engine):
+        self.e = engine
+
+    def step(self) -> list:
+        return self.e.step_collect(self.e.step_dispatch())
+
+    def drain(self) -> list:
+        return []
+
+    def in_flight(self) -> int:
+        return 0
+
+
+class AsyncLoop(SyncLoop):
+    def __init__(self, engine):
+        super().__init__(engine)
+        self._inflight: StepHandle | None = None
+
+    def step(self) -> list:
+        e = self.e
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            prev = e.step_dispatch()
+        if prev.launched:
+            t0 = time.perf_counter()
+            self._inflight = e.dispatch_ahead(prev)
+            e.stats["host_seconds"] += time.perf_counter() - t0
+        return e.step_collect(prev)
+
+    def drain(self) -> list:
+        prev, self._inflight = self._inflight, None
+        return self.e.step_collect(prev) if prev is not None else []
+
+    def in_flight(self) -> int:
+        return int(self._inflight is not None)
+
+
+class PipelinedLoop(SyncLoop):
+    """A call first dispatches a step for every micro-batch that has none in flight, then takes the
+    oldest step in flight, dispatches its micro-batch's next step ahead of it and reads it. Steps
+    are dispatched and read in the same order in every process (stages over processes)."""
+
+    def __init__(self, engine, num_microbatches: int):
+        super().__init__(engine)
+        self.num_microbatches = num_microbatches
+        self.queue: collections.deque[StepHandle] = collections.deque()
+
+    def step(self) -> list:
+        e, q = self.e, self.queue
+        t0 = time.perf_counter()
+        outs = []
+        busy = {h.sched.microbatch for h in q}
+        for g in range(self.num_microbatches):
+            if g in busy:
+                continue
+            h = e.dispatch(only=g, allow_preempt=not q)
+            if h.sched is None:
+                outs += h.outputs
+            else:
+                q.append(h)  # a step, or an error its read reports
+        e.stats["host_seconds"] += time.perf_counter() - t0
+        if not q:
+            return outs
+        prev = q.popleft()
+        if prev.launched:
+            t0 = time.perf_counter()
+            nxt = e.dispatch_ahead(prev, only=prev.sched.microbatch)
+            if nxt is not None:
+                q.append(nxt)
+            e.stats["host_seconds"] += time.perf_counter() - t0
+        return outs + e.step_collect(prev)
+
+    def drain(self) -> list:
+        outs = []
+        while self.queue:
+            outs += self.e.step_collect(self.queue.popleft())
+        return outs
+
+    def in_flight(self) -> int:
+        return len(self.queue)
+
+
+def make_loop(engine, async_scheduling: bool, num_microbatches: int) -> SyncLoop:
+    if not async_scheduling:
+        return SyncLoop(engine)
+    if num_microbatches > 1:
+        return PipelinedLoop(engine, num_microbatches)
+    return AsyncLoop(engine)

@@ -1,0 +1,115 @@
+"""What every stage executor shares: the unit of work (one micro-batch's inputs), its result, the
+`Pending` handle `launch` returns, and the two launches all executors make (a stage's step program,
+the last stage's sampler and prompt logprobs).
+
+Interface: `launch(work) -> Pending`; `prev_ids(pending)` -> what the next step's first stage takes
+as prev_tok from a micro-batch still in flight. An executor is chosen once, at runner construction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from jvllm.worker.stage import put
+
+
+@dataclasses.dataclass
+class Work:
+    """One micro-batch's host inputs, and the hidden states moving through its stages."""
+    group: list                # [(row of the step, ScheduledRequest)]
+    sched: list                # the ScheduledRequests of `group`
+    T: int
+    R: int
+    decode: bool
+    packed: np.ndarray         # InputLayout.pack
+    tok_in: object             # prev_tok for the first stage (a device array, or a Pending: multiprocess)
+    sb: object = None          # SamplingBatch (numpy) unless greedy
+    ex: object = None          # SamplingExtras (numpy) or None
+    want_lp: bool = False
+    greedy: bool = True        # the argmax-only program serves every row
+    x: object = None           # the last launched stage's output hidden states
+
+
+@dataclasses.dataclass
+class MicrobatchResult:
+    group: list
+    tok: object                # [R] sampled ids (device)
+    logprobs: tuple | None     # (tok_lp, rank, top_ids, top_lp) on device, when some row wants them
+    prompt_logprobs: tuple | None  # ({row: (offset, positions)}, device arrays) or None
+    tok_pad: object            # ids padded to [max_num_seqs]: the next step's prev_tok
+
+
+@dataclasses.dataclass
+class Pending:
+    """A launched micro-batch: its group now, its result once `result()` is called (which, for
+    stages over processes, may first issue hand-offs still due)."""
+    group: list
+    value: MicrobatchResult | None = None
+    resolve: Callable[[], None] | None = None
+
+    def result(self) -> MicrobatchResult:
+        if self.value is None:
+            self.resolve()
+        return self.value
+
+
+class Executor:
+    def __init__(self, runner):
+        self.r = runner
+
+    def launch(self, w: Work) -> Pending:
+        raise NotImplementedError
+
+    def prev_ids(self, pending: Pending):
+        """prev_tok for a micro-batch whose pending tokens come from `pending` (on stage 0)."""
+        ids = pending.result().tok_pad
+        shard = self.r.stages[0].sharding()
+        return ids if shard is None else self.to_first(ids)
+
+    def to_first(self, ids):
+        import jax
+
+        return jax.device_put(ids, self.r.stages[0].sharding())
+
+    def release(self):
+        pass
+
+    # ------------------------------------------------------------------ shared launches
+    def launch_stage(self, s_idx: int, w: Work, x):
+        """Enqueue stage `s_idx` of `w` with input `x` (prev_tok or hidden states on the stage's devices)."""
+        r = self.r
+        st = r.stages[s_idx]
+        t1 = time.perf_counter()
+        packed = put(w.packed, st.sharding())  # this stage's host inputs: one transfer
+        tm = r.timers
+        tm["step_call_put_s"] += time.perf_counter() - t1
+        out = r.programs.get("step", (s_idx, w.T, w.decode))(st.leaves, st.kv, packed, x)
+        st.kv = out[0]
+        w.x = out[-1]
+        tm["step_call_s"] += time.perf_counter() - t1
+        return out
+
+    def launch_sample(self, w: Work, out) -> MicrobatchResult:
+        """Enqueue the sampler (and prompt logprobs) of `w` after its last stage."""
+        r = self.r
+        t3 = time.perf_counter()
+        _, last_h, all_h = out
+        if w.greedy:
+            tok, tok_pad = r.programs.get("greedy", w.R)(r.head_w, last_h)
+            lp = None
+        else:
+            sb, ex = w.sb, w.ex
+            shard = r.stages[-1].sharding()
+            if shard is not None:
+                import jax
+
+                sb, ex = jax.tree_util.tree_map(lambda a: put(np.asarray(a), shard), (sb, ex))
+            tok, lp, tok_pad = r.programs.get("sample", (w.R, ex is not None))(r.head_w, last_h, sb, ex)
+        r.timers["sample_call_s"] += time.perf_counter() - t3
+        plp = None
+        if any(s.req.needs_prompt_logprobs for s in w.sched):
+            plp = r.prompt_logprobs(w.sched, w.T, all_h)
+        return MicrobatchResult(w.group, tok, lp if w.want_lp else None, plp, tok_pad)

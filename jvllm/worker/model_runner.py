@@ -1,0 +1,239 @@
+"""ModelRunner: turns a step's scheduled requests into device inputs, launches them through its
+stage executor, and brings the sampled ids (and logprobs) back.
+
+`dispatch(scheduled, prev)` prepares every micro-batch's host inputs (`inputs.InputLayout`,
+`sampler`), then has the executor (`executors/`, chosen once here) launch them; it returns a
+`DispatchedStep` for `collect`. Programs come from the registry (`self.programs.get(kind, key)`),
+compiled at warm-up or on demand.
+
+Parallelism: the runner holds one or more pipeline stages (`stage.Stage`), each a model slice with
+its own weights, KV pages and device sub-mesh (tensor parallelism inside a stage is GSPMD over
+NamedSharding'd params and KV pages). With several stages the work comes as micro-batches
+dispatched asynchronously stage after stage, so stage s works on micro-batch m while stage s+1
+works on m-1.
+
+Hazard: anything here that calls a jnp function eagerly with a new shape compiles a tiny XLA
+program at serving time; the compile counter catches that in tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jvllm.compilation.registry import Programs
+from jvllm.config import ModelConfig, cdiv
+from jvllm.memory import kv_cache
+from jvllm.sampling import NUM_TOP_LOGPROBS
+from jvllm.worker import microbatches, programs, sampler
+from jvllm.worker.attention_modes import attention_modes
+from jvllm.worker.executors import Pending, Work, make_executor
+from jvllm.worker.inputs import InputLayout
+from jvllm.worker.stage import Stage, put, to_host
+
+
+@dataclasses.dataclass
+class StepResult:
+    token_ids: np.ndarray                 # [R] sampled ids (rows of scheduled requests, in order)
+    logprobs: tuple | None                # (tok_lp [R], rank [R], top_ids [R,N], top_lp [R,N]) or None
+    prompt_logprobs: dict                 # row -> (positions, tok_lp, rank, top_ids, top_lp)
+
+
+@dataclasses.dataclass
+class DispatchedStep:
+    """A dispatched step: its number of rows and one Pending per micro-batch."""
+    num_rows: int
+    pending: list[Pending]
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, graphdef=None, state=None, head_w=None, *, dtype, block_size: int,
+                 num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
+                 query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
+                 num_microbatches: int | None = None, attention_backend: str = "auto"):
+        self.cfg = cfg
+        self.stages = stages or [Stage(graphdef, state)]
+        self.head_w = head_w
+        self.dtype = jnp.dtype(dtype)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.num_microbatches = num_microbatches or len(self.stages)
+        self.attention_backend, self.attention_modes = attention_modes(attention_backend)
+        max_blocks = cdiv(max_model_len, block_size)
+        self.kv_chunk_blocks = min(kv_chunk_blocks, max_blocks)
+        self.layout = InputLayout(tuple(token_buckets), max_num_seqs, query_tile, block_size, num_blocks,
+                                  cdiv(max_blocks, self.kv_chunk_blocks) * self.kv_chunk_blocks)
+        self.platform = jax.default_backend()
+        # stages over several processes: each process launches only its own stages
+        self.pid = jax.process_index()
+        self.multiprocess = jax.process_count() > 1 and len(self.stages) > 1
+        self._local = [not self.multiprocess or st.mesh is None
+                       or next(iter(st.mesh.devices.flat)).process_index == self.pid for st in self.stages]
+        for i, st in enumerate(self.stages):
+            st.kv = (kv_cache.allocate(cfg, st.num_layers(), num_blocks, block_size, self.dtype,
+                                       st.sharding(st.kv_spec)) if self.local(i) else None)  # else another process's pool
+        first = self.stages[0]
+        z = np.zeros(self.max_num_seqs, np.int32)
+        self.no_prev = put(z, first.sharding()) if first.sharding() is not None else jnp.asarray(z)
+        self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0)
+        self.jit_cache: dict = {}
+        self.executor = make_executor(self)
+        self.programs = Programs(self)  # every kind registered by worker/programs.py and executors/
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return self.layout.token_buckets
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def num_swaps(self) -> int:
+        return getattr(self.executor, "num_swaps", 0)
+
+    def local(self, s_idx: int) -> bool:
+        """Whether stage `s_idx` runs in this process (always, in a single-process run)."""
+        return self._local[s_idx]
+
+    @property
+    def kv(self):
+        """Single stage: its [(K, V)]; several: every local stage's pairs in order."""
+        return self.stages[0].kv if len(self.stages) == 1 else [kv for st in self.stages for kv in st.kv or ()]
+
+    @property
+    def state(self):
+        return self.stages[0].state
+
+    def warmup_keys(self) -> tuple[list, list]:
+        """(the programs a first request needs: the smallest decode step, a mid prefill step and
+        their greedy samplers; every other program), this process's only."""
+        keys = self.programs.keys()
+        b = self.layout.token_buckets
+        t_dec = min((T for T in b if self.layout.has_decode_variant(T)), default=b[0])
+        t_mid = b[len(b) // 2]
+        first = [k for k in keys if (k[0] == "step" and k[1][1:] in ((t_dec, True), (t_mid, False)))
+                 or (k[0] == "greedy" and k[1] in (self.layout.seq_bucket(t_dec), self.layout.seq_bucket(t_mid)))]
+        return first, [k for k in keys if k not in first]
+
+    def release(self):
+        """Drop device buffers (weights and KV pools) so their memory returns at once."""
+        for st in self.stages:
+            kv_cache.delete((st.kv, st.state))
+            st.kv = st.state = st.leaves = None
+        kv_cache.delete(self.head_w)
+        self.head_w = None
+        self.programs.clear()
+        self.executor.release()
+
+    # ------------------------------------------------------------------ execute
+    def dispatch(self, scheduled, prev: DispatchedStep | None = None) -> DispatchedStep:
+        """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`.
+        `prev`: the handle of the step still in flight whose sampled ids some of these requests
+        need as input (async scheduling), else None. Each micro-batch takes its pending tokens from
+        the one micro-batch of `prev` its requests were in; the ids move to the first stage's
+        devices on the device, never through the host."""
+        tm = self.timers
+        prev_groups = prev.pending if prev is not None else None
+        work = []  # host-side inputs of every micro-batch first, then the launches
+        for group, p in microbatches.split(scheduled, self.num_microbatches, len(self.stages), prev_groups):
+            sched = [s for _, s in group]
+            prev_rows = None
+            if p is not None:
+                prev_rows = {s.req.request_id: row for row, (_, s) in enumerate(prev_groups[p].group)}
+            t0 = time.perf_counter()
+            ps = self.layout.prepare(sched, prev_rows=prev_rows)
+            packed = self.layout.pack(ps)
+            t1 = time.perf_counter()
+            if all(sampler.plain_greedy(s.req.params) for s in sched):  # the argmax program needs no inputs
+                sb, ex, want_lp, greedy = None, None, False, True
+            else:
+                sb, ex, want_lp = sampler.sampling_inputs(sched, ps.R, self.cfg.vocab_size, self.max_model_len)
+                greedy = ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
+            tm["prepare_s"] += t1 - t0
+            tm["sample_inputs_s"] += time.perf_counter() - t1
+            if p is not None and bool((ps.src >= 0).any()):
+                tok_in = self.executor.prev_ids(prev_groups[p])
+            else:
+                tok_in = self.no_prev
+            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy))
+        # launch order: micro-batch by micro-batch, each through all stages, then its sampler
+        return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
+
+    def collect(self, handle: DispatchedStep) -> StepResult:
+        """Wait for a dispatched step and bring its sampled ids (and logprobs) to the host."""
+        n = handle.num_rows
+        token_ids = np.zeros(n, np.int32)
+        lps = None
+        plp_all = {}
+        for e in handle.pending:
+            res = e.result()
+            rows = [i for i, _ in res.group]
+            token_ids[rows] = to_host(res.tok)[: len(rows)]
+            if res.logprobs is not None:
+                if lps is None:
+                    lps = (np.zeros(n, np.float32), np.zeros(n, np.int32),
+                           np.zeros((n, NUM_TOP_LOGPROBS), np.int32), np.zeros((n, NUM_TOP_LOGPROBS), np.float32))
+                for dst, src in zip(lps, res.logprobs):
+                    dst[rows] = to_host(src)[: len(rows)]
+            if res.prompt_logprobs:
+                spans, dev = res.prompt_logprobs
+                host = [to_host(a) for a in dev]
+                for local, (o, pos) in spans.items():
+                    plp_all[rows[local]] = (pos, *(a[o:o + len(pos)] for a in host))
+        return StepResult(token_ids, lps, plp_all)
+
+    def execute(self, scheduled) -> StepResult:
+        return self.collect(self.dispatch(scheduled))
+
+    def prompt_logprobs(self, scheduled, T, all_h):
+        """Enqueue prompt logprobs of the requests that ask (last stage): ({row: (offset,
+        positions)}, device arrays), or None when no position of this step needs one."""
+        targets = np.zeros(T, np.int32)
+        spans = {}
+        off = 0
+        for r, s in enumerate(scheduled):
+            req = s.req
+            if req.needs_prompt_logprobs:
+                P = req.num_prompt_tokens
+                hi = min(s.start + s.num_tokens, P - 1)
+                if hi > s.start:
+                    pos = np.arange(s.start, hi)
+                    targets[off:off + len(pos)] = np.asarray(req.prompt_token_ids, np.int32)[pos + 1]
+                    spans[r] = (off, pos)
+            off += s.num_tokens
+        if not spans:
+            return None
+        out = self.programs.get("prompt_lp", T)(self.head_w, all_h, put(targets, self.stages[-1].sharding()))
+        return (spans, out)  # device arrays: brought to the host in `collect`, not here
+
+    # ------------------------------------------------------------------ one-off forward
+    def sequence_logits(self, token_ids) -> np.ndarray:
+        """float32 logits [n, vocab] of one whole sequence, computed as one prefill through the
+        paged path (blocks 1..k of this runner's pool, which it overwrites: for `jvllm verify` and
+        tests, never on a runner that is serving). Compiles for each new length."""
+        from types import SimpleNamespace
+
+        if len(self.stages) != 1:
+            raise ValueError("sequence_logits needs a single-stage runner")
+        ids = [int(t) for t in token_ids]
+        n, bs = len(ids), self.block_size
+        blocks = list(range(1, cdiv(n, bs) + 1))
+        if blocks and blocks[-1] >= self.num_blocks:
+            raise ValueError(f"{n} tokens need {len(blocks)} blocks; this runner's pool has {self.num_blocks - 1}")
+        req = SimpleNamespace(all_token_ids=ids)
+        sched = [SimpleNamespace(req=req, num_tokens=n, start=0, block_ids=blocks)]
+        layout = dataclasses.replace(self.layout, token_buckets=(n,))
+        ps = layout.prepare(sched, allow_decode=False)
+        st = self.stages[0]
+        st.kv, _, h = programs.step_fn(self, 0, False)(st.leaves, st.kv, layout.pack(ps),
+                                                       np.zeros(self.max_num_seqs, np.int32), T=ps.T)
+        return np.asarray(programs.logits_fn(self)(self.head_w, h))

@@ -1,0 +1,58 @@
+"""A pipeline stage (a model slice with its own weights, KV pages and device sub-mesh) and the
+host <-> device transfer helpers every executor uses."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass
+class Stage:
+    graphdef: object
+    state: object
+    mesh: object | None = None        # 1-D mesh ("tensor",) of this stage's devices; None = default device
+    kv_spec: object = None            # PartitionSpec of KV pages on `mesh`
+    kv: list | None = None            # [(K, V)] per layer (jvllm.memory.kv_cache); None in another process
+    first: bool = True
+    last: bool = True
+    leaves: list | None = None        # the state's leaves, flattened once (a plain list flattens
+    treedef: object = None            # in C++ on every call; an nnx.State would in Python)
+
+    def __post_init__(self):
+        if self.state is not None and self.leaves is None:
+            self.leaves, self.treedef = jax.tree_util.tree_flatten(self.state)
+
+    def sharding(self, spec=None):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, spec if spec is not None else PartitionSpec())
+
+    def devices(self) -> list:
+        """The stage's devices in mesh order (the default device without a mesh)."""
+        return list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
+
+    def num_layers(self) -> int:
+        from flax import nnx
+
+        flat = nnx.to_flat_state(self.state) if hasattr(nnx, "to_flat_state") else self.state.flat_state()
+        return len({str(path[1]) for path, _ in flat if str(path[0]) == "layers"})
+
+
+def put(x, sharding):
+    """numpy -> device array with `sharding` (also across processes in a multi-host run: a
+    sharding with devices of other processes is built from this process's slices)."""
+    if sharding is None:
+        return x
+    if jax.process_count() > 1 and not sharding.is_fully_addressable:
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx], dtype=x.dtype)
+    return jax.device_put(x, sharding)
+
+
+def to_host(x) -> np.ndarray:
+    if not getattr(x, "is_fully_addressable", True):  # multi-host: every process holds a replica
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)

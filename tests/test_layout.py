@@ -1,0 +1,109 @@
+"""The core's structure: host modules import no jax; the program registry compiles a key once
+across threads; jvllm's executable cache keys programs by what they are."""
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+HOST_MODULES = ["jvllm.engine.llm_engine", "jvllm.engine.engine", "jvllm.engine.loop", "jvllm.engine.input_processor",
+                "jvllm.engine.output_processor", "jvllm.engine.engine_config", "jvllm.engine.scheduler",
+                "jvllm.engine.request", "jvllm.engine.data_parallel", "jvllm.memory.block_pool", "jvllm.llm", "jvllm"]
+
+
+def test_engine_modules_do_not_import_jax():
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in HOST_MODULES)
+            + "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\nprint(bad[:5])\n"
+              "sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _counting_kind(name, calls, body):
+    import jax
+
+    from jvllm.compilation.registry import ProgramKind, Signature, register
+
+    def sig(ctx, key):
+        calls.append(key)
+        return Signature(jax.jit(body), (jax.ShapeDtypeStruct((key,), np.float32),), tuple(jax.devices()[:1]))
+
+    return register(ProgramKind(name, sig, lambda ctx: [4, 8], family="test"))
+
+
+def test_registry_compiles_each_key_once_across_threads():
+    from jvllm.compilation.registry import Programs
+
+    calls = []
+    _counting_kind("test_double", calls, lambda x: x * 2)
+    progs = Programs(object(), family="test")
+    assert progs.keys() == [("test_double", 4), ("test_double", 8)]
+    barrier = threading.Barrier(4)
+    got = []
+
+    def ask():
+        barrier.wait()
+        got.append(progs.get("test_double", 4))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [4] and len({id(e) for e in got}) == 1
+    h = progs.warm_up(progs.keys(), background=True)
+    h.wait(60)
+    assert h.done() and calls == [4, 8] and h.compile_count_at_end is not None
+    np.testing.assert_array_equal(np.asarray(progs.get("test_double", 8)(np.ones(8, np.float32))), 2 * np.ones(8))
+    with pytest.raises(KeyError, match="no program kind of family 'nope' is registered"):
+        Programs(object(), family="nope")
+
+
+def test_executable_key_tells_models_with_equal_inputs_apart(ckpt_dir):
+    """Two tiny models with identical input shapes (only rms_norm_eps differs) lower to different
+    modules, so their step programs get different executable-cache keys; the same model twice
+    gets the same key."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jvllm.converters import load_checkpoint
+    from jvllm.models import bind
+    from jvllm.worker.model_runner import ModelRunner
+
+    ck = load_checkpoint(ckpt_dir("llama"))
+    keys = []
+    for eps in (1e-5, 1e-3, 1e-5):
+        cfg = dataclasses.replace(ck.config, rms_norm_eps=eps)
+        g, s = bind(cfg, ck.params)
+        head = ck.params["embed"] if cfg.tie_word_embeddings else ck.params["lm_head"]
+        r = ModelRunner(cfg, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=4,
+                        max_model_len=32, max_num_seqs=2, token_buckets=(8,))
+        keys.append(r.programs.cache_key("step", (0, 8, False)))
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_background_warmup_compiles_the_first_request_programs_first(ckpt_dir):
+    """LLM(...) returns with the programs a first request needs compiled (smallest decode step, a
+    mid prefill step, their greedy samplers); the rest compile in the background, and after
+    wait_for_warmup every program is in and serving compiles nothing."""
+    from jvllm import LLM, SamplingParams
+
+    llm = LLM(ckpt_dir("llama"), dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
+              token_buckets=(8, 16, 32), use_tqdm_on_load=False)
+    try:
+        eng = llm.llm_engine
+        first, rest = eng.runner.warmup_keys()
+        assert set(first) == {("step", (0, 8, True)), ("step", (0, 16, False)), ("greedy", 8)}, first
+        assert set(first) <= set(eng.worker.compiled_programs())
+        assert rest and not set(first) & set(rest)
+        eng.wait_for_warmup()
+        assert set(eng.worker.compiled_programs()) == set(first) | set(rest) == set(eng.runner.programs.keys())
+        st0 = llm.get_stats()
+        assert not st0["warmup_pending"] and st0["compiles_after_warmup"] == 0
+        llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (3, 20)],
+                     SamplingParams(max_tokens=5, temperature=0.8, seed=1, logprobs=1), use_tqdm=False)
+        assert llm.get_stats()["compiles_after_warmup"] == 0
+    finally:
+        llm.shutdown()
