@@ -181,8 +181,8 @@ class ModelConfig:
         if sw:
             if layer_types:
                 windows = [sw if t == "sliding_attention" else None for t in layer_types]
-            elif arch == "MistralForCausalLM":
-                windows = [sw] * n
+            elif arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+                windows = [sw] * n  # transformers applies their sliding_window to every layer
             elif getattr(hf, "use_sliding_window", False):
                 mwl = getattr(hf, "max_window_layers", n)
                 windows = [sw if i >= mwl else None for i in range(n)]
