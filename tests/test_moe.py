@@ -293,3 +293,20 @@ def test_grouped_matmul_probe_dry_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["mode"] for r in rows} == {"one_device", "expert_parallel", "tensor_parallel"}
     assert all(r["ms"] > 0 for r in rows)
+
+
+def test_bench_active_weight_bytes():
+    """jvllm bench's B1 bytes per step for a MoE model count the top_k experts a token reads."""
+    from types import SimpleNamespace
+
+    from jvllm.bench import param_stats
+    from jvllm.converters import model_config, resolve_model
+
+    mc = model_config(resolve_model("random:tiny-moe"))  # 2 layers, 8 experts, top-2, 64 x 32
+    head = jnp.zeros((64, 512), jnp.float32)
+    experts = [jnp.zeros((8, 64, 32), jnp.float32) for _ in range(6)]
+    runner = SimpleNamespace(stages=[SimpleNamespace(state=[jnp.zeros((512, 64)), *experts])], head_w=head)
+    ps = param_stats(SimpleNamespace(llm_engine=SimpleNamespace(runner=runner, model_config=mc)))
+    expert_bytes = 6 * 8 * 64 * 32 * 4
+    assert ps["weight_bytes"] == (512 * 64 + 64 * 512) * 4 + expert_bytes
+    assert ps["active_weight_bytes"] == ps["weight_bytes"] - expert_bytes + expert_bytes * 2 // 8
