@@ -88,7 +88,8 @@ def _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend):
 
 def _combine(ys, order, top_w, T: int, k: int):
     """Sorted rows [T*k, D] -> weighted sum over each token's k choices [T, D]."""
-    inv = jnp.argsort(order)  # sorted position of each (token, choice) pair
+    # sorted position of each (token, choice) pair: the inverse permutation (a scatter, not a sort)
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     y = ys[inv].reshape(T, k, -1)
     w = top_w.astype(jnp.float32)[..., None]
     return jnp.sum(y.astype(jnp.float32) * w, axis=1)
