@@ -9,8 +9,8 @@ experts, never a dense all-experts product. The rows are then weighted, put back
 and summed over the k choices (a reshape, not a scatter-add, so the sum order is fixed).
 
 Expert parallelism (`expert_parallel_ffn`): the experts' leading dimension is sharded over the
-mesh axis; each device takes the rows of its own experts (contiguous in the sorted buffer: one
-dynamic slice at their offset), runs the same grouped matmuls on them and the per-device partial
+mesh axis; each device takes the rows of its own experts (contiguous in the sorted buffer: rotated
+to the front from their offset), runs the same grouped matmuls on them and the per-device partial
 outputs are summed with one psum. Tokens are *gathered*, not sent by all-to-all: after attention's
 all-reduce every tensor-parallel device already holds all T tokens, so no token has to move, and
 the psum replaces the all-reduce a tensor-parallel MLP needs anyway. (An all-to-all pays off when
@@ -24,8 +24,9 @@ in disguise that reads every expert's weights each step; on GPUs use "tokamax" u
 measurement says otherwise. On CPU both compute the same thing.
 
 Hazards: a step's padding tokens must be passed as `valid=False`, else they are routed like real
-ones (at batch 1 in a bucket of 8 they would double the experts read); `jax.lax.ragged_dot` writes zeros for rows past the sum of the group
-sizes, which the expert-parallel path relies on for rows of other devices' experts.
+ones (at batch 1 in a bucket of 8 they would double the experts read). Rows past the sum of the
+group sizes (padding, other devices' experts) are set to 0 here after the matmuls rather than
+trusting each backend to leave them 0.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend):
     with jax.named_scope(GMM_SCOPE):
         g = dot(xs, w_gate, sizes)
         u = dot(xs, w_up, sizes)
-        return dot((jax.nn.silu(g) * u).astype(xs.dtype), w_down, sizes)
+        y = dot((jax.nn.silu(g) * u).astype(xs.dtype), w_down, sizes)
+    return jnp.where((jnp.arange(xs.shape[0]) < jnp.sum(sizes))[:, None], y, 0)
 
 
 def _combine(ys, order, top_w, T: int, k: int):
@@ -130,12 +132,12 @@ def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, 
             e0 = jax.lax.axis_index(axis) * El
             local_sizes = jax.lax.dynamic_slice_in_dim(sizes, e0, El)
             start = jnp.sum(jnp.where(jnp.arange(E) < e0, sizes, 0))  # first row of this device's experts
-            # this device's rows rotated to the front; ragged_dot zeroes the rows past them
+            # this device's rows rotated to the front; _expert_mlp zeroes the rows past them
             rows = (jnp.arange(M) + start) % M
             xs = x[(order // k)[rows]]
         ys = _expert_mlp(xs, wg, wu, wd, local_sizes, backend)
         with jax.named_scope(ROUTING_SCOPE):
-            ys = jnp.zeros_like(ys).at[rows].set(ys)  # back to sorted positions (others' rows stay 0)
+            ys = jnp.zeros_like(ys).at[rows].set(ys)  # back to sorted positions (others' rows are 0)
             y = _combine(ys, order, top_w, T, k)
         return jax.lax.psum(y, axis)
 
