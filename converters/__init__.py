@@ -40,6 +40,16 @@ RANDOM_PRESETS = {
     "llama3-8b-tp2-shard": dict(hidden_size=4096, intermediate_size=7168, num_hidden_layers=32, num_attention_heads=16,
                                 num_key_value_heads=4, head_dim=128, vocab_size=64128, rope_theta=500000.0,
                                 max_position_embeddings=8192),
+    # mixture of experts (a preset naming its model_type / architectures overrides the llama default)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6),
+    "tiny-moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=64,
+                     intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                     norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, vocab_size=512, max_position_embeddings=2048),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048),
     # google/gemma-3-4b-pt's text decoder: every 6th layer global (linear rope x8), the rest 1024-token windows

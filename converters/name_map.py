@@ -18,6 +18,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from .moe_names import ExpertSlice, moe_rules
+
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match the model's declared parameters, or a damaged file."""
@@ -70,6 +72,11 @@ def t_split_gate_up(name, a, tgts):  # [2*mlp, embed] (gate rows first) -> gate,
     return a[:i].T, a[i:].T
 
 
+def t_row(name, a, tgt):  # Linear(D, 1) [1, D] -> [D]
+    _expect(name, a, (1, tgt[0]))
+    return a[0]
+
+
 _L = r"model\.layers\.(\d+)\."
 HF_RULES: list[tuple[str, str | None, Callable | None]] = [
     (r"model\.embed_tokens\.weight", "embed", t_identity),
@@ -94,7 +101,8 @@ PHI3_RULES = [
      (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj"), t_split_qkv),
     (_L + r"mlp\.gate_up_proj\.weight", (r"layers.\1.mlp.gate_proj", r"layers.\1.mlp.up_proj"), t_split_gate_up),
 ] + HF_RULES
-HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES}
+HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES,
+                   "moe": HF_RULES + moe_rules(t_identity, t_transpose, t_row)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 
 
@@ -108,6 +116,8 @@ def map_name(name: str, name_map: str = "llama"):
         if m:
             if isinstance(tgt, tuple):
                 return tuple(m.expand(t) for t in tgt), fn
+            if isinstance(fn, ExpertSlice):
+                fn = fn.at(int(m.group("expert")))
             return (m.expand(tgt) if tgt is not None else None), fn
     from .quantization import quantized_name_error
 
@@ -128,9 +138,27 @@ def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.nd
     """
     put = put or (lambda name, a: a)
     out = {}
+    stacks: dict[str, tuple[np.ndarray, set]] = {}  # stacked expert targets still being filled
     for src, load in tensors:
         tgt, fn = map_name(src, name_map)
         if tgt is None or (tgt == "lm_head" and tied_embeddings):
+            continue
+        if isinstance(fn, ExpertSlice):
+            if tgt not in specs:
+                raise CheckpointError(f"unexpected tensor {src!r}: this model declares no parameter {tgt!r}")
+            if tgt in out:
+                raise CheckpointError(f"tensor {src!r} appears twice in the checkpoint")
+            shape = specs[tgt][0]
+            if fn.index >= shape[0]:
+                raise CheckpointError(f"tensor {src!r}: expert {fn.index} but the model has {shape[0]} experts")
+            buf, seen = stacks.setdefault(tgt, (np.empty(shape, dtype), set()))
+            if fn.index in seen:
+                raise CheckpointError(f"tensor {src!r} appears twice in the checkpoint")
+            buf[fn.index] = fn.fn(src, load(), shape[1:])
+            seen.add(fn.index)
+            if len(seen) == shape[0]:
+                out[tgt] = put(tgt, buf)
+                del stacks[tgt]
             continue
         tgts = tgt if isinstance(tgt, tuple) else (tgt,)
         for t in tgts:
@@ -144,6 +172,9 @@ def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.nd
             arrs = (fn(src, load(), specs[tgt][0]),)
         for t, arr in zip(tgts, arrs):
             out[t] = put(t, np.ascontiguousarray(arr).astype(dtype, copy=False))
+    for tgt, (buf, seen) in sorted(stacks.items()):
+        absent = sorted(set(range(buf.shape[0])) - seen)
+        raise CheckpointError(f"checkpoint is missing expert(s) {absent[:8]} of {tgt!r} ({len(seen)} of {buf.shape[0]})")
     missing = sorted(set(specs) - set(out))
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s) the model needs: "

@@ -197,7 +197,14 @@ def param_stats(llm) -> dict:
         seen.add(id(a))
         nbytes += int(a.nbytes)
         count += int(a.size)
-    return dict(weight_bytes=nbytes, num_params=count)
+    out = dict(weight_bytes=nbytes, num_params=count)
+    mc = getattr(llm.llm_engine, "model_config", None)
+    if getattr(mc, "moe", None) is not None:  # one decode token reads top_k of the experts
+        m = mc.moe
+        sparse = sum(m.is_sparse(i) for i in range(mc.num_layers))
+        experts = sparse * 3 * mc.hidden_size * m.expert_size * m.num_experts * r.head_w.dtype.itemsize
+        out["active_weight_bytes"] = nbytes - experts + experts * m.top_k // m.num_experts
+    return out
 
 
 def kv_bytes_per_token(llm) -> int:
@@ -388,14 +395,16 @@ def run_latency(llm, input_len: int = 512, output_len: int = 256, num_iters: int
     kvpt = kv_bytes_per_token(llm)
     # decode step j (1..output_len-1) attends input_len + j tokens
     mean_ctx = input_len + output_len / 2
-    step_bytes = ps["weight_bytes"] + kvpt * mean_ctx
+    # mixture of experts: the weights one token reads (its top_k experts), B1's floor
+    step_bytes = ps.get("active_weight_bytes", ps["weight_bytes"]) + kvpt * mean_ctx
     out = dict(input_len=input_len, output_len=output_len, num_iters=num_iters, iterations=iters,
                tok_s=best.get("decode_tok_s"), e2e_tok_s=best["e2e_tok_s"], step_ms=best.get("step_ms_mean"),
                step_ms_median=best.get("step_ms_median"), ttft_s=best["ttft_s"], host_share=best["host_share"],
                host_ms_per_step=best["host_ms_per_step"],
                host_parts={k: v for k, v in best.items() if k.startswith("host_") and k != "host_share"}, **ps,
                kv_bytes_per_token=kvpt, mean_context=mean_ctx, bytes_per_step=step_bytes,
-               mbu_definition="(weight_bytes + kv_bytes_per_token x mean_context) / mean decode step / copy bandwidth")
+               mbu_definition="(weight_bytes (MoE: active_weight_bytes) + kv_bytes_per_token x mean_context) / "
+                              "mean decode step / copy bandwidth")
     if copy_bandwidth_Bps and best.get("step_ms_mean"):
         out["achieved_Bps"] = step_bytes / (best["step_ms_mean"] / 1e3)
         out["mbu"] = out["achieved_Bps"] / copy_bandwidth_Bps

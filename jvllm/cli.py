@@ -36,6 +36,10 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices per tensor-parallel group")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture of experts: shard the experts over the tensor-parallel devices")
+    p.add_argument("--moe-backend", default="auto", choices=("auto", "xla", "tokamax"),
+                   help="mixture of experts: grouped-matmul backend (auto: tokamax on GPUs when installed)")
     p.add_argument("--coordinator-address", default=None, help="multi-host: host:port of process 0")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
@@ -48,7 +52,8 @@ def engine_kwargs(a) -> dict:
     initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
     return dict(attention_backend=a.attention_backend, async_scheduling=a.async_scheduling, query_tile=a.query_tile,
                 tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
-                data_parallel_size=a.data_parallel_size, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
+                data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
+                moe_backend=a.moe_backend, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                 block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,

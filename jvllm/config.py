@@ -21,12 +21,50 @@ def supported_architectures() -> tuple[str, ...]:
     from jvllm.models.registry import supported_architectures as archs
 
     return archs()
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # jvllm.models.moe
 
 
 def _freeze(d: dict | None) -> tuple | None:
     if not d:
         return None
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a model (jvllm.models.moe).
+
+    Router: softmax over `num_experts` logits in float32, the `top_k` largest, renormalised to sum
+    to one when `norm_topk_prob` (Mixtral always). Layer i is sparse iff i is not in
+    `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; other layers keep the dense MLP of
+    `intermediate_size`. `shared_expert_size` > 0 adds Qwen2-MoE's shared expert, scaled by a
+    sigmoid gate. `expert_parallel` picks the expert computation's variant under a tensor-parallel
+    mesh (experts sharded over the devices, not their hidden dimension); the engine sets it from
+    `enable_expert_parallel`, it changes no parameter; so does `grouped_matmul`, the expert
+    matmuls' backend (jvllm.ops.grouped_matmul.BACKENDS, from the engine's `moe_backend`)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate size (moe_intermediate_size)
+    norm_topk_prob: bool = True
+    shared_expert_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    expert_parallel: bool = False
+    grouped_matmul: str = "xla"
+
+    def __post_init__(self):
+        for f in ("num_experts", "top_k", "expert_size", "decoder_sparse_step"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"MoEConfig.{f} must be a positive integer, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.num_experts})")
+        if not isinstance(self.shared_expert_size, int) or self.shared_expert_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be an integer >= 0, got {self.shared_expert_size!r}")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +115,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
+    moe: MoEConfig | None = None  # mixture-of-experts layers (the MoE architectures only)
 
     def __post_init__(self):
         if self.architecture not in supported_architectures():
@@ -110,6 +149,9 @@ class ModelConfig:
                 if len(p.get(k) or ()) != half:
                     raise ValueError(f"longrope {k} needs {half} values (rotary_dim / 2), got "
                                      f"{len(p.get(k) or ())}")
+        if (self.moe is not None) != (self.architecture in _MOE_ARCHITECTURES):
+            raise ValueError(f"architecture {self.architecture!r} {'needs' if self.moe is None else 'takes no'} "
+                             f"mixture-of-experts settings (moe={self.moe!r})")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -132,8 +174,15 @@ class ModelConfig:
     def num_params(self) -> int:
         D, I, H, K, hd, V = (self.hidden_size, self.intermediate_size, self.num_heads,
                              self.num_kv_heads, self.head_dim, self.vocab_size)
-        per_layer = D * hd * (H + 2 * K) + H * hd * D + 3 * D * I + (4 if self.sandwich_norms else 2) * D
-        return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + D
+        per_layer = D * hd * (H + 2 * K) + H * hd * D + (4 if self.sandwich_norms else 2) * D
+        mlp = 3 * D * I * self.num_layers
+        if self.moe is not None:  # sparse layers: router + experts (+ shared expert and its gate)
+            m = self.moe
+            sparse = sum(m.is_sparse(i) for i in range(self.num_layers))
+            moe = D * m.num_experts + 3 * D * m.expert_size * m.num_experts
+            moe += (3 * D * m.shared_expert_size + D) if m.shared_expert_size else 0
+            mlp += sparse * (moe - 3 * D * I)
+        return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + mlp + D
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -178,8 +227,8 @@ class ModelConfig:
         if sw:
             if layer_types:
                 windows = [sw if t == "sliding_attention" else None for t in layer_types]
-            elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
-                windows = [sw] * n
+            elif arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+                windows = [sw] * n  # transformers applies their sliding_window to every layer
             elif getattr(hf, "use_sliding_window", False):
                 mwl = getattr(hf, "max_window_layers", n)
                 windows = [sw if i >= mwl else None for i in range(n)]
@@ -206,6 +255,7 @@ class ModelConfig:
             partial_rotary_factor=partial,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos,
+            moe=_moe_from_hf(hf, arch),
         )
         fields.update(family_of(arch).config_fields(arch, hf))
         return cls(**fields)
@@ -231,6 +281,22 @@ def _split_rope(rope: dict, theta_default) -> tuple[float, dict]:
     if rope["rope_type"] == "default" and set(rope) <= {"rope_type", "partial_rotary_factor"}:
         rope = {k: v for k, v in rope.items() if k == "partial_rotary_factor"}
     return theta, rope
+
+
+def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
+    """The MoE settings of a transformers config (None for dense architectures). Router options
+    jvllm does not implement are refused by name."""
+    if arch not in _MOE_ARCHITECTURES:
+        return None
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                         expert_size=hf.intermediate_size, norm_topk_prob=True)
+    return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.moe_intermediate_size,
+                     norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+                     shared_expert_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+                     if arch == "Qwen2MoeForCausalLM" else 0,
+                     decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+                     mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()))
 
 
 def load_hf_config(path: str):

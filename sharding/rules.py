@@ -6,6 +6,10 @@ preset to a model (heads that cannot be split raise; KV heads fewer than the TP 
 replicated; a vocabulary that does not divide is replicated). A rule set that would put one mesh
 axis on two dimensions of the same array is refused.
 
+Mixture-of-experts models add the logical axes expert / moe_mlp / router: under TENSOR each
+expert's hidden dimension is split (moe_mlp), under EXPERT (`expert_parallel_rules`) the experts
+themselves are; the router is always replicated.
+
 Tensor parallel is Megatron-style by construction: q/k/v and gate/up are sharded on their output
 (heads / mlp) dimension, o_proj and down_proj on their input dimension, so XLA inserts exactly one
 all-reduce after attention and one after the MLP; the embedding and LM head are vocab-parallel;
@@ -16,15 +20,50 @@ from __future__ import annotations
 from jax.sharding import NamedSharding, PartitionSpec
 
 REPLICATED = {"vocab": None, "embed": None, "heads": None, "kv_heads": None, "head_dim": None, "mlp": None,
-              "norm": None}
-TENSOR = dict(REPLICATED, vocab="tensor", heads="tensor", kv_heads="tensor", mlp="tensor")
-PRESETS = {"replicated": REPLICATED, "tensor": TENSOR}
+              "norm": None, "expert": None, "moe_mlp": None, "router": None}
+TENSOR = dict(REPLICATED, vocab="tensor", heads="tensor", kv_heads="tensor", mlp="tensor", moe_mlp="tensor")
+# Expert parallel (vLLM's enable_expert_parallel: the tensor-parallel devices hold the experts):
+# attention, dense MLPs and shared experts as TENSOR; the experts' leading dimension over the same
+# devices, each expert whole on one device (see jvllm.ops.grouped_matmul for the token routing).
+EXPERT = dict(TENSOR, expert="tensor", moe_mlp=None)
+PRESETS = {"replicated": REPLICATED, "tensor": TENSOR, "expert": EXPERT}
 
 
-def valid_tp_sizes(cfg, limit: int = 64) -> list[int]:
+def valid_tp_sizes(cfg, limit: int = 64, expert_parallel: bool = False) -> list[int]:
+    """TP sizes that fit `cfg`; with `expert_parallel` the experts are split instead of their
+    hidden dimension (num_experts must divide)."""
+    moe = getattr(cfg, "moe", None)
+
+    def experts_fit(t):
+        if moe is None:
+            return True
+        return moe.shared_expert_size % t == 0 and (moe.num_experts if expert_parallel else moe.expert_size) % t == 0
+
     return [t for t in range(1, limit + 1)
             if cfg.num_heads % t == 0 and cfg.intermediate_size % t == 0
-            and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0)]
+            and (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0) and experts_fit(t)]
+
+
+def expert_parallel_rules(cfg, tp: int) -> dict:
+    """The expert preset for a mixture-of-experts `cfg` over `tp` devices, or ValueError naming
+    the numbers (attention as `tensor_parallel_rules`; the experts must divide evenly)."""
+    if cfg.moe is None:
+        raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {cfg.architecture} has no experts")
+    if tp == 1:
+        return dict(REPLICATED)
+    ok = valid_tp_sizes(cfg, expert_parallel=True)
+    if tp not in ok:
+        raise ValueError(
+            f"enable_expert_parallel: tensor_parallel_size {tp} does not fit this model: num_experts "
+            f"{cfg.moe.num_experts}, shared expert size {cfg.moe.shared_expert_size}, num_attention_heads "
+            f"{cfg.num_heads}, num_key_value_heads {cfg.num_kv_heads}, intermediate_size {cfg.intermediate_size}; "
+            f"sizes that work: {', '.join(map(str, ok))}")
+    rules = dict(EXPERT)
+    if cfg.num_kv_heads % tp:
+        rules["kv_heads"] = None
+    if cfg.vocab_size % tp:
+        rules["vocab"] = None
+    return rules
 
 
 def tensor_parallel_rules(cfg, tp: int) -> dict:

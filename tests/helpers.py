@@ -42,6 +42,17 @@ ARCHS = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.3, 1.7, 2.5], "long_factor": [1.5, 2.0, 3.0, 4.0]})),
 }
+ARCHS.update({  # mixture of experts (jvllm.models.moe); Qwen2-MoE with one dense layer too
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                             intermediate_size=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=4,
+                                                                 moe_intermediate_size=32, norm_topk_prob=True)),
+    "mixtral_window": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                    intermediate_size=32, sliding_window=8)),
+})
 
 
 def smollm2_gguf_path() -> str:

@@ -28,6 +28,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # mixture-of-experts models: shard the experts over the tensor-parallel devices (vLLM's flag;
+    # attention stays tensor parallel); an error for a model without experts
+    enable_expert_parallel: bool = False
+    # the experts' grouped matmuls: auto (tokamax on GPUs when installed, else xla) | xla | tokamax
+    moe_backend: str = "auto"
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)
     # auto (GPU: ragged, elsewhere xla) | xla | pallas (decode steps: JAX's Pallas paged-attention
     # kernel; mixed steps: jvllm's ragged kernel) | pallas_decode (mixed steps on XLA) | ragged (all

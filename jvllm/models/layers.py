@@ -27,7 +27,8 @@ from jvllm.ops.pallas_attention import ragged_paged_attention
 List = getattr(nnx, "List", list)  # a module list nnx tracks (older flax: a plain list)
 
 # Logical axis names used by model code (jvllm.sharding maps them onto mesh axes).
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",
+                "expert", "moe_mlp", "router")  # mixture of experts (jvllm.models.moe)
 
 
 def declare(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, ones: bool = False) -> nnx.Param:

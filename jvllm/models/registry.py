@@ -122,3 +122,16 @@ register(Family(
                "attention_bias": "attention_bias", "o_bias": "attention_bias"},
     per_arch={"Gemma3ForCausalLM": {"qk_norm": True}},
 ))
+register(Family(
+    # mixture of experts (jvllm.models.moe): Llama's attention, norms and head around a routed,
+    # grouped-matmul expert MLP; the MoE settings come from `ModelConfig.moe` (config._moe_from_hf)
+    name="moe",
+    architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
+    model_types={"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"},
+    model="jvllm.models.moe:MoEForCausalLM",
+    name_map="moe",
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
+    per_arch={"Qwen2MoeForCausalLM": {"attention_bias": True, "o_bias": False},
+              "Qwen3MoeForCausalLM": {"qk_norm": True}},
+))

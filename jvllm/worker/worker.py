@@ -66,7 +66,10 @@ class Worker:
         t = time.perf_counter()
         self.spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
-        self.model_config: ModelConfig = model_config(self.spec)
+        from jvllm.models.moe import configure_moe
+
+        self.model_config: ModelConfig = configure_moe(model_config(self.spec), config.enable_expert_parallel,
+                                                       config.moe_backend)
         self.init_parts["model_config_s"] = time.perf_counter() - t
         self.runner = None
         self.mesh = None
@@ -114,9 +117,9 @@ class Worker:
         from jax.sharding import NamedSharding
 
         from jvllm.models import param_specs, stage_layers, stage_names
-        from jvllm.sharding import make_mesh, partition_spec, stage_mesh, tensor_parallel_rules
+        from jvllm.sharding import expert_parallel_rules, make_mesh, partition_spec, stage_mesh, tensor_parallel_rules
 
-        rules = tensor_parallel_rules(mc, tp)
+        rules = (expert_parallel_rules if config.enable_expert_parallel else tensor_parallel_rules)(mc, tp)
         mesh = make_mesh(tensor=tp, stage=pp, data=1, devices=devices)
         ranges = stage_layers(mc.num_layers, pp)
         meshes = [stage_mesh(mesh, 0, s) for s in range(pp)]

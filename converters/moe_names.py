@@ -1,0 +1,41 @@
+"""Checkpoint names of the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+Checkpoints store each expert as its own tensors (`...experts.{j}.w1.weight`); jvllm stacks them
+into one parameter per layer and projection, `[num_experts, ...]` (jvllm.models.moe). A rule whose
+transform is an `ExpertSlice` fills slot j of its target; `name_map.convert_tensors` collects the
+slots and places the target once every slot has arrived (so host memory holds at most the stacked
+tensors still being filled, one per projection when the checkpoint is in layer order).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSlice:
+    """Marks a rule's transform as filling one expert's slot of a stacked [E, ...] target: the
+    expert index is the rule pattern's group named "expert"; `fn(name, array, slot_shape)` converts it."""
+    fn: Callable
+    index: int = -1
+
+    def at(self, index: int) -> "ExpertSlice":
+        return dataclasses.replace(self, index=index)
+
+
+def moe_rules(t_identity, t_transpose, t_row) -> list:
+    """(pattern, target, transform) rules, in name_map's form, for the MoE families."""
+    L = r"model\.layers\.(\d+)\."
+    x = ExpertSlice(t_transpose)
+    return [
+        # Mixtral: block_sparse_moe.{gate, experts.j.w1 (gate) / w3 (up) / w2 (down)}
+        (L + r"block_sparse_moe\.gate\.weight", r"layers.\1.mlp.router", t_transpose),
+        (L + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w1\.weight", r"layers.\1.mlp.expert_gate", x),
+        (L + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w3\.weight", r"layers.\1.mlp.expert_up", x),
+        (L + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w2\.weight", r"layers.\1.mlp.expert_down", x),
+        # Qwen2-MoE / Qwen3-MoE: mlp.{gate, experts.j.*_proj, shared_expert.*_proj, shared_expert_gate}
+        (L + r"mlp\.gate\.weight", r"layers.\1.mlp.router", t_transpose),
+        (L + r"mlp\.experts\.(?P<expert>\d+)\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.expert_\3", x),
+        (L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.shared_expert.\2_proj", t_transpose),
+        (L + r"mlp\.shared_expert_gate\.weight", r"layers.\1.mlp.shared_expert_gate", t_row),
+    ]

@@ -1,0 +1,139 @@
+"""Mixture-of-experts families in Flax NNX: Mixtral (top-2 of 8), Qwen2-MoE (shared expert behind
+a sigmoid gate, qkv bias), Qwen3-MoE (top-8 of 128, q/k norms, `norm_topk_prob`).
+
+Attention, norms, embedding and head are the Llama family's (jvllm.models.llama); only the
+feed-forward of a sparse layer differs (`ModelConfig.moe.is_sparse(i)`; other layers keep the dense
+MLP). Forward contract: as `LlamaForCausalLM`.
+
+Parameter layout of a sparse layer's `mlp` (logical axes in brackets):
+  router [embed, router]; expert_gate / expert_up [expert, embed, moe_mlp]; expert_down
+  [expert, moe_mlp, embed]; Qwen2-MoE adds shared_expert.{gate,up,down}_proj (a dense MLP) and
+  shared_expert_gate [embed].
+The expert computation is jvllm.ops.grouped_matmul (tokens sorted by expert, ragged_dot). Under a
+tensor-parallel mesh the variant is fixed at construction by `cfg.moe.expert_parallel`: experts
+sharded over the devices (expert parallel) or each expert's hidden dimension split (tensor
+parallel); both sum partial outputs with one psum.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jvllm.config import ModelConfig
+from jvllm.models.layers import MLP, Attention, declare, norm
+from jvllm.models.llama import DecoderLayer, LlamaForCausalLM
+from jvllm.ops import grouped_matmul as gm
+from jvllm.ops.attention import _TP_MESH
+
+
+
+def configure_moe(cfg: ModelConfig, expert_parallel: bool = False, backend: str = "auto") -> ModelConfig:
+    """`cfg` with the engine's choices for its experts: `expert_parallel` (enable_expert_parallel)
+    and the grouped-matmul `backend` (moe_backend: "auto" = "tokamax" on GPUs when the package is
+    installed, else "xla"; see jvllm.ops.grouped_matmul). A dense model is returned unchanged with
+    the defaults and refused, naming the option, otherwise."""
+    if backend not in ("auto", *gm.BACKENDS):
+        raise ValueError(f"moe_backend must be one of auto, {', '.join(gm.BACKENDS)}; got {backend!r}")
+    if cfg.moe is None:
+        if expert_parallel:
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model; {cfg.architecture} has no experts")
+        if backend != "auto":
+            raise ValueError(f"moe_backend={backend!r} needs a mixture-of-experts model; {cfg.architecture} has no experts")
+        return cfg
+    if backend == "auto":
+        import importlib.util
+
+        backend = "tokamax" if jax.default_backend() == "gpu" and importlib.util.find_spec("tokamax") else "xla"
+    gm.ragged_dot_fn(backend)  # unknown name / missing package: fail now, not at the first trace
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=bool(expert_parallel),
+                                                            grouped_matmul=backend))
+
+
+class SharedExpertMLP(MLP):
+    """Qwen2-MoE's shared expert: a SwiGLU MLP of `shared_expert_size`."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        D, I = cfg.hidden_size, cfg.moe.shared_expert_size
+        self.gate_proj = declare((D, I), ("embed", "mlp"), dtype)
+        self.up_proj = declare((D, I), ("embed", "mlp"), dtype)
+        self.down_proj = declare((I, D), ("mlp", "embed"), dtype)
+        self.has_bias = False
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+
+
+class SparseMoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype):
+        m = cfg.moe
+        D, E, I = cfg.hidden_size, m.num_experts, m.expert_size
+        self.router = declare((D, E), ("embed", "router"), dtype)
+        self.expert_gate = declare((E, D, I), ("expert", "embed", "moe_mlp"), dtype)
+        self.expert_up = declare((E, D, I), ("expert", "embed", "moe_mlp"), dtype)
+        self.expert_down = declare((E, I, D), ("expert", "moe_mlp", "embed"), dtype)
+        self.has_shared = m.shared_expert_size > 0
+        if self.has_shared:
+            self.shared_expert = SharedExpertMLP(cfg, dtype)
+            self.shared_expert_gate = declare((D,), ("embed",), dtype)
+        self.top_k, self.norm_topk = m.top_k, m.norm_topk_prob
+        self.expert_parallel = m.expert_parallel
+        self.backend = m.grouped_matmul
+
+    def route(self, x):
+        """(top_idx [T, k] int32, top_w [T, k] float32): softmax in float32 over all experts, the
+        k largest, renormalised when `norm_topk_prob` (transformers' TopKRouter)."""
+        probs = jax.nn.softmax((x @ self.router[...]).astype(jnp.float32), axis=-1)
+        top_w, top_idx = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk:
+            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        return top_idx, top_w
+
+    def __call__(self, x, valid=None):
+        """x [T, D]; valid [T] bool (False: a padding token, computed by no expert) or None."""
+        with jax.named_scope(gm.ROUTING_SCOPE):
+            top_idx, top_w = self.route(x)
+        ws = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
+        mesh = _TP_MESH.get()
+        if mesh is None or int(dict(mesh.shape).get("tensor", 1)) == 1:
+            y = gm.moe_ffn(x, top_idx, top_w, *ws, valid, backend=self.backend)
+        elif self.expert_parallel:
+            y = gm.expert_parallel_ffn(x, top_idx, top_w, *ws, valid, mesh=mesh, axis="tensor", backend=self.backend)
+        else:
+            y = gm.tensor_parallel_ffn(x, top_idx, top_w, *ws, valid, mesh=mesh, axis="tensor", backend=self.backend)
+        y = y.astype(x.dtype)
+        if self.has_shared:
+            gate = jax.nn.sigmoid((x @ self.shared_expert_gate[...]).astype(jnp.float32))
+            y = y + (gate[:, None] * self.shared_expert(x).astype(jnp.float32)).astype(x.dtype)
+        return y
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A Llama decoder layer whose MLP is a `SparseMoE` on sparse layers; the step's padding
+    tokens (position -1) are kept out of the experts."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        self.input_layernorm = norm(cfg, cfg.hidden_size, dtype)
+        self.self_attn = Attention(cfg, layer, dtype)
+        self.post_attention_layernorm = norm(cfg, cfg.hidden_size, dtype)
+        self.sparse = cfg.moe.is_sparse(layer)
+        self.mlp = SparseMoE(cfg, dtype) if self.sparse else MLP(cfg, dtype)
+
+    def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
+        a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
+        x = x + a
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp(h, md.positions >= 0) if self.sparse else self.mlp(h))
+        return x, kv
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Mixtral / Qwen2-MoE / Qwen3-MoE: `LlamaForCausalLM` with `MoEDecoderLayer`s (pipeline
+    stages as there: `layers=(start, end)`)."""
+
+    layer_cls = MoEDecoderLayer
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, layers: tuple[int, int] | None = None):
+        if cfg.moe is None:
+            raise ValueError(f"{cfg.architecture}: MoEForCausalLM needs ModelConfig.moe")
+        super().__init__(cfg, dtype, layers)

@@ -1,0 +1,312 @@
+"""Mixture of experts: the grouped-matmul expert FFN against a per-token oracle, its expert- and
+tensor-parallel forms on fake devices, each MoE family's greedy tokens against transformers through
+chunked prefill, prefix-cache hits and preemption, EP/TP engines equal to one device, golden EP
+shardings and the errors. (Float32 logits of each family against transformers: test_models.py's
+test_family_parity, which runs over every entry of tests.helpers.ARCHS.)"""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jvllm import LLM, SamplingParams
+from tests.helpers import hf_greedy, hf_model
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+N_NEW = 8
+
+
+def _oracle(x, idx, w, wg, wu, wd):
+    """Token by token, choice by choice (the test's oracle, not the engine's method)."""
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[t, j]
+            g, u = x[t] @ wg[e], x[t] @ wu[e]
+            out[t] += w[t, j] * ((g / (1 + np.exp(-g)) * u) @ wd[e])
+    return out
+
+
+@pytest.fixture(scope="module")
+def ffn_case():
+    rng = np.random.default_rng(0)
+    T, D, I, E, k = 13, 16, 8, 8, 3
+    x = rng.normal(size=(T, D)).astype(np.float32)
+    idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    idx[:5] = [0, 1, 2]  # a crowded expert next to empty ones
+    w = rng.random((T, k)).astype(np.float32)
+    ws = [rng.normal(size=s).astype(np.float32) * 0.3 for s in ((E, D, I), (E, D, I), (E, I, D))]
+    return x, idx, w, ws, _oracle(x, idx, w, *ws)
+
+
+def test_grouped_ffn_matches_oracle(ffn_case):
+    from jvllm.ops.grouped_matmul import moe_ffn, sort_by_expert
+
+    x, idx, w, ws, want = ffn_case
+    got = jax.jit(moe_ffn)(x, idx, w, *ws)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    order, sizes = sort_by_expert(jnp.asarray(idx), 8)
+    assert np.asarray(sizes).tolist() == np.bincount(idx.ravel(), minlength=8).tolist()
+    assert np.all(np.diff(idx.ravel()[np.asarray(order)]) >= 0)  # rows sorted by expert
+    # padding tokens: in no group (no expert reads for them), output 0, the others unchanged
+    valid = np.arange(x.shape[0]) % 3 != 0
+    _, sizes = sort_by_expert(jnp.asarray(idx), 8, jnp.asarray(valid))
+    assert np.asarray(sizes).tolist() == np.bincount(idx[valid].ravel(), minlength=8).tolist()
+    got = jax.jit(moe_ffn)(x, idx, w, *ws, jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(got), np.where(valid[:, None], want, 0.0), atol=1e-4, rtol=1e-4)
+
+
+def test_tokamax_backend(ffn_case):
+    """tokamax.ragged_dot through the same path (on CPU it runs its XLA implementation)."""
+    pytest.importorskip("tokamax")
+    from jvllm.ops.grouped_matmul import moe_ffn
+
+    x, idx, w, ws, want = ffn_case
+    got = jax.jit(lambda *a: moe_ffn(*a, backend="tokamax"))(x, idx, w, *ws)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_expert_and_tensor_parallel_ffn(ffn_case, n):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jvllm.ops.grouped_matmul import expert_parallel_ffn, tensor_parallel_ffn
+
+    x, idx, w, ws, want = ffn_case
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("tensor",))
+    ep = [jax.device_put(a, NamedSharding(mesh, P("tensor"))) for a in ws]
+    got = jax.jit(lambda *a: expert_parallel_ffn(*a, mesh=mesh, axis="tensor"))(x, idx, w, *ep)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    valid = np.arange(x.shape[0]) >= 4
+    got = jax.jit(lambda *a: expert_parallel_ffn(*a, mesh=mesh, axis="tensor"))(x, idx, w, *ep, jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(got), np.where(valid[:, None], want, 0.0), atol=1e-4, rtol=1e-4)
+    if 8 % n == 0 and n <= 8:
+        col, row = NamedSharding(mesh, P(None, None, "tensor")), NamedSharding(mesh, P(None, "tensor"))
+        tp = [jax.device_put(ws[0], col), jax.device_put(ws[1], col), jax.device_put(ws[2], row)]
+        got = jax.jit(lambda *a: tensor_parallel_ffn(*a, mesh=mesh, axis="tensor"))(x, idx, w, *tp)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="experts do not split over 3 devices"):
+        m3 = Mesh(np.asarray(jax.devices()[:3]), ("tensor",))
+        expert_parallel_ffn(x, idx, w, *ws, mesh=m3, axis="tensor")
+
+
+def _llm(path, **kw):
+    kw.setdefault("max_model_len", 96)
+    kw.setdefault("max_num_batched_tokens", 16)
+    kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("token_buckets", (8, 16))
+    return LLM(path, dtype="float32", use_tqdm_on_load=False, **kw)
+
+
+def _greedy(llm, prompts, n_new=N_NEW):
+    sp = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                         use_tqdm=False)]
+
+
+def _prompts(seed=3):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 256, 33).tolist()
+    return [rng.integers(3, 256, int(n)).tolist() for n in (5, 21, 57, 30, 44, 38)] + [shared + [7, 8], shared + [9]]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_greedy_matches_transformers(ckpt_dir, arch):
+    """One engine per family through every scheduling path at once: 32-token chunks (prompts up to
+    57 tokens), a shared 33-token prefix, a second pass served from the prefix cache, and 12
+    usable blocks of 8 tokens for 8 requests of up to 69 tokens (preemption)."""
+    path = ckpt_dir(arch)
+    prompts = _prompts()
+    llm = _llm(path, block_size=8, num_gpu_blocks_override=13, max_num_seqs=8, max_num_batched_tokens=32,
+               token_buckets=(8, 32))
+    try:
+        ours = _greedy(llm, prompts, 12)
+        again = _greedy(llm, prompts, 12)
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    ref = hf_model(path)
+    assert ours == [hf_greedy(ref, p, 12) for p in prompts]
+    assert again == ours
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0.2
+    assert stats["num_free_blocks"] == stats["num_blocks"] - 1
+    assert stats["compiles_after_warmup"] == 0
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_base(ckpt_dir):
+    """Qwen3-MoE with 8 query heads and 16 experts (so EP and TP can use all 8 fake devices)."""
+    path = ckpt_dir("qwen3_moe", num_attention_heads=8)
+    llm = _llm(path, max_num_batched_tokens=32, max_num_seqs=8, token_buckets=(8, 32))
+    try:
+        return path, _greedy(llm, _prompts())
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=8, enable_expert_parallel=True),
+                                dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                dict(tensor_parallel_size=4),
+                                dict(tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["ep8", "ep2", "tp4", "ep2pp2"])
+def test_parallel_moe_equals_one_device(qwen3_moe_base, kw, monkeypatch):
+    from jvllm.ops import grouped_matmul as gm
+
+    traced = []
+    for name in ("expert_parallel_ffn", "tensor_parallel_ffn"):
+        def spy(*a, _f=getattr(gm, name), _n=name, **k):
+            traced.append((_n, k["mesh"].shape["tensor"]))
+            return _f(*a, **k)
+        monkeypatch.setattr(gm, name, spy)
+    path, expected = qwen3_moe_base
+    llm = _llm(path, max_num_batched_tokens=32, max_num_seqs=8, token_buckets=(8, 32), **kw)
+    try:
+        assert _greedy(llm, _prompts()) == expected
+        assert llm.get_stats()["compiles_after_warmup"] == 0
+    finally:
+        llm.shutdown()
+    want = ("expert_parallel_ffn" if kw.get("enable_expert_parallel") else "tensor_parallel_ffn",
+            kw["tensor_parallel_size"])
+    assert traced and set(traced) == {want}  # the variant chosen at construction, on the whole mesh
+
+
+def test_shared_expert_under_expert_parallel(ckpt_dir):
+    """Qwen2-MoE (shared expert, one dense layer) with EP over 4 devices equals one device."""
+    path = ckpt_dir("qwen2_moe")
+    prompts = _prompts()[:4]
+    outs = []
+    for kw in ({}, dict(tensor_parallel_size=4, enable_expert_parallel=True)):
+        llm = _llm(path, **kw)
+        try:
+            outs.append(_greedy(llm, prompts))
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("ep", [4, 8])
+def test_golden_expert_parallel_shardings(ep):
+    """The parameter shardings of the EP preset for a Qwen3-30B-A3B-shaped model (one layer)."""
+    from jax.sharding import Mesh
+
+    from jvllm.converters import RANDOM_PRESETS
+    from jvllm.config import ModelConfig
+    from jvllm.models import param_specs
+    from jvllm.sharding import describe, expert_parallel_rules, param_shardings
+
+    import transformers
+
+    d = {k: v for k, v in RANDOM_PRESETS["qwen3-30b-a3b"].items() if k not in ("model_type", "architectures")}
+    hf = transformers.Qwen3MoeConfig(**dict(d, num_hidden_layers=1))
+    hf.architectures = ["Qwen3MoeForCausalLM"]
+    cfg = ModelConfig.from_hf_config(hf)
+    mesh = Mesh(np.asarray(jax.devices()[:ep]), ("tensor",))
+    got = describe(param_shardings(param_specs(cfg), mesh, expert_parallel_rules(cfg, ep)))
+    assert got["layers.0.mlp.expert_gate"] == "('tensor', None, None)"
+    assert got["layers.0.mlp.router"] == "(None, None)"
+    path = os.path.join(GOLDEN, f"shardings_qwen3-30b-a3b_ep{ep}.json")
+    if os.environ.get("JVLLM_UPDATE_GOLDEN"):
+        json.dump(got, open(path, "w"), indent=1, sort_keys=True)
+    assert got == json.load(open(path))
+
+
+def test_moe_errors(ckpt_dir, tmp_path):
+    from jvllm.config import MoEConfig
+    from jvllm.converters import CheckpointError, load_checkpoint
+    from jvllm.converters.name_map import map_name
+
+    with pytest.raises(ValueError, match="num_experts_per_tok \\(9\\) exceeds the number of experts \\(8\\)"):
+        MoEConfig(num_experts=8, top_k=9, expert_size=4)
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts model"):
+        _llm(ckpt_dir("llama"), tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size 8 does not fit.*num_experts 4"):
+        _llm(ckpt_dir("qwen2_moe"), tensor_parallel_size=8, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="moe_backend must be one of auto, xla, tokamax; got 'cutlass'"):
+        _llm(ckpt_dir("qwen2_moe"), moe_backend="cutlass")
+    with pytest.raises(ValueError, match="moe_backend='xla' needs a mixture-of-experts model"):
+        _llm(ckpt_dir("llama"), moe_backend="xla")
+    assert map_name("model.layers.3.block_sparse_moe.experts.5.w2.weight", "moe")[0] == "layers.3.mlp.expert_down"
+    # a checkpoint that lacks one expert names it
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = ckpt_dir("mixtral")
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), tmp_path / f)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing expert\(s\) \[2\] of 'layers.1.mlp.expert_up' \(3 of 4\)"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_random_moe_presets():
+    from jvllm.converters import model_config, resolve_model
+
+    big = model_config(resolve_model("random:qwen3-30b-a3b"))
+    assert (big.num_layers, big.moe.num_experts, big.moe.top_k, big.moe.expert_size, big.hidden_size,
+            big.num_heads, big.num_kv_heads, big.head_dim, big.vocab_size) == (48, 128, 8, 768, 2048, 32, 4, 128, 151936)
+    assert 30.4e9 < big.num_params < 30.6e9
+    tiny = model_config(resolve_model("random:tiny-moe"))
+    assert tiny.architecture == "Qwen3MoeForCausalLM" and tiny.moe.num_experts == 8
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def test_profile_share_attribution():
+    """moe_profile_share: kernels classed through their HLO instruction's op_name scope."""
+    import sys
+
+    sys.path.insert(0, os.path.join(BENCH, "probes"))
+    from moe_profile_share import attribute, op_names
+
+    hlo = """HloModule jit_step, entry_computation_layout={}
+  %sort.3 = s32[8]{0} sort(%p), dimensions={0}, metadata={op_name="jit(step)/moe_routing/sort" source_file="x.py"}
+  ROOT %fusion.7 = bf16[8,4]{1,0} fusion(%a, %b), kind=kCustom, metadata={op_name="jit(step)/moe_grouped_matmul/ragged_dot"}
+  %fusion.8 = f32[8]{0} fusion(%c), kind=kLoop, metadata={op_name="jit(step)/attention/exp"}
+"""
+    names = op_names([hlo])
+    assert names[("jit_step", "sort.3")] == "jit(step)/moe_routing/sort"
+    ev = lambda op, dur: {"ph": "X", "name": op, "dur": dur, "args": {"hlo_module": "jit_step", "hlo_op": op}}  # noqa: E731
+    trace = {"traceEvents": [ev("sort.3", 10), ev("fusion.7", 30), ev("fusion.7", 30), ev("fusion.8", 30),
+                             {"ph": "X", "name": "memcpy", "dur": 99, "args": {}}]}
+    out = attribute(trace, names, steps=2)
+    c = out["classes"]
+    assert (c["routing"]["share"], c["grouped_matmul"]["share"], c["other"]["share"]) == (0.1, 0.6, 0.3)
+    assert c["grouped_matmul"]["ms_per_step"] == 0.03 and out["events_without_op_name"] == 0
+
+
+def test_grouped_matmul_probe_dry_run(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "gmm.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "moe_grouped_matmul.py"), "--tiny", "--tokens",
+                        "8", "--backends", "xla", "--devices", "2", "--iters", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"one_device", "expert_parallel", "tensor_parallel"}
+    assert all(r["ms"] > 0 for r in rows)
+
+
+def test_bench_active_weight_bytes():
+    """jvllm bench's B1 bytes per step for a MoE model count the top_k experts a token reads."""
+    from types import SimpleNamespace
+
+    from jvllm.bench import param_stats
+    from jvllm.converters import model_config, resolve_model
+
+    mc = model_config(resolve_model("random:tiny-moe"))  # 2 layers, 8 experts, top-2, 64 x 32
+    head = jnp.zeros((64, 512), jnp.float32)
+    experts = [jnp.zeros((8, 64, 32), jnp.float32) for _ in range(6)]
+    runner = SimpleNamespace(stages=[SimpleNamespace(state=[jnp.zeros((512, 64)), *experts])], head_w=head)
+    ps = param_stats(SimpleNamespace(llm_engine=SimpleNamespace(runner=runner, model_config=mc)))
+    expert_bytes = 6 * 8 * 64 * 32 * 4
+    assert ps["weight_bytes"] == (512 * 64 + 64 * 512) * 4 + expert_bytes
+    assert ps["active_weight_bytes"] == ps["weight_bytes"] - expert_bytes + expert_bytes * 2 // 8
