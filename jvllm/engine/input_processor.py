@@ -69,6 +69,14 @@ class InputProcessor:
                 seqs[-1].grammar = self._structured.state(grammar)
         return text, ids, seqs
 
+    def use_grammar_tokenizer(self, tokenizer):
+        """Compile grammars against `tokenizer` (an HF tokenizer) instead of the engine's: for
+        benchmarks of engines without one (random weights). Its ids must lie below the model's
+        vocabulary size; ids it lacks are never allowed."""
+        from jvllm.structured import StructuredBackend
+
+        self._structured = StructuredBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+
     def _grammar(self, params: SamplingParams):
         """The compiled grammar of a constrained request (ValueError with the backend's reason), or None."""
         if params.structured_outputs is None:

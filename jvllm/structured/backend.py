@@ -41,8 +41,9 @@ class GrammarState:
     """One sequence's position in its grammar."""
 
     def __init__(self, matcher, eos_token_ids: tuple, vocab_size: int):
+        """`eos_token_ids`: the engine's EOS ids and the grammar tokenizer's own EOS."""
         self._m = matcher
-        self._eos = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self._eos = tuple(sorted({t for t in eos_token_ids if 0 <= t < vocab_size}))
 
     def fill(self, row: np.ndarray):
         """Write the allowed next tokens into `row` (int32 [mask_words(V)], zeroed by the caller)."""
@@ -124,4 +125,4 @@ class StructuredBackend:
         m = llg.LLMatcher(self._tok(), grammar)
         if m.is_error():
             raise ValueError(f"structured_outputs rejected by llguidance: {m.get_error()}")
-        return GrammarState(m, self.eos_token_ids, self.vocab_size)
+        return GrammarState(m, self.eos_token_ids + (self._tok().eos_token,), self.vocab_size)
