@@ -32,6 +32,10 @@ def tokenizer(path: str | None):
 
     if path:
         return AutoTokenizer.from_pretrained(path)
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
     from jvllm.converters.gguf import gguf_tokenizer
     from tests.helpers import smollm2_gguf_path
 
