@@ -115,3 +115,31 @@ def test_mask_bits_apply_on_device():
         words[r, t // 32] |= np.uint32(1 << (t % 32))
     out = np.asarray(apply_token_mask(jnp.zeros((3, V), jnp.float32), jnp.asarray(words.view(np.int32))))
     np.testing.assert_array_equal(np.isfinite(out), allowed)
+
+
+def test_pydantic_schema_and_unconstrained_batches_have_no_mask(smollm2_llm):
+    from types import SimpleNamespace
+
+    import pydantic
+
+    from jvllm.worker.sampler import grammar_mask
+
+    class Item(pydantic.BaseModel):
+        name: str
+        count: int
+
+    so = _so(json=Item)
+    assert so.json["properties"]["count"]["type"] == "integer"
+    eng = smollm2_llm.llm_engine
+    g = eng.inputs._grammar(SamplingParams(structured_outputs=so))
+    state = eng.inputs._structured.state(g)
+    V = eng.model_config.vocab_size
+    plain = SimpleNamespace(samples=True, req=SimpleNamespace(grammar=None))
+    assert grammar_mask([plain, plain], 4, V) is None  # unconstrained: the plain sampler programs
+    m = grammar_mask([plain, SimpleNamespace(samples=True, req=SimpleNamespace(grammar=state))], 4, V)
+    assert m.shape == (4, (V + 31) // 32) and m.dtype == np.int32
+    assert (m[0] == -1).all() and (m[2:] == -1).all()
+    tok = smollm2_llm.get_tokenizer()
+    allowed = np.nonzero(np.unpackbits(m[1].view(np.uint8), bitorder="little")[:V])[0]
+    texts = [tok.decode([int(i)]) for i in allowed]  # the forced start of '{"name":' (llguidance may force '{"')
+    assert texts and all(t.startswith("{") and '{"name":'.startswith(t) for t in texts), texts
