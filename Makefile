@@ -20,7 +20,7 @@ setup:
 # needed for the transformers references in the tests and `jvllm verify`.
 setup-test: setup
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[gguf,server,test]'
+	$(PIP) -e '.[gguf,server,structured,test]'
 
 generate: setup
 	$(PY) -m jvllm generate "$(PROMPT)" --max-tokens $(MAX_TOKENS)

@@ -158,6 +158,15 @@ def _random_sample(x, sb: SamplingBatch, branchless: bool = True):
     return jnp.where(trunc & decided, part, full).astype(jnp.int32)
 
 
+def apply_token_mask(logits, mask):
+    """Structured outputs: logits [R, V] with the tokens whose bit is 0 in the packed mask
+    (int32 [R, ceil(V / 32)], bit j of word i = token 32 * i + j) set to -inf."""
+    V = logits.shape[1]
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    allowed = bits.reshape(mask.shape[0], -1)[:, :V].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def logprob_outputs(logits, tokens):
     """(logprob of `tokens`, their rank (1 = best), top-N ids, top-N logprobs) from raw logits."""
     lp = jax.nn.log_softmax(logits, axis=-1)

@@ -10,6 +10,47 @@ MAX_LOGIT_BIAS = 300
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output, as vLLM's: exactly one of `json` (a JSON schema: a dict,
+    a JSON string, or a pydantic model class / instance's schema), `regex`, `choice` (a list of
+    strings), `grammar` (a Lark grammar, or GBNF) or `json_object=True` (any JSON object).
+    `whitespace_pattern`: a regex for the whitespace between JSON tokens (default: compact, no
+    whitespace but single spaces after ':' and ','). The grammar is compiled (and a schema the
+    backend rejects raises ValueError with the backend's reason) when the request is added."""
+
+    json: object = None
+    regex: str | None = None
+    choice: list | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {kinds or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        for f in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"structured_outputs.{f} must be a string, got {type(v).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return "json_object" if self.json_object else next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
@@ -39,6 +80,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -97,6 +139,8 @@ class SamplingParams:
             bad("logit_bias", f"{len(self.logit_bias)} entries", f"at most {MAX_LOGIT_BIAS} entries")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", self.logit_bias, "values in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
 
     def validate_for_vocab(self, vocab_size: int):
         """Token ids (stop_token_ids, logit_bias keys) must lie in [0, vocab_size)."""

@@ -373,9 +373,11 @@ BAD = [
     (C, {"prompt": "a", "model": "gpt-4"}, 404, ["gpt-4"]),
     (CH, {"messages": MSG, "model": "nope"}, 404, ["nope"]),
     (C, {"prompt": "a", "suffix": "x"}, 400, ["suffix"]),
-    (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tools"]),
-    (CH, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, ["response_format"]),
-    (C, {"prompt": "a", "guided_regex": "a+"}, 400, ["guided_regex"]),
+    (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     ["tool_choice 'auto'", "--enable-auto-tool-choice"]),
+    (CH, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+     400, ["rejected"]),
+    (C, {"prompt": "a", "guided_regex": "a+", "guided_choice": ["a"]}, 400, ["only one of"]),
     (CH, {"messages": MSG, "chat_template": "{{ 1 }}"}, 400, ["--trust-request-chat-template"]),
     (CH, {"messages": [{"role": "user", "content": "\ud83d"}]}, 400, ["messages.0.content", "surrogate"]),
     (C, {"prompt": ["ok", "\ud83d"]}, 400, ["prompt.1", "surrogate"]),
@@ -398,12 +400,12 @@ def test_bad_input(server, path, body, status, words):
 
 def test_unsupported_fields_via_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, response_format={"type": "json_object"})
-    assert e.value.body["param"] == "response_format"
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, extra_body={"structural_tag": "x"})
+    assert e.value.body["param"] == "structural_tag"
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # 'auto' (the default) needs --tool-call-parser
         client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, tools=tools)
-    assert e.value.body["param"] == "tools"
+    assert e.value.body["param"] == "tool_choice"
     r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=2, tools=tools, tool_choice="none",
                                        response_format={"type": "text"})
     assert r.choices[0].finish_reason == "length"

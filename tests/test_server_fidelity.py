@@ -71,20 +71,11 @@ def assert_error(r, status, param, *words):
 
 # ---------------------------------------------------------------------- fields
 UNIMPLEMENTED = [
-    (CH, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CH, {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
-    (CH, {"tool_choice": "required"}, "tool_choice"),
-    (CH, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CH, {"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
-    (CH, {"guided_json": {"type": "object"}}, "guided_json"),
-    (CH, {"guided_regex": "a+"}, "guided_regex"),
-    (CH, {"guided_choice": ["a", "b"]}, "guided_choice"),
-    (CH, {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    (CH, {"structural_tag": "x"}, "structural_tag"),
+    (CH, {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     (CH, {"use_beam_search": True}, "use_beam_search"),
     (CH, {"reasoning_effort": "low"}, "reasoning_effort"),
     (CH, {"functions": [{"name": "f"}]}, "functions"),
-    (C, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    (C, {"guided_choice": ["x"]}, "guided_choice"),
     (C, {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     (C, {"priority": 3}, "priority"),
     (C, {"cache_salt": "s"}, "cache_salt"),

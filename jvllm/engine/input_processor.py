@@ -19,6 +19,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.logprobs_refused = logprobs_refused
         self._rng = np.random.default_rng(seed)
+        self._structured = None  # jvllm.structured.StructuredBackend, built on the first constrained request
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -54,6 +55,7 @@ class InputProcessor:
         if self.logprobs_refused and (params.logprobs is not None or params.prompt_logprobs is not None):
             raise ValueError(f"logprobs={params.logprobs}, prompt_logprobs={params.prompt_logprobs}: "
                              f"{self.logprobs_refused}")
+        grammar = self._grammar(params)
         seqs = []
         for i in range(params.n):
             if params.seed is not None:
@@ -63,4 +65,24 @@ class InputProcessor:
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
             seqs.append(Request(rid, ids, params, seed, self.eos_token_ids, text, group_id=request_id, index=i,
                                 arrival_time=arrival_time, tokenizer=self.tokenizer, length_cap=L - len(ids)))
+            if grammar is not None:
+                seqs[-1].grammar = self._structured.state(grammar)
         return text, ids, seqs
+
+    def use_grammar_tokenizer(self, tokenizer):
+        """Compile grammars against `tokenizer` (an HF tokenizer) instead of the engine's: for
+        benchmarks of engines without one (random weights). Its ids must lie below the model's
+        vocabulary size; ids it lacks are never allowed."""
+        from jvllm.structured import StructuredBackend
+
+        self._structured = StructuredBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def _grammar(self, params: SamplingParams):
+        """The compiled grammar of a constrained request (ValueError with the backend's reason), or None."""
+        if params.structured_outputs is None:
+            return None
+        if self._structured is None:
+            from jvllm.structured import StructuredBackend
+
+            self._structured = StructuredBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._structured.compile(params.structured_outputs)

@@ -161,7 +161,8 @@ class LLMEngine:
         """Schedule and dispatch the step after `prev` while `prev` runs. Each request that samples
         in `prev` has one pending token: its id stays on the device and feeds this step's input.
         Returns the new handle, or None to fall back to a synchronous step (a request needs its
-        tokens on the host: penalties, logit bias, min_tokens), or when nothing is left to run.
+        tokens on the host: penalties, logit bias, min_tokens, a grammar's mask), or when nothing is
+        left to run.
         Requests whose pending token is their last (max_tokens, max_model_len) are left out; one
         that stops on EOS / a stop string costs one wasted row, discarded when its results come.
         Never preempts (the step ends where blocks run out)."""
@@ -170,7 +171,7 @@ class LLMEngine:
             r = s.req
             if not s.samples or r.status is not Status.RUNNING:
                 continue
-            if r.params.needs_extras:
+            if r.params.needs_extras or r.grammar is not None:  # the mask needs the pending token
                 return None
             n_out = r.num_output_tokens + r.num_pending
             if n_out >= r.max_tokens or n_out >= r.length_cap:
@@ -258,6 +259,12 @@ class LLMEngine:
                 if req.params.logprobs is not None:
                     entry = op.logprob_entry(tok, lp, int(res.logprobs[1][r]), res.logprobs[2][r],
                                              res.logprobs[3][r], req.params.logprobs)
+            if req.grammar is not None:  # only kept tokens reach the grammar (wasted rows returned above)
+                err = req.grammar.accept(tok)
+                if err is not None:
+                    req.error = f"structured output: {err}"
+                    self.scheduler.finish(req, Status.FINISHED_ERROR)
+                    continue
             req.append_token(tok, entry, lp)
             self.stats["num_generation_tokens"] += 1
             if req.metrics.first_token_time is None:

@@ -126,6 +126,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.sent_text_len = 0  # for DELTA outputs / streaming
         self.sent_token_len = 0
+        self.grammar = None  # jvllm.structured.GrammarState of a constrained request (set by InputProcessor)
 
     # ------------------------------------------------------------------ state
     @property

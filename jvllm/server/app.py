@@ -37,6 +37,7 @@ from jvllm.server.protocol import (APIError, ChatCompletionRequest, CompletionRe
                                    TokenizeRequest)
 from jvllm.server.render import Limits, Renderer
 from jvllm.server.serving import CompletionServer, watch_disconnect
+from jvllm.server.tools import PARSERS, tool_mode
 
 RETRY_AFTER = "1"
 RENDER_THREADS = 4  # tokenizing / templating threads: a long prompt holds one, the others go on
@@ -99,13 +100,19 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
               max_queue_len: int = 512, limits: Limits | None = None, max_body_bytes: int = 8 << 20,
               max_header_bytes: int = 32 << 10, model_path: str | None = None, chat_template: str | None = None,
               trust_request_chat_template: bool = False, cors: CorsConfig | None = None,
-              render_threads: int = RENDER_THREADS) -> FastAPI:
+              render_threads: int = RENDER_THREADS, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its interface). The engine thread
     starts with the app's lifespan and stops (aborting what is left) when it ends. `chat_template`
     is the template text (chat.load_chat_template reads --chat-template); `cors` None: vLLM's
-    defaults (CorsConfig())."""
+    defaults (CorsConfig()). `tool_call_parser` (tools.PARSERS) reads tool calls of tool_choice 'auto',
+    which needs `enable_auto_tool_choice` too (vLLM's flags)."""
     from jvllm import __version__
 
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {list(PARSERS)}, got {tool_call_parser!r}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     limits = limits or Limits()
     metrics = ServerMetrics(names[0])
@@ -250,13 +257,14 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         check_model(req.model)
         renderer.check_common(req)
         opts = chat_options(req, trust_request_chat_template, add_special_tokens=req.add_special_tokens)
+        mode, tool_constraint = tool_mode(req, tool_call_parser, enable_auto_tool_choice)
         prompt = await render(renderer.chat_prompt, req.messages, opts)
-        sp = renderer.chat_params(req, prompt)
+        sp = renderer.chat_params(req, prompt, tool_constraint)
         items = [("chatcmpl-" + os.urandom(8).hex(), {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                   sp)]
         cs = CompletionServer(True, req.model or names[0], req.n, 1, [prompt], req.stream,
                               bool(req.stream_options and req.stream_options.include_usage),
-                              sp.logprobs, continuous_usage=continuous_usage(req))
+                              sp.logprobs, continuous_usage=continuous_usage(req), tool_mode=mode)
         return await run(raw, cs, items, req.stream)
 
     @app.post("/tokenize")

@@ -9,9 +9,9 @@ Contracts:
   server), else the server's `--chat-template`, else the tokenizer's own.
 - `chat_template_kwargs` become template variables; keys that would replace the arguments jvllm
   passes itself (`RESERVED_KWARGS`) are a 400 naming them.
-- `tools` reach the template only with `tool_choice` "none" (the model may read them, jvllm never
-  parses tool calls); any other use of tools is a 400 naming the field. /tokenize, which generates
-  nothing, always passes its tools to the template.
+- `tools` reach the template whatever `tool_choice` is (tools.py reads the calls back); assistant
+  `tool_calls` in the history reach it with their arguments as dicts, `tool` messages with their
+  `tool_call_id`.
 """
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ class ChatOptions:
 
 
 def chat_options(req, trust_request_template: bool, add_special_tokens: bool = False) -> ChatOptions:
-    """ChatOptions of a chat or tokenize request; 400 for what the server refuses. A request model
-    without `tool_choice` (/tokenize: nothing is generated) shows its tools as with "none"."""
+    """ChatOptions of a chat or tokenize request; 400 for what the server refuses (tool_choice is
+    checked by tools.tool_mode)."""
     if req.add_generation_prompt and req.continue_final_message:
         raise APIError("add_generation_prompt and continue_final_message cannot both be true",
                        param="continue_final_message")
@@ -68,13 +68,7 @@ def chat_options(req, trust_request_template: bool, add_special_tokens: bool = F
     if bad:
         raise APIError(f"chat_template_kwargs: {bad} are set by jvllm itself (use the request's own fields); "
                        f"reserved: {sorted(RESERVED_KWARGS)}", param="chat_template_kwargs")
-    tools, choice = req.tools, getattr(req, "tool_choice", "none")
-    if tools and choice != "none":
-        raise APIError(f"tools: tool calling is not supported by jvllm (tool_choice {choice!r}); send "
-                       f"tool_choice 'none' to only show the tools to the model", param="tools")
-    if choice is not None and choice != "none" and not tools:
-        raise APIError(f"tool_choice: {choice!r} needs tools, and tool calling is not supported by jvllm",
-                       param="tool_choice")
+    tools = req.tools
     return ChatOptions(req.add_generation_prompt, req.continue_final_message, add_special_tokens,
                        req.chat_template, tuple(kwargs.items()), tools or None)
 
@@ -94,6 +88,10 @@ def render_chat(tokenizer, default_template: str | None, messages, opts: ChatOpt
         for k in ("name", "tool_calls", "tool_call_id"):
             if getattr(m, k) is not None:
                 d[k] = getattr(m, k)
+        if m.tool_calls is not None:
+            from jvllm.server.tools import history_tool_calls
+
+            d["tool_calls"] = history_tool_calls(m.tool_calls)
         conv.append(d)
     kw = dict(opts.template_kwargs)
     if opts.tools:

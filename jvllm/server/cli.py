@@ -76,6 +76,10 @@ def register(sub):
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--limit-concurrency", type=int, default=None,
                    help="uvicorn: max open connections+tasks before answering 503")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how tool calls are read from the output with tool_choice 'auto' (vLLM's names)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto' (needs --tool-call-parser)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-access-log", action="store_true")
     add_engine_args(p)
@@ -128,7 +132,8 @@ def cmd_serve(a):
                                       max_prompt_chars=a.max_prompt_chars),
                         max_body_bytes=a.max_body_bytes, max_header_bytes=a.max_header_bytes, model_path=a.model,
                         chat_template=chat_template, trust_request_chat_template=a.trust_request_chat_template,
-                        cors=cors)
+                        cors=cors, tool_call_parser=a.tool_call_parser,
+                        enable_auto_tool_choice=a.enable_auto_tool_choice)
     except ValueError as e:
         sys.exit(str(e))
     print(f"jvllm: serving {names} on http://{a.host}:{a.port} (engine ready in {engine.init_seconds:.1f}s)",

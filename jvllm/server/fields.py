@@ -23,11 +23,11 @@ from jvllm.server.protocol import APIError
 log = logging.getLogger("jvllm.server")
 
 _STRUCTURED = "structured output (guided decoding)"
+# response_format, structured_outputs and guided_json/regex/choice/grammar are declared request
+# fields (server/structured.py); the backend is llguidance, whatever a request names
 # field -> what it asks for; shared by /v1/completions and /v1/chat/completions
 _COMMON = {
-    "response_format": _STRUCTURED, "structured_outputs": _STRUCTURED, "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED, "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED, "guided_whitespace_pattern": _STRUCTURED,
+    "guided_decoding_backend": "a structured-output backend other than llguidance",
     "structural_tag": _STRUCTURED,
     "use_beam_search": "beam search", "length_penalty": "beam search", "early_stopping": "beam search",
     "truncate_prompt_tokens": "prompt truncation", "logits_processors": "custom logits processors",
@@ -49,7 +49,7 @@ UNIMPLEMENTED = {
     "detokenize": {},
 }
 NEUTRAL = {  # values that ask for nothing beyond what jvllm does anyway
-    "response_format": [{"type": "text"}], "use_beam_search": [False], "length_penalty": [1.0, 1],
+    "guided_decoding_backend": ["llguidance", "guidance", "auto"], "use_beam_search": [False], "length_penalty": [1.0, 1],
     "early_stopping": [False], "best_of": [1],
     "priority": [0], "return_tokens_as_token_ids": [False], "return_token_ids": [False], "echo": [False],
     "modalities": [["text"]], "documents": [[]], "return_token_strs": [False],

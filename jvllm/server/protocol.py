@@ -107,6 +107,16 @@ class _SamplingFields(_Request):
     # forwarded when jvllm's SamplingParams has them, else a 400 naming them (render.py)
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
     bad_words: list[StopStr] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    # structured outputs (server/structured.py reads them; at most one may ask for a constraint)
+    response_format: dict[str, Any] | None = Field(None, description="{'type': 'text' | 'json_object' | "
+                                                   "'json_schema', 'json_schema': {'name', 'schema', 'strict'}}")
+    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM: {json | regex | choice | grammar | "
+                                                      "json_object, whitespace_pattern}")
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -156,10 +166,11 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = Field(None, description="a Jinja chat template for this request (needs the "
                                       "server's --trust-request-chat-template)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
-    tools: list[dict[str, Any]] | None = Field(None, description="passed to the chat template; tool calling "
-                                               "itself is not implemented: only with tool_choice 'none'")
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="function tools: passed to the chat template; "
+                                               "calls come back parsed as tool_calls (server/tools.py)")
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
+        None, description="default 'auto' with tools ('auto' needs --enable-auto-tool-choice and --tool-call-parser)")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (tool_choice 'required')")
 
 
 class TokenizeRequest(_Request):

@@ -24,6 +24,7 @@ import dataclasses
 from jvllm.sampling_params import RequestOutputKind, SamplingParams
 from jvllm.server.chat import ChatOptions, render_chat
 from jvllm.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from jvllm.server.structured import structured_params
 
 CHARS_PER_TOKEN_BOUND = 32
 # vLLM sampling fields jvllm forwards when its SamplingParams has them (a 400 naming them otherwise)
@@ -156,7 +157,7 @@ class Renderer:
 
     def sampling_params(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                         length_param: str, max_tokens_param: str = "max_tokens",
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, structured=None) -> SamplingParams:
         L = self.max_model_len
         if prompt_len >= L:
             raise APIError(f"This model's maximum context length is {L} tokens, but the prompt has {prompt_len} "
@@ -184,7 +185,7 @@ class Renderer:
                 logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
-                output_kind=RequestOutputKind.DELTA, **extra)
+                output_kind=RequestOutputKind.DELTA, structured_outputs=structured, **extra)
         except (ValueError, TypeError) as e:
             msg = str(e)
             raise APIError(msg, param=msg.split(" ", 1)[0].rstrip(":")) from None
@@ -198,13 +199,18 @@ class Renderer:
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
             plp = max(plp or 0, req.logprobs)
         return self.sampling_params(req, len(prompt.token_ids), req.max_tokens, req.logprobs, "prompt",
-                                    prompt_logprobs=plp)
+                                    prompt_logprobs=plp, structured=structured_params(req))
 
-    def chat_params(self, req: ChatCompletionRequest, prompt: Prompt) -> SamplingParams:
+    def chat_params(self, req: ChatCompletionRequest, prompt: Prompt, tool_constraint=None) -> SamplingParams:
+        """`tool_constraint`: the StructuredOutputsParams of tool_choice 'required' / named (tools.py)."""
+        so = structured_params(req)
+        if so is not None and tool_constraint is not None:
+            raise APIError("tool_choice 'required' or a named function constrains the output itself; it cannot be "
+                           "combined with response_format / structured_outputs / guided_*", param="tool_choice")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         lp = (req.top_logprobs or 0) if req.logprobs else None
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return self.sampling_params(req, len(prompt.token_ids), mt, lp, "messages", name,
-                                    prompt_logprobs=req.prompt_logprobs)
+                                    prompt_logprobs=req.prompt_logprobs, structured=so or tool_constraint)

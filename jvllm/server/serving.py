@@ -13,6 +13,9 @@ Contracts:
 - A client that disconnects cancels the handler (streams: starlette cancels the generator;
   bodies: `watch_disconnect`), and `Submission.close()` in the `finally` aborts the engine
   requests at once, which frees their KV blocks before the engine's next step.
+- Chat with tools (`tool_mode`, tools.py): the finished text is parsed into `message.tool_calls`
+  (content: the text before the calls, or null) with finish_reason "tool_calls"; streamed, content
+  flows until a call may begin, the rest is held and sent at the end as `delta.tool_calls`.
 - Logprobs of -inf are clamped to -9999.0 (JSON has no infinities).
 - /v1/completions with echo and logprobs: the prompt's tokens lead `logprobs` (the first with
   null logprob and null top_logprobs, as in vLLM), then the generated ones; text_offset counts
@@ -60,7 +63,7 @@ class ChoiceState:
     """What has been generated for one choice (accumulated over DELTA outputs)."""
 
     __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "started",
-                 "finish_sent")
+                 "finish_sent", "sent_len")
 
     def __init__(self, index: int):
         self.index = index
@@ -69,6 +72,7 @@ class ChoiceState:
         self.logprobs: list = []
         self.finish_reason = self.stop_reason = None
         self.started = self.finish_sent = False
+        self.sent_len = 0  # characters of content streamed (chat with tools holds a possible call back)
 
 
 class Collector:
@@ -210,7 +214,7 @@ class CompletionServer:
 
     def __init__(self, chat: bool, model: str, n: int, num_prompts: int, prompts, stream: bool,
                  include_usage: bool, top_logprobs: int | None, echo: bool = False, decode=None,
-                 continuous_usage: bool = False):
+                 continuous_usage: bool = False, tool_mode=None):
         self.chat, self.model, self.stream = chat, model, stream
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -221,6 +225,7 @@ class CompletionServer:
         self.echo = echo
         self.decode = decode  # token ids -> text (the first echoed token has no prompt logprob entry)
         self.col = Collector(num_prompts, n)
+        self.tool_mode = tool_mode  # tools.ToolMode of a chat request whose output may be tool calls
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -243,10 +248,17 @@ class CompletionServer:
             text = "".join(ch.text)
             pidx = ch.index // self.col.n
             if self.chat:
-                c = {"index": ch.index, "message": {"role": "assistant", "content": text},
+                msg = {"role": "assistant", "content": text}
+                fr = ch.finish_reason
+                if self.tool_mode is not None:
+                    content, calls = self.tool_mode.parse(text)
+                    msg = {"role": "assistant", "content": content, "tool_calls": [t.as_openai() for t in calls]}
+                    if calls and fr in ("stop", "length"):
+                        fr = "tool_calls"
+                c = {"index": ch.index, "message": msg,
                      "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, self.top_logprobs)
                      if self.top_logprobs is not None else None,
-                     "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                     "finish_reason": fr, "stop_reason": ch.stop_reason}
             else:
                 prefix = (self.prompts[pidx].text or "") if self.echo else ""
                 lp = None
@@ -299,6 +311,10 @@ class CompletionServer:
     def _choice_delta(self, ch: ChoiceState, text, ids, lps, finished_now) -> dict:
         fr = ch.finish_reason if finished_now else None
         sr = ch.stop_reason if finished_now else None
+        if self.chat and self.tool_mode is not None:
+            delta, fr = self._tool_delta(ch, finished_now, fr)
+            lp = chat_logprobs(ids, lps, self.top_logprobs) if self.top_logprobs is not None and ids else None
+            return {"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
         if self.chat:
             delta = {"content": text}
             lp = chat_logprobs(ids, lps, self.top_logprobs) if self.top_logprobs is not None and ids else None
@@ -308,6 +324,26 @@ class CompletionServer:
             off += len(self.prompts[ch.index // self.col.n].text or "")
         lp = completion_logprobs(ids, lps, off) if self.top_logprobs is not None else None
         return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
+
+    def _tool_delta(self, ch: ChoiceState, finished_now: bool, fr):
+        """(delta, finish_reason) of a chat choice with tools: the content not held back, and at the
+        end the parsed calls as `tool_calls` (finish_reason "tool_calls")."""
+        full = "".join(ch.text)
+        if not finished_now:
+            hold = self.tool_mode.hold_from(full)
+            end = len(full) if hold is None else max(hold, ch.sent_len)
+            delta = {"content": full[ch.sent_len:end]}
+            ch.sent_len = end
+            return delta, fr
+        content, calls = self.tool_mode.parse(full)
+        if not calls:
+            delta = {"content": full[ch.sent_len:]}
+            ch.sent_len = len(full)
+            return delta, fr
+        delta = {"content": None, "tool_calls": [t.as_openai(i) for i, t in enumerate(calls)]}
+        if content and len(content) > ch.sent_len:  # content before the calls that was held
+            delta["content"] = content[ch.sent_len:]
+        return delta, ("tool_calls" if fr in ("stop", "length") else fr)
 
     def _first_chunks(self, pidx: int) -> list[str]:
         """The role chunk (chat) or the echo chunk (completions) of each choice not started yet. With

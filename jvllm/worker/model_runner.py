@@ -78,7 +78,8 @@ class ModelRunner:
         first = self.stages[0]
         z = np.zeros(self.max_num_seqs, np.int32)
         self.no_prev = put(z, first.sharding()) if first.sharding() is not None else jnp.asarray(z)
-        self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0)
+        self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0,
+                           grammar_mask_s=0.0)
         self.jit_cache: dict = {}
         self.executor = make_executor(self)
         self.programs = Programs(self)  # every kind registered by worker/programs.py and executors/
@@ -164,18 +165,20 @@ class ModelRunner:
             ps = self.layout.prepare(sched, prev_rows=prev_rows)
             packed = self.layout.pack(ps)
             t1 = time.perf_counter()
-            if all(sampler.plain_greedy(s.req.params) for s in sched):  # the argmax program needs no inputs
+            mask = sampler.grammar_mask(sched, ps.R, self.cfg.vocab_size)  # None: no constrained row
+            tm["grammar_mask_s"] += time.perf_counter() - t1
+            if mask is None and all(sampler.plain_greedy(s.req.params) for s in sched):  # argmax needs no inputs
                 sb, ex, want_lp, greedy = None, None, False, True
             else:
                 sb, ex, want_lp = sampler.sampling_inputs(sched, ps.R, self.cfg.vocab_size, self.max_model_len)
-                greedy = ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
+                greedy = mask is None and ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
             tm["prepare_s"] += t1 - t0
             tm["sample_inputs_s"] += time.perf_counter() - t1
             if p is not None and bool((ps.src >= 0).any()):
                 tok_in = self.executor.prev_ids(prev_groups[p])
             else:
                 tok_in = self.no_prev
-            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy))
+            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy, mask=mask))
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
         return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
 

@@ -7,6 +7,9 @@
                       t is prev_tok[src[t]] where src[t] >= 0: the id sampled on the device by the
                       step before, async scheduling), later stages the previous stage's hidden states
   sample[R, extras]   (head_w, last_hidden[R], SamplingBatch, SamplingExtras|None) -> ids, logprobs, ids padded
+  sample_masked[R, extras]  sample's arguments + the packed token mask int32 [R, ceil(V/32)]
+                      (structured outputs; compiled on the first constrained batch, not at warm-up,
+                      so engines that never see one pay nothing)
   greedy[R]           (head_w, last_hidden[R]) -> ids, ids padded: argmax only (no lax.cond: on GPUs
                       XLA runs a cond by copying its predicate to the host and blocking on it)
   prompt_lp[T]        (head_w, hidden[T], targets[T]) -> prompt logprobs (only when a request asks)
@@ -30,7 +33,7 @@ from flax import nnx
 from jvllm.compilation.registry import ProgramKind, Signature, register
 from jvllm.models.layers import lm_logits
 from jvllm.ops.attention import tensor_parallel_mesh
-from jvllm.sampling import logprob_outputs, sample
+from jvllm.sampling import apply_token_mask, logprob_outputs, sample
 from jvllm.worker import sampler
 
 
@@ -58,6 +61,11 @@ def step_body(layout, graphdef, treedef, first, last, attention, mesh, decode, k
 
 def sample_body(w, h, sb, ex, *, tied, softcap, branchless, max_num_seqs):
     tok, lp = sample(logits(w, h, tied, softcap), sb, ex, branchless=branchless)
+    return tok, lp, _pad_tok(tok, max_num_seqs)
+
+
+def sample_masked_body(w, h, sb, ex, mask, *, tied, softcap, branchless, max_num_seqs):
+    tok, lp = sample(apply_token_mask(logits(w, h, tied, softcap), mask), sb, ex, branchless=branchless)
     return tok, lp, _pad_tok(tok, max_num_seqs)
 
 
@@ -149,6 +157,20 @@ def _sample_signature(ctx, key) -> Signature:
                      tuple(last.devices()))
 
 
+def _sample_masked_signature(ctx, key) -> Signature:
+    R, extras = key
+    last = ctx.stages[-1]
+    shard = last.sharding()
+    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, extras, shard)
+    fn = cached(ctx, "sample_masked", lambda: jax.jit(functools.partial(
+        sample_masked_body, tied=ctx.cfg.tie_word_embeddings, softcap=ctx.cfg.final_logit_softcap,
+        branchless=ctx.platform == "gpu",
+        max_num_seqs=ctx.max_num_seqs)))
+    mask = _sds((R, (ctx.cfg.vocab_size + 31) // 32), jnp.int32, shard)
+    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb, ex, mask),
+                     tuple(last.devices()))
+
+
 def _greedy_signature(ctx, R) -> Signature:
     last = ctx.stages[-1]
     fn = cached(ctx, "greedy", lambda: jax.jit(functools.partial(
@@ -168,6 +190,7 @@ def _prompt_lp_signature(ctx, T) -> Signature:
 
 register(ProgramKind("sample", _sample_signature, lambda ctx: [(R, ex) for R in _request_buckets(ctx) for ex in (False, True)],
                      owned=_last_owned))
+register(ProgramKind("sample_masked", _sample_masked_signature, lambda ctx: [], owned=_last_owned))
 register(ProgramKind("greedy", _greedy_signature, _request_buckets, owned=_last_owned))
 # prompt logprobs are refused with stages over processes (only the sampled ids cross)
 register(ProgramKind("prompt_lp", _prompt_lp_signature,

@@ -96,3 +96,20 @@ def _extras(scheduled, R: int, V: int, max_model_len: int) -> SamplingExtras:
             a["bias_ids"][r, :len(items)] = [k for k, _ in items]
             a["bias_vals"][r, :len(items)] = [v for _, v in items]
     return SamplingExtras(**a)
+
+
+# ---------------------------------------------------------------------------- structured outputs
+def grammar_mask(scheduled, R: int, vocab_size: int) -> np.ndarray | None:
+    """The packed token bitmask int32 [R, ceil(V / 32)] of a batch with constrained rows (each
+    constrained request's `GrammarState` fills its row; other rows and padding allow every token),
+    or None when no row is constrained (the unmasked programs serve the batch)."""
+    rows = [(r, s.req.grammar) for r, s in enumerate(scheduled) if s.samples and s.req.grammar is not None]
+    if not rows:
+        return None
+    from jvllm.structured import mask_words
+
+    mask = np.full((R, mask_words(vocab_size)), -1, np.int32)
+    for r, g in rows:
+        mask[r] = 0
+        g.fill(mask[r])
+    return mask

@@ -30,6 +30,7 @@ class Work:
     ex: object = None          # SamplingExtras (numpy) or None
     want_lp: bool = False
     greedy: bool = True        # the argmax-only program serves every row
+    mask: np.ndarray | None = None  # structured outputs' packed token mask [R, ceil(V/32)], or None
     x: object = None           # the last launched stage's output hidden states
 
 
@@ -107,7 +108,11 @@ class Executor:
                 import jax
 
                 sb, ex = jax.tree_util.tree_map(lambda a: put(np.asarray(a), shard), (sb, ex))
-            tok, lp, tok_pad = r.programs.get("sample", (w.R, ex is not None))(r.head_w, last_h, sb, ex)
+            if w.mask is None:
+                tok, lp, tok_pad = r.programs.get("sample", (w.R, ex is not None))(r.head_w, last_h, sb, ex)
+            else:
+                mask = put(w.mask, shard) if shard is not None else w.mask
+                tok, lp, tok_pad = r.programs.get("sample_masked", (w.R, ex is not None))(r.head_w, last_h, sb, ex, mask)
         r.timers["sample_call_s"] += time.perf_counter() - t3
         plp = None
         if any(s.req.needs_prompt_logprobs for s in w.sched):

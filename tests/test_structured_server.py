@@ -1,0 +1,132 @@
+"""Structured outputs and tool calling through the server, with the real SmolLM2 and the official
+`openai` client: response_format json_schema / json_object, vLLM's structured_outputs and legacy
+guided_* fields, tool_choice "required" and a named function (streamed and not), and the
+tool-call parsers on their own."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jvllm.server.tools import ToolMode, parse_hermes, parse_llama3_json
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    from tests.test_server import ServerProcess
+
+    srv = ServerProcess("smollm2", str(tmp_path_factory.mktemp("so_srv") / "server.log"),
+                        "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+    try:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120), srv
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.tail(100000), srv.tail()
+
+
+def _stream_calls(stream):
+    """(tool calls accumulated from delta.tool_calls, finish_reason) of a chat stream."""
+    calls, fr = {}, None
+    for ch in stream:
+        if not ch.choices:
+            continue
+        c = ch.choices[0]
+        for tc in c.delta.tool_calls or []:
+            d = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            d["name"] += tc.function.name or ""
+            d["arguments"] += tc.function.arguments or ""
+        fr = c.finish_reason or fr
+    return [calls[i] for i in sorted(calls)], fr
+
+
+def test_tool_choice_required_and_named(client):
+    c, _ = client
+    r = c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required",
+                                  max_tokens=80, temperature=0, parallel_tool_calls=False)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    assert len(ch.message.tool_calls) == 1
+    tc = ch.message.tool_calls[0]
+    assert tc.function.name in ("get_weather", "get_time") and tc.id
+    args = json.loads(tc.function.arguments)
+    jsonschema.validate(args, next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == tc.function.name))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice=named, max_tokens=60,
+                                  temperature=0)
+    tc = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and tc.function.name == "get_weather"
+    jsonschema.validate(json.loads(tc.function.arguments), WEATHER)
+    # streamed: the same calls arrive as delta.tool_calls
+    calls, fr = _stream_calls(c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS,
+                                                        tool_choice=named, max_tokens=60, temperature=0, stream=True))
+    assert fr == "tool_calls" and [d["name"] for d in calls] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == json.loads(tc.function.arguments)
+    calls, fr = _stream_calls(c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS,
+                                                        tool_choice="required", max_tokens=80, temperature=0,
+                                                        stream=True, parallel_tool_calls=False))
+    assert fr == "tool_calls" and len(calls) == 1 and isinstance(json.loads(calls[0]["arguments"]), dict)
+
+
+def test_history_with_tool_calls_and_auto(client):
+    c, _ = client
+    hist = MSG + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    r = c.chat.completions.create(model="tiny", messages=hist, tools=TOOLS, max_tokens=12, temperature=0)
+    ch = r.choices[0]  # auto: the hermes parser found no call in plain text -> content
+    assert ch.finish_reason in ("stop", "length") and ch.message.content and not ch.message.tool_calls
+
+
+def test_response_format_and_vllm_fields(client):
+    c, _ = client
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+              "required": ["answer", "confidence"], "additionalProperties": False}
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is water wet?"}],
+                                  max_tokens=40, temperature=0.7, seed=1, n=2,
+                                  response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    for ch in r.choices:
+        assert ch.finish_reason == "stop"
+        jsonschema.validate(json.loads(ch.message.content), schema)
+    r = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=30, temperature=0,
+                                  response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+    r = c.completions.create(model="tiny", prompt="Answer:", max_tokens=5, temperature=1.0, seed=2,
+                             extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert r.choices[0].text in ("alpha", "beta")
+    r = c.completions.create(model="tiny", prompt="Year:", max_tokens=8, temperature=0,
+                             extra_body={"guided_regex": r"19\d\d"})
+    assert r.choices[0].text[:2] == "19" and len(r.choices[0].text) == 4
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"guided_regex": "(a"})
+    assert "rejected" in e.value.body["message"]
+
+
+def test_parsers():
+    content, calls = parse_hermes('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+                                  '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    assert content == "Sure." and [(t.name, json.loads(t.arguments)) for t in calls] == [("f", {"a": 1}), ("g", {})]
+    assert parse_hermes("no calls") == ("no calls", [])
+    assert parse_hermes("<tool_call>{broken")[1] == []
+    content, calls = parse_llama3_json('<|python_tag|>{"name": "f", "parameters": {"x": "y"}}; {"name": "g", '
+                                       '"parameters": {}}')
+    assert content is None and [t.name for t in calls] == ["f", "g"] and json.loads(calls[0].arguments) == {"x": "y"}
+    assert parse_llama3_json("hello")[1] == []
+    m = ToolMode("auto", parser="hermes")
+    assert m.hold_from("abc") is None and m.hold_from("abc<tool") == 3 and m.hold_from("x<tool_call>{") == 1
