@@ -270,6 +270,22 @@ class LLMEngine:
         self.stats["host_seconds"] += time.perf_counter() - t1
         return outs
 
+    def update_weights(self, weights) -> list[RequestOutput]:
+        """Swap in new weights (`jvllm.worker.weights` states the accepted forms and checks).
+
+        Requests in flight: the step(s) already dispatched finish with the old weights and their
+        outputs are returned here (empty when none was in flight); unfinished requests go on from
+        the next step with the new weights over the KV they already have (computed with the old
+        ones). Every prefix-cache entry is forgotten, so no later request reuses stale KV."""
+        from jvllm.models import param_specs
+        from jvllm.worker.weights import normalize, update_params
+
+        flat = normalize(weights, param_specs(self.model_config, self.dtype), self.model_config.tie_word_embeddings)
+        outs = self.drain()
+        update_params(self.runner, flat)
+        self.kv_manager.pool.invalidate_prefix_cache()
+        return outs
+
     def make_output(self, g: RequestGroup) -> RequestOutput | None:
         return self.output.make_output(g)
 

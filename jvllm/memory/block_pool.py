@@ -153,6 +153,13 @@ class BlockPool:
         self.cached.clear()
         return True
 
+    def invalidate_prefix_cache(self):
+        """Forget every cached hash, also of blocks in use (new weights make every cached KV block
+        stale): running requests keep their blocks, but no later request can hit them."""
+        for b in self.blocks[1:]:
+            b.hash = None
+        self.cached.clear()
+
 
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool, with prefix caching.

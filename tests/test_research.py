@@ -1,0 +1,153 @@
+"""Research API: live weights (get_weights / update_weights) and scoring against a trainer's dense
+forward (issue 23)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jvllm import LLM, SamplingParams
+from jvllm.compilation import compile_count
+from jvllm.worker.weights import live_params
+from tests.research_ref import sequence_logprobs
+
+PROMPTS = [list(range(3, 20)), list(range(40, 47)), [5, 9, 200, 31, 17, 4, 4, 8, 100, 250]]
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt_dir):
+    llm = LLM(ckpt_dir("llama"), dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
+              token_buckets=(8, 32), use_tqdm_on_load=False, background_compile=False)
+    yield llm
+    llm.shutdown()
+
+
+def _greedy(llm, prompts=PROMPTS, n=6):
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_get_weights_are_the_live_arrays(llm):
+    w = _flat(llm.get_weights())
+    live = live_params(llm.llm_engine.runner)
+    assert set(w) == set(live) and "layers.1.mlp.down_proj" in w
+    assert all(w[k] is live[k] for k in w)
+
+
+def test_update_weights_in_place_no_recompile_and_matches_fresh_engine(llm, ckpt_dir):
+    base = _greedy(llm)
+    orig = _flat(llm.get_weights())
+    rng = np.random.default_rng(1)
+    # device arrays with the engine's sharding and dtype: used as they are, no copy
+    new = {k: jax.device_put(jnp.asarray(np.asarray(v) + 0.05 * rng.standard_normal(v.shape).astype(np.float32)),
+                             v.sharding) for k, v in orig.items()}
+    ptrs = {k: a.unsafe_buffer_pointer() for k, a in new.items()}
+    c0 = compile_count()
+    llm.update_weights(new)
+    live = live_params(llm.llm_engine.runner)
+    assert {k: a.unsafe_buffer_pointer() for k, a in live.items()} == ptrs
+    assert llm.llm_engine.runner.head_w is live["embed" if llm.llm_engine.model_config.tie_word_embeddings else "lm_head"]
+    changed = _greedy(llm)
+    assert compile_count() == c0  # the step and sampler programs took the new arrays as they are
+    assert changed != base
+    # the same outputs as an engine whose weights were the new ones from the start (host numpy,
+    # as a nested dict: copied and placed)
+    llm.update_weights(orig)
+    assert _greedy(llm) == base  # the prefix cache was invalidated: no stale KV reused
+    llm.update_weights(_nest({k: np.asarray(v) for k, v in new.items()}))
+    assert _greedy(llm) == changed
+    assert compile_count() == c0
+    llm.update_weights(orig)
+
+
+def _nest(flat):
+    from jvllm.worker.weights import nest
+
+    return nest(flat)
+
+
+def test_update_weights_from_hf_pairs_and_casts(llm, ckpt_dir):
+    import safetensors.numpy
+    import glob
+
+    base = _greedy(llm)
+    orig = _flat(llm.get_weights())
+    (f,) = glob.glob(f"{ckpt_dir('llama')}/*.safetensors")
+    hf = safetensors.numpy.load_file(f)
+    scaled = [(k, (v * 1.5).astype(np.float16) if "mlp" in k else v) for k, v in hf.items()]  # dtypes cast
+    llm.update_weights(iter(scaled))
+    got = live_params(llm.llm_engine.runner)
+    assert got["layers.0.mlp.down_proj"].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got["layers.0.mlp.down_proj"]),
+                               (hf["model.layers.0.mlp.down_proj.weight"] * 1.5).astype(np.float16).astype(np.float32).T)
+    assert _greedy(llm) != base
+    llm.update_weights(hf.items())
+    assert _greedy(llm) == base
+    llm.update_weights(orig)
+
+
+def test_update_weights_bad_input_names_it_and_swaps_nothing(llm):
+    before = live_params(llm.llm_engine.runner)
+    w = {k: np.asarray(v) for k, v in before.items()}
+    with pytest.raises(ValueError, match=r"layers\.9\.mlp\.up_proj"):
+        llm.update_weights({**w, "layers.9.mlp.up_proj": w["layers.0.mlp.up_proj"]})
+    with pytest.raises(ValueError, match=r"'norm.weight': shape \(3,\)"):
+        llm.update_weights({"norm.weight": np.ones(3, np.float32)})
+    with pytest.raises(ValueError, match="not_a_tensor"):
+        llm.update_weights([("model.not_a_tensor.weight", np.ones(3))])
+    with pytest.raises(ValueError, match="params pytree"):
+        llm.update_weights(3)
+    after = live_params(llm.llm_engine.runner)
+    assert all(after[k] is before[k] for k in before)
+
+
+def test_update_weights_with_requests_in_flight(llm):
+    """Stepped engine: the step in flight finishes with the old weights (its outputs come back from
+    update_weights), the request goes on with the new ones from the next step."""
+    eng = llm.llm_engine
+    orig = _flat(llm.get_weights())
+    zero = {k: (np.zeros_like(np.asarray(v)) if k == "norm.weight" else np.asarray(v)) for k, v in orig.items()}
+    # zero final norm: every logit is 0, so greedy picks token 0 from then on
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eng.add_request("inflight", {"prompt_token_ids": PROMPTS[0]}, sp)
+    outs = []
+    while not outs or not outs[-1].outputs[0].token_ids:
+        outs += eng.step()
+    n_before = len(outs[-1].outputs[0].token_ids)
+    in_flight = eng.loop.in_flight()
+    drained = eng.update_weights(zero)
+    assert len(drained) == in_flight == 1  # async scheduling: the next step was dispatched already
+    outs += drained
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    final = [o for o in outs if o.finished][-1].outputs[0].token_ids
+    ref = _greedy(llm, [PROMPTS[0]], 8)[0]  # still the zeroed weights here
+    assert ref == [0] * 8
+    llm.update_weights(orig)
+    full = _greedy(llm, [PROMPTS[0]], 8)[0]
+    k = len(drained[-1].outputs[0].token_ids) if drained else n_before  # outputs are cumulative
+    assert final[:k] == full[:k] and final[k:] == [0] * (8 - k) and 0 < k < 8
+
+
+def test_score_matches_dense_forward(llm):
+    cfg = llm.llm_engine.model_config
+    params = {k: np.asarray(v) for k, v in live_params(llm.llm_engine.runner).items()}
+    conts = [[7, 8, 9, 10], list(range(100, 140)), [3]]
+    got = llm.score(PROMPTS, conts)
+    for p, c, g in zip(PROMPTS, conts, got):
+        ref = sequence_logprobs(params, cfg, p, c)
+        assert g.shape == (len(c),) and g.dtype == np.float32
+        np.testing.assert_allclose(g, ref, atol=1e-5, rtol=0)
+    one = llm.score(PROMPTS[0], conts[0])
+    np.testing.assert_array_equal(one, got[0])
+    with pytest.raises(ValueError, match="continuation 0 is empty"):
+        llm.score(PROMPTS[0], [])
