@@ -39,6 +39,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # research (issue 23): transformers' output_hidden_states numbering, 0 = embeddings, num_layers
+    # = after the final norm; CompletionOutput.hidden_states gets {layer: [num_tokens, hidden]}
+    return_hidden_states: list[int] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -95,8 +98,29 @@ class SamplingParams:
             bad("stop_token_ids", self.stop_token_ids, "a list of integers")
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"{len(self.logit_bias)} entries", f"at most {MAX_LOGIT_BIAS} entries")
+        self._validate_research(bad)
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", self.logit_bias, "values in [-100, 100]")
+
+    def _validate_research(self, bad):
+        h = self.return_hidden_states
+        if h is not None:
+            if (not isinstance(h, (list, tuple)) or not h or len(set(h)) != len(h)
+                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in h)):
+                bad("return_hidden_states", h, "a non-empty list of distinct layer indices >= 0")
+            self.return_hidden_states = list(h)
+
+    def validate_for_model(self, num_layers: int, num_stages: int = 1):
+        """Layer indices within the model (0 .. num_layers); hidden states need one pipeline stage."""
+        h = self.return_hidden_states
+        if h is None:
+            return
+        over = [i for i in h if i > num_layers]
+        if over:
+            raise ValueError(f"return_hidden_states {over} outside [0, {num_layers}] (0 = embeddings, "
+                             f"{num_layers} = after the final norm)")
+        if num_stages > 1:
+            raise ValueError(f"return_hidden_states needs pipeline_parallel_size 1, this engine has {num_stages} stages")
 
     def validate_for_vocab(self, vocab_size: int):
         """Token ids (stop_token_ids, logit_bias keys) must lie in [0, vocab_size)."""

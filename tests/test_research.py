@@ -151,3 +151,41 @@ def test_score_matches_dense_forward(llm):
     np.testing.assert_array_equal(one, got[0])
     with pytest.raises(ValueError, match="continuation 0 is empty"):
         llm.score(PROMPTS[0], [])
+
+
+# ---------------------------------------------------------------------------- hidden states
+def test_hidden_states_match_transformers(llm, ckpt_dir):
+    import torch
+
+    from tests.helpers import hf_model
+
+    L = llm.llm_engine.model_config.num_layers
+    layers = list(range(L + 1))
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, return_hidden_states=layers)
+    plain = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    # a long prompt (chunked over steps) next to a request without hidden states, then a repeat
+    # of the first prompt (a prefix-cache hit for a plain request, recomputed for this one)
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0] * 3}, {"prompt_token_ids": PROMPTS[1]},
+                         {"prompt_token_ids": PROMPTS[0] * 3}], [sp, plain, sp], use_tqdm=False)
+    assert outs[1].outputs[0].hidden_states is None
+    ref = hf_model(ckpt_dir("llama"))
+    for o in (outs[0], outs[2]):
+        c = o.outputs[0]
+        ids = o.prompt_token_ids + c.token_ids[:-1]  # the last generated token is never fed
+        with torch.no_grad():
+            hf = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        assert sorted(c.hidden_states) == layers
+        for i in layers:
+            got, want = c.hidden_states[i], hf[i][0].numpy()
+            assert got.shape == want.shape == (len(ids), llm.llm_engine.model_config.hidden_size)
+            scale = np.abs(want).max(-1, keepdims=True)
+            assert (np.abs(got - want) <= 1e-4 * scale).all(), i
+    assert c.token_ids == _greedy(llm, [PROMPTS[0] * 3], 5)[0]
+
+
+def test_hidden_states_bad_layers_named(llm):
+    L = llm.llm_engine.model_config.num_layers
+    with pytest.raises(ValueError, match=rf"return_hidden_states \[{L + 1}\] outside \[0, {L}\]"):
+        llm.generate([PROMPTS[0]], SamplingParams(return_hidden_states=[0, L + 1]), use_tqdm=False)
+    with pytest.raises(ValueError, match="distinct layer indices"):
+        SamplingParams(return_hidden_states=[1, 1])

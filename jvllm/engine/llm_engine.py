@@ -90,7 +90,8 @@ class LLMEngine:
             refused = (f"logprobs are not available with pipeline stages over {worker.process_count} processes "
                        f"(only the sampled ids cross between them); run the stages in one process for logprobs")
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, max_model_len, self.eos_token_ids, config.seed,
-                                     logprobs_refused=refused)
+                                     logprobs_refused=refused, num_layers=mc.num_layers,
+                                     num_stages=config.pipeline_parallel_size)
         self.output = OutputProcessor(self.tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
@@ -246,6 +247,8 @@ class LLMEngine:
                 self.stats["num_prompt_tokens"] += min(s.num_tokens, req.num_prompt_tokens - s.start)
             if r in res.prompt_logprobs:
                 op.add_prompt_logprobs(req, *res.prompt_logprobs[r])
+            if r in res.hidden_states:
+                req.add_hidden_states(*res.hidden_states[r])
             if not s.samples:
                 continue
             req.num_pending = max(0, req.num_pending - 1)

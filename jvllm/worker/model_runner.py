@@ -40,6 +40,7 @@ class StepResult:
     token_ids: np.ndarray                 # [R] sampled ids (rows of scheduled requests, in order)
     logprobs: tuple | None                # (tok_lp [R], rank [R], top_ids [R,N], top_lp [R,N]) or None
     prompt_logprobs: dict                 # row -> (positions, tok_lp, rank, top_ids, top_lp)
+    hidden_states: dict = dataclasses.field(default_factory=dict)  # row -> (start, [L+1, n, hidden] numpy)
 
 
 @dataclasses.dataclass
@@ -47,6 +48,17 @@ class DispatchedStep:
     """A dispatched step: its number of rows and one Pending per micro-batch."""
     num_rows: int
     pending: list[Pending]
+
+
+def _split_hidden(hs: np.ndarray, sched, rows) -> dict:
+    """{step row: (first position, hs[:, its tokens])} for the rows that asked; a row's tokens are
+    consecutive in the flat batch, in scheduled order."""
+    out, off = {}, 0
+    for row, s in zip(rows, sched):
+        if s.req.params.return_hidden_states:
+            out[row] = (s.start, hs[:, off:off + s.num_tokens])
+        off += s.num_tokens
+    return out
 
 
 class ModelRunner:
@@ -164,7 +176,8 @@ class ModelRunner:
                 tok_in = self.executor.prev_ids(prev_groups[p])
             else:
                 tok_in = self.no_prev
-            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy))
+            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy,
+                             capture=any(s.req.params.return_hidden_states for s in sched)))
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
         return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
 
@@ -173,7 +186,7 @@ class ModelRunner:
         n = handle.num_rows
         token_ids = np.zeros(n, np.int32)
         lps = None
-        plp_all = {}
+        plp_all, hs_all = {}, {}
         for e in handle.pending:
             res = e.result()
             rows = [i for i, _ in res.group]
@@ -189,7 +202,9 @@ class ModelRunner:
                 host = [to_host(a) for a in dev]
                 for local, (o, pos) in spans.items():
                     plp_all[rows[local]] = (pos, *(a[o:o + len(pos)] for a in host))
-        return StepResult(token_ids, lps, plp_all)
+            if res.hidden_states is not None:
+                hs_all.update(_split_hidden(to_host(res.hidden_states), [s for _, s in res.group], rows))
+        return StepResult(token_ids, lps, plp_all, hs_all)
 
     def execute(self, scheduled) -> StepResult:
         return self.collect(self.dispatch(scheduled))

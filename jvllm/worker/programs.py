@@ -42,16 +42,20 @@ def _pad_tok(tok, max_num_seqs: int):
 
 
 def step_body(layout, graphdef, treedef, first, last, attention, mesh, decode, kv_chunk_blocks,
-              leaves, kv, packed, x, *, T):
+              leaves, kv, packed, x, *, T, capture: bool = False):
+    """`capture` (the step_hidden variant, single stage): one more output, every hidden state
+    [num_layers + 1, T, hidden] (`jvllm.models.hooks.HiddenTap` numbering)."""
+    from jvllm.models.hooks import HiddenTap
+
     tokens, src, md = layout.unpack(packed, T, decode)
     if first:
         x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], tokens)
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+    tap = HiddenTap() if capture else None
     with tensor_parallel_mesh(mesh):  # Pallas kernels run per device on local KV heads
-        h, kv = model(x, kv, md, kv_chunk_blocks, attention)
-    if last:
-        return kv, h[md.logits_indices], h
-    return kv, h
+        h, kv = model(x, kv, md, kv_chunk_blocks, attention, hooks=tap)
+    out = (kv, h[md.logits_indices], h) if last else (kv, h)
+    return out + (jnp.stack(tap.values),) if capture else out
 
 
 def sample_body(w, h, sb, ex, *, tied, branchless, max_num_seqs):
@@ -90,6 +94,15 @@ def step_fn(ctx, s: int, decode: bool):
         decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T",)))
 
 
+def hidden_step_fn(ctx, decode: bool):
+    """The single-stage step that also returns every hidden state (batches with a request that
+    asks for them: `SamplingParams.return_hidden_states`)."""
+    st = ctx.stages[0]
+    return cached(ctx, ("step_hidden", decode), lambda: jax.jit(functools.partial(
+        step_body, ctx.layout, st.graphdef, st.treedef, st.first, st.last, ctx.attention_modes[decode], st.mesh,
+        decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T", "capture")))
+
+
 def logits_fn(ctx):
     return cached(ctx, "logits", lambda: jax.jit(functools.partial(logits, tied=ctx.cfg.tie_word_embeddings)))
 
@@ -122,6 +135,16 @@ def _step_keys(ctx) -> list:
 
 
 register(ProgramKind("step", _step_signature, _step_keys, owned=lambda ctx, key: ctx.local(key[0])))
+
+
+def _hidden_step_signature(ctx, key) -> Signature:
+    T, decode = key
+    sig = _step_signature(ctx, (0, T, decode))
+    return Signature(hidden_step_fn(ctx, decode), sig.args, sig.devices, dict(T=T, capture=True))
+
+
+# compiled on demand only (no warm-up): a research variant that plain serving never pays for
+register(ProgramKind("step_hidden", _hidden_step_signature, lambda ctx: [], owned=lambda ctx, key: True))
 
 
 # ---------------------------------------------------------------------------- samplers

@@ -31,6 +31,8 @@ class Work:
     want_lp: bool = False
     greedy: bool = True        # the argmax-only program serves every row
     x: object = None           # the last launched stage's output hidden states
+    capture: bool = False      # some row wants its hidden states: the step_hidden variant (one stage)
+    captured: object = None    # [num_layers + 1, T, hidden] on device, when `capture`
 
 
 @dataclasses.dataclass
@@ -40,6 +42,7 @@ class MicrobatchResult:
     logprobs: tuple | None     # (tok_lp, rank, top_ids, top_lp) on device, when some row wants them
     prompt_logprobs: tuple | None  # ({row: (offset, positions)}, device arrays) or None
     tok_pad: object            # ids padded to [max_num_seqs]: the next step's prev_tok
+    hidden_states: object = None  # Work.captured
 
 
 @dataclasses.dataclass
@@ -86,7 +89,11 @@ class Executor:
         packed = put(w.packed, st.sharding())  # this stage's host inputs: one transfer
         tm = r.timers
         tm["step_call_put_s"] += time.perf_counter() - t1
-        out = r.programs.get("step", (s_idx, w.T, w.decode))(st.leaves, st.kv, packed, x)
+        if w.capture:
+            *out, w.captured = r.programs.get("step_hidden", (w.T, w.decode))(st.leaves, st.kv, packed, x)
+            out = tuple(out)
+        else:
+            out = r.programs.get("step", (s_idx, w.T, w.decode))(st.leaves, st.kv, packed, x)
         st.kv = out[0]
         w.x = out[-1]
         tm["step_call_s"] += time.perf_counter() - t1
@@ -112,4 +119,4 @@ class Executor:
         plp = None
         if any(s.req.needs_prompt_logprobs for s in w.sched):
             plp = r.prompt_logprobs(w.sched, w.T, all_h)
-        return MicrobatchResult(w.group, tok, lp if w.want_lp else None, plp, tok_pad)
+        return MicrobatchResult(w.group, tok, lp if w.want_lp else None, plp, tok_pad, w.captured)
