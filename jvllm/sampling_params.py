@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import numpy as np
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
+MAX_PROCESSOR_ARGS = 8  # numbers a request hands each logits processor (extra_args[name])
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -42,6 +45,10 @@ class SamplingParams:
     # research (issue 23): transformers' output_hidden_states numbering, 0 = embeddings, num_layers
     # = after the final norm; CompletionOutput.hidden_states gets {layer: [num_tokens, hidden]}
     return_hidden_states: list[int] | None = None
+    # names registered with LLM(logits_processors={name: fn}); extra_args[name]: that processor's
+    # args (a number or up to MAX_PROCESSOR_ARGS numbers)
+    logits_processors: list[str] | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -109,6 +116,30 @@ class SamplingParams:
                     or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in h)):
                 bad("return_hidden_states", h, "a non-empty list of distinct layer indices >= 0")
             self.return_hidden_states = list(h)
+        lp = self.logits_processors
+        if lp is not None:
+            if not isinstance(lp, (list, tuple)) or not all(isinstance(n, str) for n in lp) or len(set(lp)) != len(lp):
+                bad("logits_processors", lp, "a list of distinct registered processor names")
+            self.logits_processors = list(lp)
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                bad("extra_args", self.extra_args, "a dict {processor name: number or list of numbers}")
+            for k, v in self.extra_args.items():
+                if k not in (lp or ()):
+                    bad("extra_args", k, f"a key naming one of this request's logits_processors {lp}")
+                try:
+                    n = len(np.atleast_1d(np.asarray(v, np.float32)))
+                except (TypeError, ValueError):
+                    bad(f"extra_args[{k!r}]", v, "a number or a list of numbers")
+                if np.ndim(v) > 1 or n > MAX_PROCESSOR_ARGS:
+                    bad(f"extra_args[{k!r}]", v, f"a number or a flat list of at most {MAX_PROCESSOR_ARGS} numbers")
+
+    def validate_processors(self, registered: tuple[str, ...]):
+        """Every named logits processor must be registered with this engine."""
+        unknown = [n for n in self.logits_processors or () if n not in registered]
+        if unknown:
+            raise ValueError(f"logits_processors {unknown} are not registered with this engine "
+                             f"(registered: {list(registered)}; LLM(logits_processors={{name: fn}}))")
 
     def validate_for_model(self, num_layers: int, num_stages: int = 1):
         """Layer indices within the model (0 .. num_layers); hidden states need one pipeline stage."""

@@ -189,3 +189,61 @@ def test_hidden_states_bad_layers_named(llm):
         llm.generate([PROMPTS[0]], SamplingParams(return_hidden_states=[0, L + 1]), use_tqdm=False)
     with pytest.raises(ValueError, match="distinct layer indices"):
         SamplingParams(return_hidden_states=[1, 1])
+
+
+# ---------------------------------------------------------------------------- logits processors
+def _ban_range(logits, output_ids, args):
+    """Forbid token ids in [args[0], args[1]) and every id generated so far."""
+    v = jnp.arange(logits.shape[-1])[None, :]
+    banned = (v >= args[:, :1]) & (v < args[:, 1:2])
+    seen = (output_ids[:, :, None] == v[:, None, :]).any(1)
+    return jnp.where(banned | seen, -jnp.inf, logits)
+
+
+def _force(logits, output_ids, args):
+    """Put all mass on token args[0]."""
+    v = jnp.arange(logits.shape[-1])[None, :]
+    return jnp.where(v == args[:, :1].astype(jnp.int32), 0.0, -jnp.inf)
+
+
+@pytest.fixture(scope="module")
+def proc_llm(ckpt_dir):
+    llm = LLM(ckpt_dir("llama"), dtype="float32", max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4,
+              token_buckets=(8, 32), use_tqdm_on_load=False, background_compile=False,
+              logits_processors={"ban": _ban_range, "force": _force})
+    yield llm
+    llm.shutdown()
+
+
+def test_logits_processors_per_request(proc_llm):
+    base = _greedy(proc_llm, PROMPTS[:2], 8)
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    c0 = None
+    for hi, forced in ((200, 77), (150, 78)):  # new args are inputs: the second round compiles nothing
+        ban = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logits_processors=["ban"],
+                             extra_args={"ban": [0, hi]})
+        force = SamplingParams(max_tokens=4, temperature=0.8, seed=3, ignore_eos=True, logits_processors=["force"],
+                               extra_args={"force": forced}, logprobs=0)
+        outs = proc_llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]},
+                                  {"prompt_token_ids": PROMPTS[2]}], [ban, plain, force], use_tqdm=False)
+        toks = [o.outputs[0].token_ids for o in outs]
+        assert all(hi <= t for t in toks[0]) and len(set(toks[0])) == 8, toks[0]  # banned range and repeats
+        assert toks[1] == base[1]  # the row without processors is untouched
+        assert toks[2] == [forced] * 4
+        assert all(abs(lp[forced].logprob) < 1e-6 for lp in outs[2].outputs[0].logprobs)
+        if c0 is None:
+            c0 = compile_count()
+        assert compile_count() == c0
+
+
+def test_logits_processors_bad_input_named(proc_llm, llm):
+    with pytest.raises(ValueError, match=r"\['nope'\] are not registered"):
+        proc_llm.generate([PROMPTS[0]], SamplingParams(logits_processors=["nope"]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"\['ban'\] are not registered"):
+        llm.generate([PROMPTS[0]], SamplingParams(logits_processors=["ban"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="at most 8 numbers"):
+        SamplingParams(logits_processors=["ban"], extra_args={"ban": list(range(9))})
+    with pytest.raises(ValueError, match="naming one of this request's logits_processors"):
+        SamplingParams(logits_processors=["ban"], extra_args={"force": 1})
+    with pytest.raises(ValueError, match=r"logits_processors\['x'\] must be callable"):
+        LLM("smollm2", logits_processors={"x": 3})

@@ -33,6 +33,9 @@ def check_options(config: EngineConfig, model_config, data_parallel_replica: boo
     from jvllm.worker.attention_modes import attention_modes
 
     attention_modes(config.attention_backend, platform="any")
+    from jvllm.worker.logits_processors import check_registry
+
+    check_registry(config.logits_processors)
     if config.async_scheduling and data_parallel_replica:
         raise ValueError("async_scheduling needs an engine that is not a data-parallel replica "
                          "(got a data-parallel device slice)")
@@ -91,7 +94,8 @@ class LLMEngine:
                        f"(only the sampled ids cross between them); run the stages in one process for logprobs")
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, max_model_len, self.eos_token_ids, config.seed,
                                      logprobs_refused=refused, num_layers=mc.num_layers,
-                                     num_stages=config.pipeline_parallel_size)
+                                     num_stages=config.pipeline_parallel_size,
+                                     processor_names=tuple(config.logits_processors or ()))
         self.output = OutputProcessor(self.tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
@@ -171,7 +175,7 @@ class LLMEngine:
             r = s.req
             if not s.samples or r.status is not Status.RUNNING:
                 continue
-            if r.params.needs_extras:
+            if r.params.needs_extras or r.params.logits_processors:  # their tokens must be on the host
                 return None
             n_out = r.num_output_tokens + r.num_pending
             if n_out >= r.max_tokens or n_out >= r.length_cap:

@@ -28,7 +28,7 @@ from jvllm.compilation.registry import Programs
 from jvllm.config import ModelConfig, cdiv
 from jvllm.memory import kv_cache
 from jvllm.sampling import NUM_TOP_LOGPROBS
-from jvllm.worker import microbatches, programs, sampler
+from jvllm.worker import logits_processors, microbatches, programs, sampler
 from jvllm.worker.attention_modes import attention_modes
 from jvllm.worker.executors import Pending, Work, make_executor
 from jvllm.worker.inputs import InputLayout
@@ -65,13 +65,15 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, graphdef=None, state=None, head_w=None, *, dtype, block_size: int,
                  num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
                  query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
-                 num_microbatches: int | None = None, attention_backend: str = "auto"):
+                 num_microbatches: int | None = None, attention_backend: str = "auto",
+                 logits_processors: tuple = ()):
         self.cfg = cfg
         self.stages = stages or [Stage(graphdef, state)]
         self.head_w = head_w
         self.dtype = jnp.dtype(dtype)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.logits_processors = logits_processors  # ((name, fn), ...): jvllm.worker.logits_processors
         self.num_microbatches = num_microbatches or len(self.stages)
         self.attention_backend, self.attention_modes = attention_modes(attention_backend)
         max_blocks = cdiv(max_model_len, block_size)
@@ -170,6 +172,11 @@ class ModelRunner:
             else:
                 sb, ex, want_lp = sampler.sampling_inputs(sched, ps.R, self.cfg.vocab_size, self.max_model_len)
                 greedy = ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
+            procs_in = None
+            if logits_processors.uses_processors(sched):
+                greedy = False
+                procs_in = logits_processors.host_inputs(sched, ps.R, tuple(n for n, _ in self.logits_processors),
+                                                         self.max_model_len)
             tm["prepare_s"] += t1 - t0
             tm["sample_inputs_s"] += time.perf_counter() - t1
             if p is not None and bool((ps.src >= 0).any()):
@@ -177,7 +184,7 @@ class ModelRunner:
             else:
                 tok_in = self.no_prev
             work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy,
-                             capture=any(s.req.params.return_hidden_states for s in sched)))
+                             capture=any(s.req.params.return_hidden_states for s in sched), procs_in=procs_in))
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
         return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
 

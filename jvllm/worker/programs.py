@@ -63,6 +63,13 @@ def sample_body(w, h, sb, ex, *, tied, branchless, max_num_seqs):
     return tok, lp, _pad_tok(tok, max_num_seqs)
 
 
+def sample_procs_body(w, h, sb, ex, pi, *, procs, tied, branchless, max_num_seqs):
+    from jvllm.worker.logits_processors import apply
+
+    tok, lp = sample(apply(procs, logits(w, h, tied), pi), sb, ex, branchless=branchless)
+    return tok, lp, _pad_tok(tok, max_num_seqs)
+
+
 def greedy_body(w, h, *, tied, max_num_seqs):
     tok = jnp.argmax(logits(w, h, tied), axis=-1).astype(jnp.int32)
     return tok, _pad_tok(tok, max_num_seqs)
@@ -188,6 +195,25 @@ def _prompt_lp_signature(ctx, T) -> Signature:
 register(ProgramKind("sample", _sample_signature, lambda ctx: [(R, ex) for R in _request_buckets(ctx) for ex in (False, True)],
                      owned=_last_owned))
 register(ProgramKind("greedy", _greedy_signature, _request_buckets, owned=_last_owned))
+
+
+def _sample_procs_signature(ctx, key) -> Signature:
+    from jvllm.worker import logits_processors
+
+    R, extras = key
+    last = ctx.stages[-1]
+    shard = last.sharding()
+    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, extras, shard)
+    pi = logits_processors.abstract_inputs(R, len(ctx.logits_processors), ctx.max_model_len, shard)
+    fn = cached(ctx, "sample_procs", lambda: jax.jit(functools.partial(
+        sample_procs_body, procs=ctx.logits_processors, tied=ctx.cfg.tie_word_embeddings,
+        branchless=ctx.platform == "gpu", max_num_seqs=ctx.max_num_seqs)))
+    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb, ex, pi),
+                     tuple(last.devices()))
+
+
+# user logits processors: compiled with the registry, per request bucket, on first use only
+register(ProgramKind("sample_procs", _sample_procs_signature, lambda ctx: [], owned=_last_owned))
 # prompt logprobs are refused with stages over processes (only the sampled ids cross)
 register(ProgramKind("prompt_lp", _prompt_lp_signature,
                      lambda ctx: [] if ctx.multiprocess else list(ctx.layout.token_buckets), owned=_last_owned))

@@ -33,6 +33,7 @@ class Work:
     x: object = None           # the last launched stage's output hidden states
     capture: bool = False      # some row wants its hidden states: the step_hidden variant (one stage)
     captured: object = None    # [num_layers + 1, T, hidden] on device, when `capture`
+    procs_in: object = None    # logits_processors.ProcessorInputs (numpy) when some row uses one
 
 
 @dataclasses.dataclass
@@ -110,11 +111,15 @@ class Executor:
         else:
             sb, ex = w.sb, w.ex
             shard = r.stages[-1].sharding()
-            if shard is not None:
-                import jax
+            import jax
 
+            if shard is not None:
                 sb, ex = jax.tree_util.tree_map(lambda a: put(np.asarray(a), shard), (sb, ex))
-            tok, lp, tok_pad = r.programs.get("sample", (w.R, ex is not None))(r.head_w, last_h, sb, ex)
+            if w.procs_in is None:
+                tok, lp, tok_pad = r.programs.get("sample", (w.R, ex is not None))(r.head_w, last_h, sb, ex)
+            else:
+                pi = w.procs_in if shard is None else jax.tree_util.tree_map(lambda a: put(a, shard), w.procs_in)
+                tok, lp, tok_pad = r.programs.get("sample_procs", (w.R, ex is not None))(r.head_w, last_h, sb, ex, pi)
         r.timers["sample_call_s"] += time.perf_counter() - t3
         plp = None
         if any(s.req.needs_prompt_logprobs for s in w.sched):
