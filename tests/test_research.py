@@ -247,3 +247,40 @@ def test_logits_processors_bad_input_named(proc_llm, llm):
         SamplingParams(logits_processors=["ban"], extra_args={"force": 1})
     with pytest.raises(ValueError, match=r"logits_processors\['x'\] must be callable"):
         LLM("smollm2", logits_processors={"x": 3})
+
+
+# ---------------------------------------------------------------------------- steering
+def test_steering_per_request_no_recompile(llm):
+    cfg = llm.llm_engine.model_config
+    rng = np.random.default_rng(5)
+    P = PROMPTS[0] * 2  # 34 tokens: chunked prefill, two full blocks for the prefix cache
+    base = _greedy(llm, [P, PROMPTS[1]], 6)
+    plain_h = llm.generate([{"prompt_token_ids": P}], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                                                     return_hidden_states=[1]), use_tqdm=False)
+    c0 = None
+    for _ in range(2):  # a new vector is an input: the second round compiles nothing
+        v = (rng.standard_normal(cfg.hidden_size) * 4).astype(np.float32)
+        st = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, steering={1: v}, return_hidden_states=[1])
+        plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": P}, {"prompt_token_ids": PROMPTS[1]}, {"prompt_token_ids": P}],
+                            [st, plain, plain], use_tqdm=False)
+        toks = [o.outputs[0].token_ids for o in outs]
+        assert toks[0] != base[0]  # steered
+        assert toks[1] == base[1] and toks[2] == base[0]  # other rows (and the same prompt unsteered) untouched
+        got = outs[0].outputs[0].hidden_states[1][:len(P)]
+        np.testing.assert_allclose(got, plain_h[0].outputs[0].hidden_states[1][:len(P)] + v, rtol=0, atol=1e-5)
+        # the prefix cache: a plain request after the steered one reuses none of its blocks
+        assert _greedy(llm, [P], 6)[0] == base[0]
+        if c0 is None:
+            c0 = compile_count()
+        assert compile_count() == c0
+
+
+def test_steering_bad_input_named(llm):
+    L, D = llm.llm_engine.model_config.num_layers, llm.llm_engine.model_config.hidden_size
+    with pytest.raises(ValueError, match=rf"steering layer {L} outside \[0, {L - 1}\]"):
+        llm.generate([PROMPTS[0]], SamplingParams(steering={L: np.zeros(D)}), use_tqdm=False)
+    with pytest.raises(ValueError, match=rf"steering\[0\] has shape \(3,\); the model's hidden size is {D}"):
+        llm.generate([PROMPTS[0]], SamplingParams(steering={0: np.zeros(3)}), use_tqdm=False)
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(steering={0: [np.nan]})

@@ -12,7 +12,7 @@ from jvllm.sampling_params import SamplingParams
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: tuple, seed: int,
                  logprobs_refused: str | None = None, num_layers: int | None = None, num_stages: int = 1,
-                 processor_names: tuple[str, ...] = ()):
+                 processor_names: tuple[str, ...] = (), hidden_size: int | None = None):
         """`logprobs_refused`: why this engine cannot return logprobs (stages over processes), or None."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -21,6 +21,7 @@ class InputProcessor:
         self.logprobs_refused = logprobs_refused
         self.num_layers, self.num_stages = num_layers, num_stages
         self.processor_names = processor_names
+        self.hidden_size = hidden_size
         self._rng = np.random.default_rng(seed)
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -55,7 +56,7 @@ class InputProcessor:
                              f"to generate")
         params.validate_for_vocab(V)
         if self.num_layers is not None:
-            params.validate_for_model(self.num_layers, self.num_stages)
+            params.validate_for_model(self.num_layers, self.num_stages, self.hidden_size)
         params.validate_processors(self.processor_names)
         if self.logprobs_refused and (params.logprobs is not None or params.prompt_logprobs is not None):
             raise ValueError(f"logprobs={params.logprobs}, prompt_logprobs={params.prompt_logprobs}: "

@@ -95,7 +95,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, max_model_len, self.eos_token_ids, config.seed,
                                      logprobs_refused=refused, num_layers=mc.num_layers,
                                      num_stages=config.pipeline_parallel_size,
-                                     processor_names=tuple(config.logits_processors or ()))
+                                     processor_names=tuple(config.logits_processors or ()),
+                                     hidden_size=mc.hidden_size)
         self.output = OutputProcessor(self.tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()

@@ -113,6 +113,7 @@ class Request:
         self.length_cap = length_cap  # max_model_len - prompt length
         self.status = Status.WAITING
         self.block_hashes: list[bytes] = []
+        self.cache_salt: bytes | None = params.cache_salt()  # the first block's hash parent
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         # outputs

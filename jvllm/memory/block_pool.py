@@ -181,7 +181,7 @@ class KVCacheManager:
         toks = req.all_token_ids
         while len(hs) < upto_blocks:
             i = len(hs)
-            hs.append(hash_block(hs[-1] if hs else None, toks[i * bs:(i + 1) * bs]))
+            hs.append(hash_block(hs[-1] if hs else getattr(req, "cache_salt", None), toks[i * bs:(i + 1) * bs]))
         return hs[:upto_blocks]
 
     def get_computed_blocks(self, req, max_tokens: int | None = None) -> tuple[list[Block], int]:

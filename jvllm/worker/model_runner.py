@@ -61,6 +61,24 @@ def _split_hidden(hs: np.ndarray, sched, rows) -> dict:
     return out
 
 
+def _steer_inputs(sched, T: int, R: int, cfg, dtype):
+    """(vectors [R, num_layers, hidden], row of each token [T], -1 = none) for the rows that steer,
+    or None when none does (the plain step program runs)."""
+    if not any(s.req.params.steering for s in sched):
+        return None
+    vecs = np.zeros((R, cfg.num_layers, cfg.hidden_size), dtype)
+    row = np.full(T, -1, np.int32)
+    off = 0
+    for r, s in enumerate(sched):
+        st = s.req.params.steering
+        if st:
+            for layer, v in st.items():
+                vecs[r, layer] = v
+            row[off:off + s.num_tokens] = r
+        off += s.num_tokens
+    return vecs, row
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, graphdef=None, state=None, head_w=None, *, dtype, block_size: int,
                  num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
@@ -184,7 +202,8 @@ class ModelRunner:
             else:
                 tok_in = self.no_prev
             work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy,
-                             capture=any(s.req.params.return_hidden_states for s in sched), procs_in=procs_in))
+                             capture=any(s.req.params.return_hidden_states for s in sched), procs_in=procs_in,
+                             steer=_steer_inputs(sched, ps.T, ps.R, self.cfg, self.dtype)))
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
         return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
 

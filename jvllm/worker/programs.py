@@ -42,18 +42,20 @@ def _pad_tok(tok, max_num_seqs: int):
 
 
 def step_body(layout, graphdef, treedef, first, last, attention, mesh, decode, kv_chunk_blocks,
-              leaves, kv, packed, x, *, T, capture: bool = False):
-    """`capture` (the step_hidden variant, single stage): one more output, every hidden state
-    [num_layers + 1, T, hidden] (`jvllm.models.hooks.HiddenTap` numbering)."""
-    from jvllm.models.hooks import HiddenTap
+              leaves, kv, packed, x, steer=None, *, T, capture: bool = False):
+    """The step_research variant (single stage) adds: `capture`, one more output, every hidden
+    state [num_layers + 1, T, hidden] (`jvllm.models.hooks.HiddenTap` numbering); `steer`, a
+    (vectors [R, num_layers, hidden], row of each token [T]) input (`jvllm.models.hooks.Steer`)."""
+    from jvllm.models.hooks import Chain, HiddenTap, Steer
 
     tokens, src, md = layout.unpack(packed, T, decode)
     if first:
         x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], tokens)
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
     tap = HiddenTap() if capture else None
+    hooks = Chain(Steer(*steer) if steer is not None else None, tap) if (tap or steer is not None) else None
     with tensor_parallel_mesh(mesh):  # Pallas kernels run per device on local KV heads
-        h, kv = model(x, kv, md, kv_chunk_blocks, attention, hooks=tap)
+        h, kv = model(x, kv, md, kv_chunk_blocks, attention, hooks=hooks)
     out = (kv, h[md.logits_indices], h) if last else (kv, h)
     return out + (jnp.stack(tap.values),) if capture else out
 
@@ -101,11 +103,11 @@ def step_fn(ctx, s: int, decode: bool):
         decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T",)))
 
 
-def hidden_step_fn(ctx, decode: bool):
-    """The single-stage step that also returns every hidden state (batches with a request that
-    asks for them: `SamplingParams.return_hidden_states`)."""
+def research_step_fn(ctx, decode: bool):
+    """The single-stage step with hidden-state capture and / or steering (batches with a request
+    that asks: `SamplingParams.return_hidden_states`, `SamplingParams.steering`)."""
     st = ctx.stages[0]
-    return cached(ctx, ("step_hidden", decode), lambda: jax.jit(functools.partial(
+    return cached(ctx, ("step_research", decode), lambda: jax.jit(functools.partial(
         step_body, ctx.layout, st.graphdef, st.treedef, st.first, st.last, ctx.attention_modes[decode], st.mesh,
         decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T", "capture")))
 
@@ -144,14 +146,20 @@ def _step_keys(ctx) -> list:
 register(ProgramKind("step", _step_signature, _step_keys, owned=lambda ctx, key: ctx.local(key[0])))
 
 
-def _hidden_step_signature(ctx, key) -> Signature:
-    T, decode = key
+def _research_step_signature(ctx, key) -> Signature:
+    T, decode, capture, steer = key
     sig = _step_signature(ctx, (0, T, decode))
-    return Signature(hidden_step_fn(ctx, decode), sig.args, sig.devices, dict(T=T, capture=True))
+    st = ctx.stages[0]
+    sv = None
+    if steer:
+        cfg = ctx.cfg
+        sv = (_sds((ctx.layout.seq_bucket(T), cfg.num_layers, cfg.hidden_size), ctx.dtype, st.sharding()),
+              _sds((T,), jnp.int32, st.sharding()))
+    return Signature(research_step_fn(ctx, decode), sig.args + (sv,), sig.devices, dict(T=T, capture=capture))
 
 
-# compiled on demand only (no warm-up): a research variant that plain serving never pays for
-register(ProgramKind("step_hidden", _hidden_step_signature, lambda ctx: [], owned=lambda ctx, key: True))
+# compiled on demand only (no warm-up): research variants that plain serving never pays for
+register(ProgramKind("step_research", _research_step_signature, lambda ctx: [], owned=lambda ctx, key: True))
 
 
 # ---------------------------------------------------------------------------- samplers

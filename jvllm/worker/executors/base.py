@@ -34,6 +34,7 @@ class Work:
     capture: bool = False      # some row wants its hidden states: the step_hidden variant (one stage)
     captured: object = None    # [num_layers + 1, T, hidden] on device, when `capture`
     procs_in: object = None    # logits_processors.ProcessorInputs (numpy) when some row uses one
+    steer: tuple | None = None  # (vectors [R, L, hidden], row of each token [T]) numpy, when some row steers
 
 
 @dataclasses.dataclass
@@ -90,9 +91,13 @@ class Executor:
         packed = put(w.packed, st.sharding())  # this stage's host inputs: one transfer
         tm = r.timers
         tm["step_call_put_s"] += time.perf_counter() - t1
-        if w.capture:
-            *out, w.captured = r.programs.get("step_hidden", (w.T, w.decode))(st.leaves, st.kv, packed, x)
-            out = tuple(out)
+        if w.capture or w.steer is not None:
+            steer = None if w.steer is None else tuple(put(a, st.sharding()) for a in w.steer)
+            out = r.programs.get("step_research", (w.T, w.decode, w.capture, steer is not None))(
+                st.leaves, st.kv, packed, x, steer)
+            if w.capture:
+                *out, w.captured = out
+                out = tuple(out)
         else:
             out = r.programs.get("step", (s_idx, w.T, w.decode))(st.leaves, st.kv, packed, x)
         st.kv = out[0]
