@@ -284,3 +284,16 @@ def test_steering_bad_input_named(llm):
         llm.generate([PROMPTS[0]], SamplingParams(steering={0: np.zeros(3)}), use_tqdm=False)
     with pytest.raises(ValueError, match="finite"):
         SamplingParams(steering={0: [np.nan]})
+
+
+def test_research_figures_script_on_cpu(llm):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from research_figures import measure_update
+
+    before = _greedy(llm)
+    out = measure_update(llm, repeats=1)
+    assert out["compiles"] == 0 and out["bytes"] > 0 and len(out["device_ms"]) == 1 and out["host_gb_s"][0] > 0
+    assert _greedy(llm) == before  # the live weights are back

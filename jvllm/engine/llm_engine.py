@@ -288,7 +288,9 @@ class LLMEngine:
         from jvllm.models import param_specs
         from jvllm.worker.weights import normalize, update_params
 
-        flat = normalize(weights, param_specs(self.model_config, self.dtype), self.model_config.tie_word_embeddings)
+        if getattr(self, "_param_specs", None) is None:  # built once: tracing the abstract model is not free
+            self._param_specs = param_specs(self.model_config, self.dtype)
+        flat = normalize(weights, self._param_specs, self.model_config.tie_word_embeddings)
         outs = self.drain()
         update_params(self.runner, flat)
         self.kv_manager.pool.invalidate_prefix_cache()
