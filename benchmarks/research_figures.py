@@ -1,6 +1,7 @@
 """Issue 23's device figures for the research API: `LLM.update_weights` from device arrays already
 in the engine's sharding (used in place) and from host numpy (copied: GB/s), each call timed to
-the swapped arrays being ready, and the compile count across the calls (must not move).
+the swapped arrays being ready, and the compile count across the calls (must not move); `sleep` /
+`wake_up` seconds and bytes freed at levels 1 and 2.
 
     python benchmarks/research_figures.py --model random:llama3-8b --out /tmp/out/research.json
 """
@@ -49,6 +50,31 @@ def measure_update(llm, repeats: int = 3) -> dict:
     return out
 
 
+def _in_use() -> int | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats()  # None on CPU
+    return stats.get("bytes_in_use") if stats else None
+
+
+def measure_sleep(llm) -> dict:
+    """Per level: sleep / wake_up seconds, the bytes sleep reports freed and the device's
+    bytes_in_use before, asleep and after (None where the backend has no memory stats)."""
+    out = {}
+    for level in (1, 2):
+        before = _in_use()
+        t = time.perf_counter()
+        freed = llm.sleep(level)
+        sleep_s = time.perf_counter() - t
+        asleep = _in_use()
+        t = time.perf_counter()
+        llm.wake_up()
+        _ready(llm)
+        out[f"level{level}"] = dict(sleep_s=sleep_s, wake_s=time.perf_counter() - t, freed_bytes=freed,
+                                    in_use_before=before, in_use_asleep=asleep, in_use_after=_in_use())
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:llama3-8b")
@@ -60,8 +86,8 @@ def main():
     from jvllm import LLM
 
     llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, token_buckets=(16, 512),
-              background_compile=False, use_tqdm_on_load=False)
-    res = dict(model=a.model, dtype=a.dtype, update_weights=measure_update(llm, a.repeats))
+              background_compile=False, use_tqdm_on_load=False, enable_sleep_mode=True)
+    res = dict(model=a.model, dtype=a.dtype, update_weights=measure_update(llm, a.repeats), sleep=measure_sleep(llm))
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:

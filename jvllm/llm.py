@@ -228,6 +228,18 @@ class LLM:
             res.append(np.array([plp[j][ids[j]].logprob for j in range(len(p), len(ids))], np.float32))
         return res[0] if single else res
 
+    def sleep(self, level: int = 1) -> int:
+        """Free device memory while idle (needs `LLM(enable_sleep_mode=True)`): level 1 the KV pool,
+        level 2 also the weights (kept in host memory). Returns the bytes freed. Requests are refused
+        until `wake_up()`; programs stay compiled. Hazard: level 2 invalidates arrays from
+        `get_weights()` (`jvllm.memory.sleep`)."""
+        return sum(eng.sleep(level) for eng in self._engines())
+
+    def wake_up(self) -> None:
+        """Reallocate what `sleep` freed (a fresh, empty KV pool; the weights as they were)."""
+        for eng in self._engines():
+            eng.wake_up()
+
     def get_stats(self) -> dict:
         return self.llm_engine.get_stats()
 

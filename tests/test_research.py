@@ -297,3 +297,40 @@ def test_research_figures_script_on_cpu(llm):
     out = measure_update(llm, repeats=1)
     assert out["compiles"] == 0 and out["bytes"] > 0 and len(out["device_ms"]) == 1 and out["host_gb_s"][0] > 0
     assert _greedy(llm) == before  # the live weights are back
+
+
+# ---------------------------------------------------------------------------- sleep mode
+def test_sleep_and_wake_up(ckpt_dir, llm):
+    s = LLM(ckpt_dir("llama"), dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
+            token_buckets=(8, 32), use_tqdm_on_load=False, background_compile=False, enable_sleep_mode=True)
+    base = _greedy(s)
+    runner = s.llm_engine.runner
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv)
+    w_bytes = sum(a.nbytes for a in live_params(runner).values())
+    assert s.sleep(level=1) == kv_bytes and runner.stages[0].kv is None
+    with pytest.raises(RuntimeError, match="asleep"):
+        _greedy(s)
+    s.wake_up()
+    assert _greedy(s) == base
+    kv = runner.stages[0].kv[0][0]
+    old = list(live_params(runner).values())
+    assert s.sleep(level=2) == kv_bytes + w_bytes
+    assert kv.is_deleted() and all(a.is_deleted() for a in old)
+    s.wake_up()
+    c0 = compile_count()
+    assert _greedy(s) == base
+    assert compile_count() == c0  # the step and sampler programs were kept
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from research_figures import measure_sleep
+
+    fig = measure_sleep(s)
+    assert fig["level2"]["freed_bytes"] == kv_bytes + w_bytes and fig["level1"]["wake_s"] > 0
+    assert _greedy(s) == base
+    s.shutdown()
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        llm.sleep()
+    with pytest.raises(RuntimeError, match="not asleep"):
+        llm.llm_engine.wake_up()

@@ -126,6 +126,8 @@ class LLMEngine:
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request. Raises ValueError/TypeError for bad input (nothing queued)."""
         params = params or SamplingParams()
+        if getattr(self, "_asleep", None) is not None:
+            raise RuntimeError(f"the engine is asleep (sleep level {self._asleep.level}): call wake_up() first")
         request_id = str(request_id) if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -295,6 +297,30 @@ class LLMEngine:
         update_params(self.runner, flat)
         self.kv_manager.pool.invalidate_prefix_cache()
         return outs
+
+    def sleep(self, level: int = 1) -> int:
+        """Free device memory of this idle engine (`jvllm.memory.sleep`); returns the bytes freed."""
+        from jvllm.memory import sleep as sleep_mode
+
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep needs LLM(enable_sleep_mode=True)")
+        if getattr(self, "_asleep", None) is not None:
+            raise RuntimeError(f"the engine is already asleep (level {self._asleep.level}); call wake_up() first")
+        if self.has_unfinished_requests() or self.loop.in_flight():
+            raise RuntimeError(f"sleep needs an idle engine; {self.get_num_unfinished_requests()} request(s) "
+                               f"unfinished: finish or abort them first")
+        self._warmup.wait()  # the background compiles use the pool's shapes, not its buffers; let them end
+        self._asleep = sleep_mode.sleep(self.runner, level)
+        self.kv_manager.pool.invalidate_prefix_cache()  # the pool's contents are gone
+        return self._asleep.freed_bytes
+
+    def wake_up(self):
+        from jvllm.memory import sleep as sleep_mode
+
+        if getattr(self, "_asleep", None) is None:
+            raise RuntimeError("wake_up: the engine is not asleep")
+        sleep_mode.wake_up(self.runner, self._asleep)
+        self._asleep = None
 
     def make_output(self, g: RequestGroup) -> RequestOutput | None:
         return self.output.make_output(g)
