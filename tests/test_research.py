@@ -334,3 +334,23 @@ def test_sleep_and_wake_up(ckpt_dir, llm):
         llm.sleep()
     with pytest.raises(RuntimeError, match="not asleep"):
         llm.llm_engine.wake_up()
+
+
+def test_update_weights_tensor_and_pipeline_parallel(ckpt_dir):
+    """Names map onto each stage's own layers; resharded arrays land in the engine's shardings."""
+    llm = LLM(ckpt_dir("llama"), dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4,
+              token_buckets=(16,), use_tqdm_on_load=False, background_compile=False,
+              tensor_parallel_size=2, pipeline_parallel_size=2)
+    base = _greedy(llm, PROMPTS[:2], 4)
+    live = live_params(llm.llm_engine.runner)
+    assert len(live) == len(_flat(llm.get_weights())) and "layers.1.mlp.up_proj" in live
+    host = {k: np.asarray(v) for k, v in live.items()}
+    shardings = {k: v.sharding for k, v in live.items()}
+    llm.update_weights({k: v * 1.3 for k, v in host.items()})
+    new = live_params(llm.llm_engine.runner)
+    assert all(new[k].sharding == shardings[k] for k in new)
+    changed = _greedy(llm, PROMPTS[:2], 4)
+    assert changed != base
+    llm.update_weights(host)
+    assert _greedy(llm, PROMPTS[:2], 4) == base
+    llm.shutdown()
