@@ -171,6 +171,75 @@ class LLM:
                 bar.close()
         return [done[i] for i in ids]
 
+    # ------------------------------------------------------------------ research: weights and scores
+    def _engines(self) -> list:
+        return list(getattr(self.llm_engine, "replicas", [self.llm_engine]))
+
+    def get_weights(self) -> dict:
+        """The live params as a nested dict of device arrays ({'embed': ..., 'layers': {'0':
+        {'self_attn': {'q_proj': ...}}}, ...}, jvllm's layout and names, `jvllm.models.param_specs`):
+        the arrays the engine computes with, not copies (with data parallelism: replica 0's).
+        Under pipeline parallelism each stage's arrays are on that stage's devices."""
+        from jvllm.worker.weights import live_params, nest
+
+        return nest(live_params(self._engines()[0].runner))
+
+    def update_weights(self, weights) -> None:
+        """Hand new weights to the engine, e.g. straight from an Optax step: a pytree like
+        `get_weights()` (nested or flat dict, or an NNX State; a subset is fine) or an iterable of
+        (Hugging Face name, array) pairs as vLLM's `load_weights` takes. Arrays already on the
+        engine's devices with its sharding and dtype are used in place (no copy); others are
+        resharded and cast. Names and shapes are checked first (ValueError naming the weight, nothing
+        swapped). No program recompiles; the prefix cache is invalidated. `generate` leaves no
+        request in flight, so from this API the swap lies between two calls (`LLMEngine.update_weights`
+        states what happens to requests driven step by step). Hazard: arrays used in place are
+        shared, so a training step that donates its params must not be given them afterwards."""
+        for eng in self._engines():
+            outs = eng.update_weights(weights)
+            if outs:  # only when the engine is driven step by step next to this API
+                raise RuntimeError(f"update_weights finished {len(outs)} in-flight request output(s) that "
+                                   f"LLM cannot hand back; call llm.llm_engine.update_weights to receive them")
+
+    def score(self, prompt_token_ids, continuation_token_ids, use_tqdm: bool = False) -> list:
+        """Per-token log-probabilities of given continuations (what an RL trainer's
+        `get_per_token_logps` computes): for each pair (prompt ids, continuation ids), a float32
+        numpy array [len(continuation)] of log p(continuation[i] | prompt + continuation[:i]) under
+        the live weights, over the full vocabulary (no temperature, no processors). One pair or a
+        list of pairs (parallel lists); returns one array per pair."""
+        import numpy as np
+
+        single = bool(prompt_token_ids) and isinstance(prompt_token_ids[0], (int, np.integer))
+        prompts = [prompt_token_ids] if single else list(prompt_token_ids)
+        conts = [continuation_token_ids] if single else list(continuation_token_ids)
+        if len(prompts) != len(conts):
+            raise ValueError(f"score got {len(prompts)} prompts but {len(conts)} continuations")
+        for i, (p, c) in enumerate(zip(prompts, conts)):
+            if len(p) == 0:
+                raise ValueError(f"score: prompt {i} is empty (the first token has no log-probability)")
+            if len(c) == 0:
+                raise ValueError(f"score: continuation {i} is empty")
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outs = self.generate([{"prompt_token_ids": [int(t) for t in p] + [int(t) for t in c]}
+                              for p, c in zip(prompts, conts)], sp, use_tqdm=use_tqdm)
+        res = []
+        for p, c, out in zip(prompts, conts, outs):
+            plp = out.prompt_logprobs
+            ids = list(p) + list(c)
+            res.append(np.array([plp[j][ids[j]].logprob for j in range(len(p), len(ids))], np.float32))
+        return res[0] if single else res
+
+    def sleep(self, level: int = 1) -> int:
+        """Free device memory while idle (needs `LLM(enable_sleep_mode=True)`): level 1 the KV pool,
+        level 2 also the weights (kept in host memory). Returns the bytes freed. Requests are refused
+        until `wake_up()`; programs stay compiled. Hazard: level 2 invalidates arrays from
+        `get_weights()` (`jvllm.memory.sleep`)."""
+        return sum(eng.sleep(level) for eng in self._engines())
+
+    def wake_up(self) -> None:
+        """Reallocate what `sleep` freed (a fresh, empty KV pool; the weights as they were)."""
+        for eng in self._engines():
+            eng.wake_up()
+
     def get_stats(self) -> dict:
         return self.llm_engine.get_stats()
 

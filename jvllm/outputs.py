@@ -20,6 +20,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
+    # {layer: [num_tokens, hidden]} when SamplingParams.return_hidden_states asked (prompt tokens,
+    # then generated ones; the last generated token was never fed to the model, so it has none)
+    hidden_states: dict | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import numpy as np
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
+MAX_PROCESSOR_ARGS = 8  # numbers a request hands each logits processor (extra_args[name])
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -81,6 +84,16 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # research (issue 23): transformers' output_hidden_states numbering, 0 = embeddings, num_layers
+    # = after the final norm; CompletionOutput.hidden_states gets {layer: [num_tokens, hidden]}
+    return_hidden_states: list[int] | None = None
+    # names registered with LLM(logits_processors={name: fn}); extra_args[name]: that processor's
+    # args (a number or up to MAX_PROCESSOR_ARGS numbers)
+    logits_processors: list[str] | None = None
+    # {layer: vector [hidden]} added to the residual stream of this request's tokens only, in the
+    # return_hidden_states numbering (0 = the embeddings, i = after decoder layer i-1; < num_layers)
+    steering: dict | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -137,10 +150,90 @@ class SamplingParams:
             bad("stop_token_ids", self.stop_token_ids, "a list of integers")
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"{len(self.logit_bias)} entries", f"at most {MAX_LOGIT_BIAS} entries")
+        self._validate_research(bad)
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", self.logit_bias, "values in [-100, 100]")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+
+    def _validate_research(self, bad):
+        h = self.return_hidden_states
+        if h is not None:
+            if (not isinstance(h, (list, tuple)) or not h or len(set(h)) != len(h)
+                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in h)):
+                bad("return_hidden_states", h, "a non-empty list of distinct layer indices >= 0")
+            self.return_hidden_states = list(h)
+        if self.steering is not None:
+            if not isinstance(self.steering, dict) or not self.steering:
+                bad("steering", self.steering, "a non-empty dict {layer index: vector}")
+            st = {}
+            for k, v in self.steering.items():
+                if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                    bad("steering", k, "keys that are layer indices >= 0")
+                try:
+                    a = np.asarray(v, np.float32)
+                except (TypeError, ValueError):
+                    bad(f"steering[{k}]", type(v).__name__, "a vector of numbers")
+                if a.ndim != 1 or not np.isfinite(a).all():
+                    bad(f"steering[{k}]", f"shape {a.shape}", "a 1-D vector of finite numbers")
+                st[k] = a
+            self.steering = st
+        lp = self.logits_processors
+        if lp is not None:
+            if not isinstance(lp, (list, tuple)) or not all(isinstance(n, str) for n in lp) or len(set(lp)) != len(lp):
+                bad("logits_processors", lp, "a list of distinct registered processor names")
+            self.logits_processors = list(lp)
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                bad("extra_args", self.extra_args, "a dict {processor name: number or list of numbers}")
+            for k, v in self.extra_args.items():
+                if k not in (lp or ()):
+                    bad("extra_args", k, f"a key naming one of this request's logits_processors {lp}")
+                try:
+                    n = len(np.atleast_1d(np.asarray(v, np.float32)))
+                except (TypeError, ValueError):
+                    bad(f"extra_args[{k!r}]", v, "a number or a list of numbers")
+                if np.ndim(v) > 1 or n > MAX_PROCESSOR_ARGS:
+                    bad(f"extra_args[{k!r}]", v, f"a number or a flat list of at most {MAX_PROCESSOR_ARGS} numbers")
+
+    def cache_salt(self) -> bytes | None:
+        """Seeds this request's prefix-cache hashes: steered KV is shared only with the same steering."""
+        if not self.steering:
+            return None
+        import hashlib
+
+        h = hashlib.sha256()
+        for k in sorted(self.steering):
+            h.update(str(k).encode() + self.steering[k].tobytes())
+        return h.digest()
+
+    def validate_processors(self, registered: tuple[str, ...]):
+        """Every named logits processor must be registered with this engine."""
+        unknown = [n for n in self.logits_processors or () if n not in registered]
+        if unknown:
+            raise ValueError(f"logits_processors {unknown} are not registered with this engine "
+                             f"(registered: {list(registered)}; LLM(logits_processors={{name: fn}}))")
+
+    def validate_for_model(self, num_layers: int, num_stages: int = 1, hidden_size: int | None = None):
+        """Layer indices within the model (hidden states 0 .. num_layers, steering 0 .. num_layers-1),
+        steering vectors of `hidden_size`; both need one pipeline stage."""
+        for k, v in (self.steering or {}).items():
+            if k >= num_layers:
+                raise ValueError(f"steering layer {k} outside [0, {num_layers - 1}] (0 = the embeddings, "
+                                 f"i = after decoder layer i-1)")
+            if hidden_size is not None and v.shape != (hidden_size,):
+                raise ValueError(f"steering[{k}] has shape {v.shape}; the model's hidden size is {hidden_size}")
+        if self.steering and num_stages > 1:
+            raise ValueError(f"steering needs pipeline_parallel_size 1, this engine has {num_stages} stages")
+        h = self.return_hidden_states
+        if h is None:
+            return
+        over = [i for i in h if i > num_layers]
+        if over:
+            raise ValueError(f"return_hidden_states {over} outside [0, {num_layers}] (0 = embeddings, "
+                             f"{num_layers} = after the final norm)")
+        if num_stages > 1:
+            raise ValueError(f"return_hidden_states needs pipeline_parallel_size 1, this engine has {num_stages} stages")
 
     def validate_for_vocab(self, vocab_size: int):
         """Token ids (stop_token_ids, logit_bias keys) must lie in [0, vocab_size)."""

@@ -40,6 +40,10 @@ class EngineConfig:
     # only grids under 512 programs, such as B1); "_interpret" runs the Pallas kernels in
     # interpret mode (CPU tests)
     attention_backend: str = "auto"
+    # {name: jittable fn(logits, output_token_ids, args) -> logits} (jvllm.worker.logits_processors)
+    logits_processors: dict | None = None
+    # allow LLM.sleep / wake_up (jvllm.memory.sleep)
+    enable_sleep_mode: bool = False
     # dispatch step N+1 before reading step N's results, so the host's scheduling and input
     # building overlap the device's work (None: on wherever supported: a single-process engine,
     # TP and PP included, that is not a data-parallel replica; True there, False anywhere)

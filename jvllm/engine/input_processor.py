@@ -11,13 +11,17 @@ from jvllm.sampling_params import SamplingParams
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: tuple, seed: int,
-                 logprobs_refused: str | None = None):
+                 logprobs_refused: str | None = None, num_layers: int | None = None, num_stages: int = 1,
+                 processor_names: tuple[str, ...] = (), hidden_size: int | None = None):
         """`logprobs_refused`: why this engine cannot return logprobs (stages over processes), or None."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.logprobs_refused = logprobs_refused
+        self.num_layers, self.num_stages = num_layers, num_stages
+        self.processor_names = processor_names
+        self.hidden_size = hidden_size
         self._rng = np.random.default_rng(seed)
         self._structured = None  # jvllm.structured.StructuredBackend, built on the first constrained request
 
@@ -52,6 +56,9 @@ class InputProcessor:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {L}, which leaves no room "
                              f"to generate")
         params.validate_for_vocab(V)
+        if self.num_layers is not None:
+            params.validate_for_model(self.num_layers, self.num_stages, self.hidden_size)
+        params.validate_processors(self.processor_names)
         if self.logprobs_refused and (params.logprobs is not None or params.prompt_logprobs is not None):
             raise ValueError(f"logprobs={params.logprobs}, prompt_logprobs={params.prompt_logprobs}: "
                              f"{self.logprobs_refused}")

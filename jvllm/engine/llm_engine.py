@@ -33,6 +33,9 @@ def check_options(config: EngineConfig, model_config, data_parallel_replica: boo
     from jvllm.worker.attention_modes import attention_modes
 
     attention_modes(config.attention_backend, platform="any")
+    from jvllm.worker.logits_processors import check_registry
+
+    check_registry(config.logits_processors)
     if config.async_scheduling and data_parallel_replica:
         raise ValueError("async_scheduling needs an engine that is not a data-parallel replica "
                          "(got a data-parallel device slice)")
@@ -90,7 +93,10 @@ class LLMEngine:
             refused = (f"logprobs are not available with pipeline stages over {worker.process_count} processes "
                        f"(only the sampled ids cross between them); run the stages in one process for logprobs")
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, max_model_len, self.eos_token_ids, config.seed,
-                                     logprobs_refused=refused)
+                                     logprobs_refused=refused, num_layers=mc.num_layers,
+                                     num_stages=config.pipeline_parallel_size,
+                                     processor_names=tuple(config.logits_processors or ()),
+                                     hidden_size=mc.hidden_size)
         self.output = OutputProcessor(self.tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
@@ -120,6 +126,8 @@ class LLMEngine:
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request. Raises ValueError/TypeError for bad input (nothing queued)."""
         params = params or SamplingParams()
+        if getattr(self, "_asleep", None) is not None:
+            raise RuntimeError(f"the engine is asleep (sleep level {self._asleep.level}): call wake_up() first")
         request_id = str(request_id) if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -171,7 +179,7 @@ class LLMEngine:
             r = s.req
             if not s.samples or r.status is not Status.RUNNING:
                 continue
-            if r.params.needs_extras or r.grammar is not None:  # the mask needs the pending token
+            if r.params.needs_extras or r.grammar is not None or r.params.logits_processors:  # mask / processors need the host tokens
                 return None
             n_out = r.num_output_tokens + r.num_pending
             if n_out >= r.max_tokens or n_out >= r.length_cap:
@@ -247,6 +255,8 @@ class LLMEngine:
                 self.stats["num_prompt_tokens"] += min(s.num_tokens, req.num_prompt_tokens - s.start)
             if r in res.prompt_logprobs:
                 op.add_prompt_logprobs(req, *res.prompt_logprobs[r])
+            if r in res.hidden_states:
+                req.add_hidden_states(*res.hidden_states[r])
             if not s.samples:
                 continue
             req.num_pending = max(0, req.num_pending - 1)
@@ -276,6 +286,48 @@ class LLMEngine:
         outs = op.outputs(self.groups, touched)
         self.stats["host_seconds"] += time.perf_counter() - t1
         return outs
+
+    def update_weights(self, weights) -> list[RequestOutput]:
+        """Swap in new weights (`jvllm.worker.weights` states the accepted forms and checks).
+
+        Requests in flight: the step(s) already dispatched finish with the old weights and their
+        outputs are returned here (empty when none was in flight); unfinished requests go on from
+        the next step with the new weights over the KV they already have (computed with the old
+        ones). Every prefix-cache entry is forgotten, so no later request reuses stale KV."""
+        from jvllm.models import param_specs
+        from jvllm.worker.weights import normalize, update_params
+
+        if getattr(self, "_param_specs", None) is None:  # built once: tracing the abstract model is not free
+            self._param_specs = param_specs(self.model_config, self.dtype)
+        flat = normalize(weights, self._param_specs, self.model_config.tie_word_embeddings)
+        outs = self.drain()
+        update_params(self.runner, flat)
+        self.kv_manager.pool.invalidate_prefix_cache()
+        return outs
+
+    def sleep(self, level: int = 1) -> int:
+        """Free device memory of this idle engine (`jvllm.memory.sleep`); returns the bytes freed."""
+        from jvllm.memory import sleep as sleep_mode
+
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep needs LLM(enable_sleep_mode=True)")
+        if getattr(self, "_asleep", None) is not None:
+            raise RuntimeError(f"the engine is already asleep (level {self._asleep.level}); call wake_up() first")
+        if self.has_unfinished_requests() or self.loop.in_flight():
+            raise RuntimeError(f"sleep needs an idle engine; {self.get_num_unfinished_requests()} request(s) "
+                               f"unfinished: finish or abort them first")
+        self._warmup.wait()  # the background compiles use the pool's shapes, not its buffers; let them end
+        self._asleep = sleep_mode.sleep(self.runner, level)
+        self.kv_manager.pool.invalidate_prefix_cache()  # the pool's contents are gone
+        return self._asleep.freed_bytes
+
+    def wake_up(self):
+        from jvllm.memory import sleep as sleep_mode
+
+        if getattr(self, "_asleep", None) is None:
+            raise RuntimeError("wake_up: the engine is not asleep")
+        sleep_mode.wake_up(self.runner, self._asleep)
+        self._asleep = None
 
     def make_output(self, g: RequestGroup) -> RequestOutput | None:
         return self.output.make_output(g)

@@ -78,7 +78,8 @@ class OutputProcessor:
             comps.append(CompletionOutput(
                 index=s.index, text=text, token_ids=list(ids),
                 cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-                logprobs=lps, finish_reason=s.status.reason, stop_reason=s.stop_reason))
+                logprobs=lps, finish_reason=s.status.reason, stop_reason=s.stop_reason,
+                hidden_states=s.hidden_states()))
         s0 = g.seqs[0]
         return RequestOutput(request_id=g.request_id, prompt=g.prompt, prompt_token_ids=g.prompt_token_ids,
                              prompt_logprobs=s0.prompt_logprobs, outputs=comps, finished=finished,

@@ -6,6 +6,8 @@ import enum
 import time
 import weakref
 
+import numpy as np
+
 from jvllm.outputs import Logprob, RequestMetrics
 from jvllm.sampling_params import SamplingParams
 
@@ -111,6 +113,7 @@ class Request:
         self.length_cap = length_cap  # max_model_len - prompt length
         self.status = Status.WAITING
         self.block_hashes: list[bytes] = []
+        self.cache_salt: bytes | None = params.cache_salt()  # the first block's hash parent
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         # outputs
@@ -124,6 +127,9 @@ class Request:
                                  params.spaces_between_special_tokens) if tokenizer else None
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        # hidden-state chunks [L+1, n, hidden] of positions 0 .. num_hidden-1 (return_hidden_states)
+        self.hidden_chunks: list | None = [] if params.return_hidden_states else None
+        self.num_hidden = 0
         self.sent_text_len = 0  # for DELTA outputs / streaming
         self.sent_token_len = 0
         self.grammar = None  # jvllm.structured.GrammarState of a constrained request (set by InputProcessor)
@@ -162,7 +168,30 @@ class Request:
         cap = self.num_tokens - 1
         if self.needs_prompt_logprobs:
             cap = min(cap, len(self.prompt_logprobs) - 1)
+        if self.hidden_chunks is not None:  # hidden states of every position are computed here
+            cap = min(cap, self.num_hidden)
         return cap
+
+    def add_hidden_states(self, start: int, hs):
+        """Record the hidden states [L+1, n, hidden] of positions start .. start+n-1; positions
+        already recorded (recomputed after preemption) are skipped."""
+        if start > self.num_hidden:
+            raise RuntimeError(f"request {self.request_id}: hidden states of positions {self.num_hidden}.."
+                               f"{start - 1} were never computed")
+        new = hs[:, self.num_hidden - start:]
+        if new.shape[1]:
+            self.hidden_chunks.append(new)
+            self.num_hidden += new.shape[1]
+
+    def hidden_states(self) -> dict | None:
+        """{layer: [num_hidden, hidden]} of the layers asked for, or None."""
+        if self.hidden_chunks is None:
+            return None
+        if not self.hidden_chunks:
+            return {i: None for i in self.params.return_hidden_states}
+        allh = self.hidden_chunks[0] if len(self.hidden_chunks) == 1 else np.concatenate(self.hidden_chunks, 1)
+        self.hidden_chunks = [allh]
+        return {i: allh[i] for i in self.params.return_hidden_states}
 
     @property
     def max_tokens(self) -> int:

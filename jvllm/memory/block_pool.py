@@ -153,6 +153,13 @@ class BlockPool:
         self.cached.clear()
         return True
 
+    def invalidate_prefix_cache(self):
+        """Forget every cached hash, also of blocks in use (new weights make every cached KV block
+        stale): running requests keep their blocks, but no later request can hit them."""
+        for b in self.blocks[1:]:
+            b.hash = None
+        self.cached.clear()
+
 
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool, with prefix caching.
@@ -174,7 +181,7 @@ class KVCacheManager:
         toks = req.all_token_ids
         while len(hs) < upto_blocks:
             i = len(hs)
-            hs.append(hash_block(hs[-1] if hs else None, toks[i * bs:(i + 1) * bs]))
+            hs.append(hash_block(hs[-1] if hs else getattr(req, "cache_salt", None), toks[i * bs:(i + 1) * bs]))
         return hs[:upto_blocks]
 
     def get_computed_blocks(self, req, max_tokens: int | None = None) -> tuple[list[Block], int]:

@@ -61,19 +61,27 @@ class LlamaForCausalLM(nnx.Module):
             if not cfg.tie_word_embeddings:
                 self.lm_head = declare((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
-    def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks: int = 16, attention: str = "xla"):
+    def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks: int = 16, attention: str = "xla",
+                 hooks=None):
         """attention: "xla" (the reference, any batch); "ragged" (jvllm's Pallas ragged paged-attention
         kernel, any batch, with its measured launch defaults: split-K for decode grids under 512
         programs); "ragged_split" (split-K for every decode-only batch); "pallas" (decode-only
         batches: JAX's Pallas GPU paged-attention kernel,
         sliding-window layers on the ragged kernel). A "_interpret" suffix runs the Pallas kernels
-        in interpret mode (CPU tests)."""
+        in interpret mode (CPU tests). `hooks`: `jvllm.models.hooks` (None: no hook traced)."""
         if self.first:
             x = self.embed[...][x]
             if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the model dtype, as transformers
                 x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+            if hooks is not None:
+                x = hooks.embedded(x)
         new_kv = []
         for layer, layer_kv in zip(self.layers, kv):
             x, layer_kv = layer(x, layer_kv, md, kv_chunk_blocks, attention)
+            if hooks is not None:
+                x = hooks.after_layer(len(new_kv), x)
             new_kv.append(layer_kv)
-        return (self.norm(x) if self.last else x), new_kv
+        if not self.last:
+            return x, new_kv
+        h = self.norm(x)
+        return (hooks.final(h) if hooks is not None else h), new_kv

@@ -28,7 +28,7 @@ from jvllm.compilation.registry import Programs
 from jvllm.config import ModelConfig, cdiv
 from jvllm.memory import kv_cache
 from jvllm.sampling import NUM_TOP_LOGPROBS
-from jvllm.worker import microbatches, programs, sampler
+from jvllm.worker import logits_processors, microbatches, programs, sampler
 from jvllm.worker.attention_modes import attention_modes
 from jvllm.worker.executors import Pending, Work, make_executor
 from jvllm.worker.inputs import InputLayout
@@ -40,6 +40,7 @@ class StepResult:
     token_ids: np.ndarray                 # [R] sampled ids (rows of scheduled requests, in order)
     logprobs: tuple | None                # (tok_lp [R], rank [R], top_ids [R,N], top_lp [R,N]) or None
     prompt_logprobs: dict                 # row -> (positions, tok_lp, rank, top_ids, top_lp)
+    hidden_states: dict = dataclasses.field(default_factory=dict)  # row -> (start, [L+1, n, hidden] numpy)
 
 
 @dataclasses.dataclass
@@ -49,17 +50,48 @@ class DispatchedStep:
     pending: list[Pending]
 
 
+def _split_hidden(hs: np.ndarray, sched, rows) -> dict:
+    """{step row: (first position, hs[:, its tokens])} for the rows that asked; a row's tokens are
+    consecutive in the flat batch, in scheduled order."""
+    out, off = {}, 0
+    for row, s in zip(rows, sched):
+        if s.req.params.return_hidden_states:
+            out[row] = (s.start, hs[:, off:off + s.num_tokens])
+        off += s.num_tokens
+    return out
+
+
+def _steer_inputs(sched, T: int, R: int, cfg, dtype):
+    """(vectors [R, num_layers, hidden], row of each token [T], -1 = none) for the rows that steer,
+    or None when none does (the plain step program runs)."""
+    if not any(s.req.params.steering for s in sched):
+        return None
+    vecs = np.zeros((R, cfg.num_layers, cfg.hidden_size), dtype)
+    row = np.full(T, -1, np.int32)
+    off = 0
+    for r, s in enumerate(sched):
+        st = s.req.params.steering
+        if st:
+            for layer, v in st.items():
+                vecs[r, layer] = v
+            row[off:off + s.num_tokens] = r
+        off += s.num_tokens
+    return vecs, row
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, graphdef=None, state=None, head_w=None, *, dtype, block_size: int,
                  num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
                  query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
-                 num_microbatches: int | None = None, attention_backend: str = "auto"):
+                 num_microbatches: int | None = None, attention_backend: str = "auto",
+                 logits_processors: tuple = ()):
         self.cfg = cfg
         self.stages = stages or [Stage(graphdef, state)]
         self.head_w = head_w
         self.dtype = jnp.dtype(dtype)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.logits_processors = logits_processors  # ((name, fn), ...): jvllm.worker.logits_processors
         self.num_microbatches = num_microbatches or len(self.stages)
         self.attention_backend, self.attention_modes = attention_modes(attention_backend)
         max_blocks = cdiv(max_model_len, block_size)
@@ -172,13 +204,20 @@ class ModelRunner:
             else:
                 sb, ex, want_lp = sampler.sampling_inputs(sched, ps.R, self.cfg.vocab_size, self.max_model_len)
                 greedy = mask is None and ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
+            procs_in = None
+            if logits_processors.uses_processors(sched):
+                greedy = False
+                procs_in = logits_processors.host_inputs(sched, ps.R, tuple(n for n, _ in self.logits_processors),
+                                                         self.max_model_len)
             tm["prepare_s"] += t1 - t0
             tm["sample_inputs_s"] += time.perf_counter() - t1
             if p is not None and bool((ps.src >= 0).any()):
                 tok_in = self.executor.prev_ids(prev_groups[p])
             else:
                 tok_in = self.no_prev
-            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy, mask=mask))
+            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy, mask=mask,
+                             capture=any(s.req.params.return_hidden_states for s in sched), procs_in=procs_in,
+                             steer=_steer_inputs(sched, ps.T, ps.R, self.cfg, self.dtype)))
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
         return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
 
@@ -187,7 +226,7 @@ class ModelRunner:
         n = handle.num_rows
         token_ids = np.zeros(n, np.int32)
         lps = None
-        plp_all = {}
+        plp_all, hs_all = {}, {}
         for e in handle.pending:
             res = e.result()
             rows = [i for i, _ in res.group]
@@ -203,7 +242,9 @@ class ModelRunner:
                 host = [to_host(a) for a in dev]
                 for local, (o, pos) in spans.items():
                     plp_all[rows[local]] = (pos, *(a[o:o + len(pos)] for a in host))
-        return StepResult(token_ids, lps, plp_all)
+            if res.hidden_states is not None:
+                hs_all.update(_split_hidden(to_host(res.hidden_states), [s for _, s in res.group], rows))
+        return StepResult(token_ids, lps, plp_all, hs_all)
 
     def execute(self, scheduled) -> StepResult:
         return self.collect(self.dispatch(scheduled))

@@ -47,16 +47,22 @@ def _pad_tok(tok, max_num_seqs: int):
 
 
 def step_body(layout, graphdef, treedef, first, last, attention, mesh, decode, kv_chunk_blocks,
-              leaves, kv, packed, x, *, T):
+              leaves, kv, packed, x, steer=None, *, T, capture: bool = False):
+    """The step_research variant (single stage) adds: `capture`, one more output, every hidden
+    state [num_layers + 1, T, hidden] (`jvllm.models.hooks.HiddenTap` numbering); `steer`, a
+    (vectors [R, num_layers, hidden], row of each token [T]) input (`jvllm.models.hooks.Steer`)."""
+    from jvllm.models.hooks import Chain, HiddenTap, Steer
+
     tokens, src, md = layout.unpack(packed, T, decode)
     if first:
         x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], tokens)
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+    tap = HiddenTap() if capture else None
+    hooks = Chain(Steer(*steer) if steer is not None else None, tap) if (tap or steer is not None) else None
     with tensor_parallel_mesh(mesh):  # Pallas kernels run per device on local KV heads
-        h, kv = model(x, kv, md, kv_chunk_blocks, attention)
-    if last:
-        return kv, h[md.logits_indices], h
-    return kv, h
+        h, kv = model(x, kv, md, kv_chunk_blocks, attention, hooks=hooks)
+    out = (kv, h[md.logits_indices], h) if last else (kv, h)
+    return out + (jnp.stack(tap.values),) if capture else out
 
 
 def sample_body(w, h, sb, ex, *, tied, softcap, branchless, max_num_seqs):
@@ -66,6 +72,17 @@ def sample_body(w, h, sb, ex, *, tied, softcap, branchless, max_num_seqs):
 
 def sample_masked_body(w, h, sb, ex, mask, *, tied, softcap, branchless, max_num_seqs):
     tok, lp = sample(apply_token_mask(logits(w, h, tied, softcap), mask), sb, ex, branchless=branchless)
+    return tok, lp, _pad_tok(tok, max_num_seqs)
+
+
+def sample_procs_body(w, h, sb, ex, pi, mask, *, procs, tied, softcap, branchless, max_num_seqs):
+    """User logits processors, then the grammar mask when `mask` is not None (structured rows)."""
+    from jvllm.worker.logits_processors import apply
+
+    z = apply(procs, logits(w, h, tied, softcap), pi)
+    if mask is not None:
+        z = apply_token_mask(z, mask)
+    tok, lp = sample(z, sb, ex, branchless=branchless)
     return tok, lp, _pad_tok(tok, max_num_seqs)
 
 
@@ -98,6 +115,15 @@ def step_fn(ctx, s: int, decode: bool):
     return cached(ctx, ("step", s, decode), lambda: jax.jit(functools.partial(
         step_body, ctx.layout, st.graphdef, st.treedef, st.first, st.last, ctx.attention_modes[decode], st.mesh,
         decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T",)))
+
+
+def research_step_fn(ctx, decode: bool):
+    """The single-stage step with hidden-state capture and / or steering (batches with a request
+    that asks: `SamplingParams.return_hidden_states`, `SamplingParams.steering`)."""
+    st = ctx.stages[0]
+    return cached(ctx, ("step_research", decode), lambda: jax.jit(functools.partial(
+        step_body, ctx.layout, st.graphdef, st.treedef, st.first, st.last, ctx.attention_modes[decode], st.mesh,
+        decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T", "capture")))
 
 
 def logits_fn(ctx):
@@ -133,6 +159,22 @@ def _step_keys(ctx) -> list:
 
 
 register(ProgramKind("step", _step_signature, _step_keys, owned=lambda ctx, key: ctx.local(key[0])))
+
+
+def _research_step_signature(ctx, key) -> Signature:
+    T, decode, capture, steer = key
+    sig = _step_signature(ctx, (0, T, decode))
+    st = ctx.stages[0]
+    sv = None
+    if steer:
+        cfg = ctx.cfg
+        sv = (_sds((ctx.layout.seq_bucket(T), cfg.num_layers, cfg.hidden_size), ctx.dtype, st.sharding()),
+              _sds((T,), jnp.int32, st.sharding()))
+    return Signature(research_step_fn(ctx, decode), sig.args + (sv,), sig.devices, dict(T=T, capture=capture))
+
+
+# compiled on demand only (no warm-up): research variants that plain serving never pays for
+register(ProgramKind("step_research", _research_step_signature, lambda ctx: [], owned=lambda ctx, key: True))
 
 
 # ---------------------------------------------------------------------------- samplers
@@ -192,6 +234,26 @@ register(ProgramKind("sample", _sample_signature, lambda ctx: [(R, ex) for R in 
                      owned=_last_owned))
 register(ProgramKind("sample_masked", _sample_masked_signature, lambda ctx: [], owned=_last_owned))
 register(ProgramKind("greedy", _greedy_signature, _request_buckets, owned=_last_owned))
+
+
+def _sample_procs_signature(ctx, key) -> Signature:
+    from jvllm.worker import logits_processors
+
+    R, extras, masked = key
+    last = ctx.stages[-1]
+    shard = last.sharding()
+    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, extras, shard)
+    pi = logits_processors.abstract_inputs(R, len(ctx.logits_processors), ctx.max_model_len, shard)
+    mask = _sds((R, (ctx.cfg.vocab_size + 31) // 32), jnp.int32, shard) if masked else None
+    fn = cached(ctx, "sample_procs", lambda: jax.jit(functools.partial(
+        sample_procs_body, procs=ctx.logits_processors, tied=ctx.cfg.tie_word_embeddings,
+        softcap=ctx.cfg.final_logit_softcap, branchless=ctx.platform == "gpu", max_num_seqs=ctx.max_num_seqs)))
+    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb, ex, pi, mask),
+                     tuple(last.devices()))
+
+
+# user logits processors: compiled with the registry, per request bucket, on first use only
+register(ProgramKind("sample_procs", _sample_procs_signature, lambda ctx: [], owned=_last_owned))
 # prompt logprobs are refused with stages over processes (only the sampled ids cross)
 register(ProgramKind("prompt_lp", _prompt_lp_signature,
                      lambda ctx: [] if ctx.multiprocess else list(ctx.layout.token_buckets), owned=_last_owned))

@@ -42,7 +42,7 @@ def abstract_inputs(R: int, max_model_len: int, extras: bool, sharding=None):
 
 def plain_greedy(p) -> bool:
     """Sampling params that the argmax-only program serves (no temperature, logprobs, penalties)."""
-    return p.greedy and p.logprobs is None and not p.needs_extras
+    return p.greedy and p.logprobs is None and not p.needs_extras and not p.logits_processors
 
 
 def sampling_inputs(scheduled, R: int, vocab_size: int, max_model_len: int):

@@ -192,7 +192,8 @@ class Worker:
                            token_buckets=buckets, query_tile=c.query_tile or (16 if acc else 8),
                            kv_chunk_blocks=c.kv_chunk_blocks or (16 if acc else 4),
                            stages=[dataclasses.replace(st, kv=None) for st in self._stages],  # shares weights
-                           num_microbatches=c.num_microbatches, attention_backend=c.attention_backend)
+                           num_microbatches=c.num_microbatches, attention_backend=c.attention_backend,
+                           logits_processors=tuple((c.logits_processors or {}).items()))
 
     def _activation_peak(self, sc: SchedulerConfig, buckets) -> int:
         """XLA's temp allocation for the largest step and sampler programs, compiled against a

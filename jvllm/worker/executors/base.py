@@ -32,6 +32,10 @@ class Work:
     greedy: bool = True        # the argmax-only program serves every row
     mask: np.ndarray | None = None  # structured outputs' packed token mask [R, ceil(V/32)], or None
     x: object = None           # the last launched stage's output hidden states
+    capture: bool = False      # some row wants its hidden states: the step_hidden variant (one stage)
+    captured: object = None    # [num_layers + 1, T, hidden] on device, when `capture`
+    procs_in: object = None    # logits_processors.ProcessorInputs (numpy) when some row uses one
+    steer: tuple | None = None  # (vectors [R, L, hidden], row of each token [T]) numpy, when some row steers
 
 
 @dataclasses.dataclass
@@ -41,6 +45,7 @@ class MicrobatchResult:
     logprobs: tuple | None     # (tok_lp, rank, top_ids, top_lp) on device, when some row wants them
     prompt_logprobs: tuple | None  # ({row: (offset, positions)}, device arrays) or None
     tok_pad: object            # ids padded to [max_num_seqs]: the next step's prev_tok
+    hidden_states: object = None  # Work.captured
 
 
 @dataclasses.dataclass
@@ -87,7 +92,15 @@ class Executor:
         packed = put(w.packed, st.sharding())  # this stage's host inputs: one transfer
         tm = r.timers
         tm["step_call_put_s"] += time.perf_counter() - t1
-        out = r.programs.get("step", (s_idx, w.T, w.decode))(st.leaves, st.kv, packed, x)
+        if w.capture or w.steer is not None:
+            steer = None if w.steer is None else tuple(put(a, st.sharding()) for a in w.steer)
+            out = r.programs.get("step_research", (w.T, w.decode, w.capture, steer is not None))(
+                st.leaves, st.kv, packed, x, steer)
+            if w.capture:
+                *out, w.captured = out
+                out = tuple(out)
+        else:
+            out = r.programs.get("step", (s_idx, w.T, w.decode))(st.leaves, st.kv, packed, x)
         st.kv = out[0]
         w.x = out[-1]
         tm["step_call_s"] += time.perf_counter() - t1
@@ -104,17 +117,22 @@ class Executor:
         else:
             sb, ex = w.sb, w.ex
             shard = r.stages[-1].sharding()
-            if shard is not None:
-                import jax
+            import jax
 
+            if shard is not None:
                 sb, ex = jax.tree_util.tree_map(lambda a: put(np.asarray(a), shard), (sb, ex))
-            if w.mask is None:
-                tok, lp, tok_pad = r.programs.get("sample", (w.R, ex is not None))(r.head_w, last_h, sb, ex)
-            else:
+            if w.procs_in is not None:  # user logits processors (and the grammar mask, if any)
+                pi = w.procs_in if shard is None else jax.tree_util.tree_map(lambda a: put(a, shard), w.procs_in)
+                mask = None if w.mask is None else (put(w.mask, shard) if shard is not None else w.mask)
+                tok, lp, tok_pad = r.programs.get("sample_procs", (w.R, ex is not None, mask is not None))(
+                    r.head_w, last_h, sb, ex, pi, mask)
+            elif w.mask is not None:
                 mask = put(w.mask, shard) if shard is not None else w.mask
                 tok, lp, tok_pad = r.programs.get("sample_masked", (w.R, ex is not None))(r.head_w, last_h, sb, ex, mask)
+            else:
+                tok, lp, tok_pad = r.programs.get("sample", (w.R, ex is not None))(r.head_w, last_h, sb, ex)
         r.timers["sample_call_s"] += time.perf_counter() - t3
         plp = None
         if any(s.req.needs_prompt_logprobs for s in w.sched):
             plp = r.prompt_logprobs(w.sched, w.T, all_h)
-        return MicrobatchResult(w.group, tok, lp if w.want_lp else None, plp, tok_pad)
+        return MicrobatchResult(w.group, tok, lp if w.want_lp else None, plp, tok_pad, w.captured)
