@@ -257,7 +257,7 @@ class LLMEngine:
                 lp = float(res.logprobs[0][r])
                 if req.params.logprobs is not None:
                     entry = op.logprob_entry(tok, lp, int(res.logprobs[1][r]), res.logprobs[2][r],
-                                             res.logprobs[3][r], req.params.logprobs)
+                                             res.logprobs[3][r], req.params.logprobs, req.params.detokenize)
             req.append_token(tok, entry, lp)
             self.stats["num_generation_tokens"] += 1
             if req.metrics.first_token_time is None:
