@@ -381,7 +381,8 @@ BAD = [
     (C, {"prompt": ["ok", "\ud83d"]}, 400, ["prompt.1", "surrogate"]),
     (C, {"prompt": "a", "model": "\ud83d"}, 400, ["model", "surrogate"]),
     (C, {"prompt": "a" * (32 * L + 1)}, 400, ["prompt", "--max-prompt-chars"]),
-    (C, {"prompt": "a", "best_of": 3}, 400, ["best_of"]),
+    (C, {"prompt": "a", "n": 2, "best_of": 1}, 400, ["best_of", ">= n (2)"]),
+    (C, {"prompt": "a", "best_of": 3, "stream": True}, 400, ["best_of", "streamed"]),
     (CH, {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": True,
           "continue_final_message": True}, 400, ["continue_final_message"]),
 ]

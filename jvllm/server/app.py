@@ -250,7 +250,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         check_model(req.model)
         renderer.check_common(req)
         opts = chat_options(req, trust_request_chat_template, add_special_tokens=req.add_special_tokens)
-        prompt = await render(renderer.chat_prompt, req.messages, opts)
+        prompt = await render(renderer.chat_prompt, req.messages, opts, req.truncate_prompt_tokens)
         sp = renderer.chat_params(req, prompt)
         items = [("chatcmpl-" + os.urandom(8).hex(), {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                   sp)]
