@@ -65,6 +65,8 @@ def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len
                                   "title": "Model"}
             if "n" in props:
                 props["n"]["maximum"] = limits.max_n
+            if "best_of" in props:
+                first(props["best_of"])["maximum"] = limits.max_n
             for f in ("max_tokens", "max_completion_tokens"):
                 if f in props:
                     first(props[f])["maximum"] = max_model_len - 1
