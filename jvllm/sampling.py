@@ -1,8 +1,9 @@
 """On-device sampling: logits never leave the device; the host gets token ids (and logprobs when
 asked). One program per request-count bucket and per `extras` variant (penalties / logit bias /
-min_tokens need the token history; plain sampling does not ship it).
+min_tokens need the token history, allowed_token_ids / bad_words a per-row vocabulary mask; plain
+sampling ships neither).
 
-Per row: raw logits -> [repetition, presence, frequency penalties, logit bias] -> greedy argmax,
+Per row: raw logits -> [repetition, presence, frequency penalties, logit bias, mask] -> greedy argmax,
 or temperature -> min_p -> top_k -> top_p -> Gumbel-max draw with the key
 fold_in(key(seed), output_index), so a request's draw depends only on its own seed and position,
 never on what else is in the batch. Logprobs are the model's raw log-softmax (vLLM's default).
@@ -47,9 +48,19 @@ class SamplingExtras:
     hist_is_out: jax.Array   # [R, L] bool
     bias_ids: jax.Array      # [R, B] i32, -1 pad
     bias_vals: jax.Array     # [R, B] f32
+    allow_bits: jax.Array    # [R, ceil(V / 32)] u32: bit v % 32 of word v // 32 set = token v may be sampled
+
+
+def unpack_mask(bits, V: int):
+    """[R, W] u32 packed bits (little-endian within each word) -> [R, V] bool."""
+    if bits.shape[1] * 32 < V:
+        raise ValueError(f"allow_bits has {bits.shape[1]} words, fewer than the {V} logits need")
+    v = jnp.arange(V, dtype=jnp.uint32)
+    return ((bits[:, v // 32] >> (v % 32)) & 1).astype(bool)
 
 
 def apply_extras(logits, ex: SamplingExtras):
+    """Penalties, logit bias, then the vocabulary mask (a masked token's logit is -inf)."""
     R, V = logits.shape
     rows = jnp.arange(R)[:, None]
     hist = jnp.where(ex.hist_ids >= 0, ex.hist_ids, V)
@@ -59,7 +70,8 @@ def apply_extras(logits, ex: SamplingExtras):
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - ex.frequency[:, None] * out_counts - ex.presence[:, None] * (out_counts > 0)
     bias_ids = jnp.where(ex.bias_ids >= 0, ex.bias_ids, V)
-    return logits.at[rows, bias_ids].add(ex.bias_vals, mode="drop")
+    logits = logits.at[rows, bias_ids].add(ex.bias_vals, mode="drop")
+    return jnp.where(unpack_mask(ex.allow_bits, V), logits, -jnp.inf)
 
 
 TOPK_CANDIDATES = 1024

@@ -1,5 +1,18 @@
 """`SamplingParams`, shaped like vLLM's. Every invalid value raises ValueError naming the field and
-the allowed range (`validate`); vocabulary-dependent checks happen in `validate_for_vocab`."""
+the allowed range (`validate`); vocabulary-dependent checks happen in `validate_for_vocab`.
+
+vLLM's semantics of the less common fields:
+- `best_of`: sample best_of sequences and return the n with the highest cumulative logprob
+  (None = n). best_of > n needs random sampling (greedy sequences are all equal); the group's
+  output comes only when all best_of sequences finished (none of it can be streamed).
+- `allowed_token_ids`: only these ids may be sampled. `bad_words`: each word is tokenized without
+  and with a leading space (the second only when that gives a different first token and as many
+  tokens); a one-token word is never sampled, a longer one bans its last token only while the
+  output ends in its other tokens (`bad_word_bans`).
+- `truncate_prompt_tokens`: keep the last k prompt tokens; -1 keeps the most that leave room to
+  generate (max_model_len - 1: jvllm counts prompt + output against max_model_len).
+- `detokenize=False`: outputs carry token ids only (text "", logprob entries without decoded
+  text); stop strings then need text and are an error."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,12 +107,23 @@ class SamplingParams:
     # return_hidden_states numbering (0 = the embeddings, i = after decoder layer i-1; < num_layers)
     steering: dict | None = None
     extra_args: dict | None = None
+    best_of: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            raise ValueError(f"bad_words must be a list of strings, got the string {self.bad_words!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -112,7 +136,7 @@ class SamplingParams:
             raise ValueError(f"{field} must be {allowed}, got {value!r}")
 
         for flag in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, flag), bool):
                 bad(flag, getattr(self, flag), "True or False")
         if not isinstance(self.n, int) or self.n < 1:
@@ -148,6 +172,23 @@ class SamplingParams:
             bad("stop", self.stop, "a list of non-empty strings")
         if any(not isinstance(t, int) for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of integers")
+        b = self.best_of
+        if b is not None:
+            if not isinstance(b, int) or isinstance(b, bool) or b < self.n:
+                bad("best_of", b, f"None or an integer >= n ({self.n})")
+            if b > self.n and self.greedy:
+                bad("best_of", b, f"n ({self.n}) with greedy sampling (temperature 0: every sequence is the same)")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not isinstance(t, int) or isinstance(t, bool)
+                                                  for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", self.bad_words, "a list of non-blank strings")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k == -1 or k >= 1)):
+            bad("truncate_prompt_tokens", k, "None, -1 (as many as fit) or an integer >= 1")
+        if not self.detokenize and self.stop:
+            bad("stop", self.stop, "empty with detokenize=False (stop strings are matched in the text)")
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"{len(self.logit_bias)} entries", f"at most {MAX_LOGIT_BIAS} entries")
         self._validate_research(bad)
@@ -243,6 +284,24 @@ class SamplingParams:
         bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"logit_bias keys {bad} outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in (self.allowed_token_ids or ()) if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids {bad[:8]} outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences sampled for one prompt: best_of (None = n)."""
+        return self.best_of or self.n
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether the sampled tokens' logprobs must come back (asked for, or best_of ranks by them)."""
+        return self.logprobs is not None or self.num_seqs > self.n
+
+    @property
+    def needs_mask(self) -> bool:
+        """Whether rows of this request need the per-row vocabulary mask (allowed ids, bad words)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def greedy(self) -> bool:
@@ -250,12 +309,44 @@ class SamplingParams:
 
     @property
     def needs_extras(self) -> bool:
-        """Whether this request needs the penalties / logit-bias sampler variant (min_tokens too)."""
+        """Whether this request needs the extras sampler variant: penalties, logit bias, min_tokens,
+        or the vocabulary mask (allowed_token_ids, bad_words)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.needs_mask)
 
     def clone(self) -> "SamplingParams":
         return dataclasses.replace(self)
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer, vocab_size: int) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word (its leading spaces stripped) without and with
+    one leading space; the spaced form counts only when its first token differs from the unspaced
+    form's and it has as many tokens (otherwise it is the same word split differently). Raises
+    ValueError for a word that gives no tokens or ids outside [0, vocab_size)."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} gives no tokens")
+        out.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    bad = sorted({t for ids in out for t in ids if not 0 <= t < vocab_size})
+    if bad:
+        raise ValueError(f"bad_words give token ids {bad[:8]} outside the vocabulary [0, {vocab_size})")
+    return out
+
+
+def bad_word_bans(words_ids: list[list[int]], output_ids: list[int]) -> set[int]:
+    """Token ids banned for the next output token: a one-token word always, a longer word's last
+    token when the output ends in the word's other tokens (vLLM: output tokens only, not the prompt)."""
+    bans = set()
+    for ids in words_ids:
+        k = len(ids) - 1
+        if k == 0 or (k <= len(output_ids) and output_ids[len(output_ids) - k:] == ids[:k]):
+            bans.add(ids[-1])
+    return bans
 
 
 @dataclasses.dataclass(frozen=True)

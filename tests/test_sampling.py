@@ -90,7 +90,8 @@ def test_penalties_and_bias_match_numpy(rng):
     b_ids = np.full((R, 4), -1, np.int32)
     b_vals = np.zeros((R, 4), np.float32)
     b_ids[0, :2], b_vals[0, :2] = [3, 4], [5.0, -5.0]
-    ex = SamplingExtras(*(jnp.asarray(a) for a in (rep, pres, freq, hist, is_out, b_ids, b_vals)))
+    bits = np.full((R, -(-V // 32)), 0xFFFFFFFF, np.uint32)
+    ex = SamplingExtras(*(jnp.asarray(a) for a in (rep, pres, freq, hist, is_out, b_ids, b_vals, bits)))
     got = np.asarray(apply_extras(jnp.asarray(logits), ex))
     want = logits.copy()
     for r in range(R):
@@ -262,7 +263,7 @@ def _abstract_inputs(R, Vl, extras, L=16, B=4):
     sb = SamplingBatch(sds((R,), f32), sds((R,), i32), sds((R,), f32), sds((R,), f32), sds((R, 2), jnp.uint32),
                        sds((R,), i32), sds((), jnp.bool_))
     ex = SamplingExtras(sds((R,), f32), sds((R,), f32), sds((R,), f32), sds((R, L), i32), sds((R, L), jnp.bool_),
-                        sds((R, B), i32), sds((R, B), f32)) if extras else None
+                        sds((R, B), i32), sds((R, B), f32), sds((R, -(-Vl // 32)), jnp.uint32)) if extras else None
     return sds((R, Vl), f32), sb, ex
 
 

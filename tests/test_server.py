@@ -294,6 +294,27 @@ def test_vllm_extras_and_batch(client):
     assert got[0] is None and len(got) == plp.usage.prompt_tokens
 
 
+def test_sampling_extras_end_to_end(server, client):
+    """best_of, allowed_token_ids, bad_words and truncate_prompt_tokens on the real engine."""
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, n=2, temperature=1.0, seed=3,
+                                  logprobs=0, extra_body={"best_of": 4, "ignore_eos": True})
+    cums = [sum(c.logprobs.token_logprobs) for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1] and cums[0] >= cums[1] - 1e-4
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=1.0, seed=3,
+                                  extra_body={"allowed_token_ids": [1000], "ignore_eos": True})
+    want = post(server, "/detokenize", {"tokens": [1000] * 4}).json()["prompt"]
+    assert want and r.choices[0].text == want
+    word = post(server, "/detokenize", {"tokens": [1000]}).json()["prompt"]
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=1.0, seed=3,
+                                  extra_body={"allowed_token_ids": [1000, 1001], "bad_words": [word],
+                                              "ignore_eos": True})
+    assert r.choices[0].text == post(server, "/detokenize", {"tokens": [1001] * 4}).json()["prompt"]
+    r = post(server, "/v1/completions", {"prompt": list(range(3, 3 + L)), "max_tokens": 1, "temperature": 0,
+                                         "truncate_prompt_tokens": -1}).json()
+    assert r["usage"]["prompt_tokens"] == L - 1, r
+    assert_still_serves(server)
+
+
 def test_context_length_boundary(server, client):
     prompt = [100 + i for i in range(L - 1)]
     ok = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
@@ -383,7 +404,8 @@ BAD = [
     (C, {"prompt": ["ok", "\ud83d"]}, 400, ["prompt.1", "surrogate"]),
     (C, {"prompt": "a", "model": "\ud83d"}, 400, ["model", "surrogate"]),
     (C, {"prompt": "a" * (32 * L + 1)}, 400, ["prompt", "--max-prompt-chars"]),
-    (C, {"prompt": "a", "best_of": 3}, 400, ["best_of"]),
+    (C, {"prompt": "a", "n": 2, "best_of": 1}, 400, ["best_of", ">= n (2)"]),
+    (C, {"prompt": "a", "best_of": 3, "stream": True}, 400, ["best_of", "streamed"]),
     (CH, {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": True,
           "continue_final_message": True}, 400, ["continue_final_message"]),
 ]

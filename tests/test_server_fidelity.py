@@ -76,7 +76,6 @@ UNIMPLEMENTED = [
     (CH, {"use_beam_search": True}, "use_beam_search"),
     (CH, {"reasoning_effort": "low"}, "reasoning_effort"),
     (CH, {"functions": [{"name": "f"}]}, "functions"),
-    (C, {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     (C, {"priority": 3}, "priority"),
     (C, {"cache_salt": "s"}, "cache_salt"),
 ]
@@ -112,19 +111,59 @@ def test_neutral_values_and_unknown_fields(fake, caplog):
     assert len(warned) == 1, warned
     for path in ("messages.0.weird", "messages.0.content.0.cache_control", "stream_options.later"):
         assert path in warned[0], (path, warned)
-    # allowed_token_ids / bad_words: forwarded when SamplingParams has them, else a 400 naming them
-    import dataclasses
 
-    from jvllm.sampling_params import SamplingParams
 
-    have = {f.name for f in dataclasses.fields(SamplingParams)}
-    for field, value in (("allowed_token_ids", [5, 6]), ("bad_words", ["x"])):
-        r = c.post(C, json={"prompt": "hi", "max_tokens": 1, field: value})
-        if field in have:
-            assert r.status_code == 200, r.text
-            assert getattr(list(eng.reqs.values())[-1]["params"] if eng.reqs else None, field, value) == value
-        else:
-            assert_error(r, 400, field, field)
+# ---------------------------------------------------------------------- vLLM's sampling extras
+def _recording(eng, monkeypatch):
+    """[(prompt dict, SamplingParams)] of every request the app hands the engine."""
+    seen = []
+    orig = eng.add_request
+
+    def add(rid, prompt, params, arrival_time=None):
+        seen.append((prompt, params))
+        return orig(rid, prompt, params, arrival_time)
+
+    monkeypatch.setattr(eng, "add_request", add)
+    return seen
+
+
+def test_sampling_extras_are_forwarded(fake, monkeypatch, tokenizer):
+    eng, c = fake
+    seen = _recording(eng, monkeypatch)
+    body = {"prompt": "hi", "max_tokens": 1, "allowed_token_ids": [5, 6], "bad_words": ["x"], "n": 2, "best_of": 3}
+    r = c.post(C, json=body)
+    assert r.status_code == 200, r.text
+    sp = seen[-1][1]
+    assert (sp.allowed_token_ids, sp.bad_words, sp.n, sp.best_of) == ([5, 6], ["x"], 2, 3)
+    r = c.post(CH, json={"messages": MSG, "max_tokens": 1, "best_of": 2})
+    assert r.status_code == 200, r.text
+    assert seen[-1][1].best_of == 2
+    # truncate_prompt_tokens: the last k tokens reach the engine (completions and chat)
+    ids = list(range(100, 120))
+    r = c.post(C, json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 4})
+    assert r.status_code == 200 and seen[-1][0]["prompt_token_ids"] == ids[-4:]
+    r = c.post(C, json={"prompt": ids * 20, "max_tokens": 1, "truncate_prompt_tokens": -1})  # 400 > 256
+    assert r.status_code == 200 and seen[-1][0]["prompt_token_ids"] == (ids * 20)[-255:]
+    r = c.post(CH, json={"messages": [{"role": "user", "content": "one two three four five six"}],
+                         "max_tokens": 1, "truncate_prompt_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert len(seen[-1][0]["prompt_token_ids"]) == 3
+    assert seen[-1][0]["prompt"] == tokenizer.decode(seen[-1][0]["prompt_token_ids"])
+
+
+@pytest.mark.parametrize("path,extra,field,words", [
+    (C, {"n": 2, "best_of": 1}, "best_of", [">= n (2)"]),
+    (C, {"best_of": 17}, "best_of", ["--max-n"]),
+    (CH, {"best_of": 3, "stream": True}, "best_of", ["streamed"]),
+    (C, {"best_of": 3, "temperature": 0}, "best_of", ["greedy"]),
+    (C, {"allowed_token_ids": [1, 49152]}, "allowed_token_ids", ["49152", "vocabulary"]),
+    (C, {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ["-1"]),
+    (CH, {"truncate_prompt_tokens": 300}, "truncate_prompt_tokens", ["256"]),
+], ids=lambda v: str(v)[:24])
+def test_sampling_extras_bad_values(fake, path, extra, field, words):
+    _, c = fake
+    base = {"messages": MSG} if path == CH else {"prompt": "hi"}
+    assert_error(c.post(path, json={**base, "max_tokens": 1, **extra}), 400, field, *words)
 
 
 # ---------------------------------------------------------------------- chat templates, tools

@@ -1,12 +1,14 @@
-"""Input processing: a prompt (text, token ids or a dict) -> validated token ids -> the Requests of
-one user request (n sequences sharing the prompt). Bad input raises before anything is queued."""
+"""Input processing: a prompt (text, token ids or a dict) -> validated token ids (the last
+`truncate_prompt_tokens` kept) -> the Requests of one user request (best_of, else n, sequences
+sharing the prompt; bad_words tokenized once for all of them). Bad input raises before anything is
+queued."""
 from __future__ import annotations
 
 import numpy as np
 
 from jvllm.engine.request import Request
 from jvllm.inputs import check_prompt_dict
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import SamplingParams, bad_words_token_ids
 
 
 class InputProcessor:
@@ -49,6 +51,11 @@ class InputProcessor:
         V, L = self.vocab_size, self.max_model_len
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            if k > L:
+                raise ValueError(f"truncate_prompt_tokens {k} is more than max_model_len ({L})")
+            ids = ids[-(L - 1 if k == -1 else k):]
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt token ids {bad[:8]} outside the vocabulary [0, {V})")
@@ -59,19 +66,26 @@ class InputProcessor:
         if self.num_layers is not None:
             params.validate_for_model(self.num_layers, self.num_stages, self.hidden_size)
         params.validate_processors(self.processor_names)
+        bad_ids = None
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer; this model has none (skip_tokenizer_init)")
+            bad_ids = bad_words_token_ids(params.bad_words, self.tokenizer, V)
         if self.logprobs_refused and (params.logprobs is not None or params.prompt_logprobs is not None):
             raise ValueError(f"logprobs={params.logprobs}, prompt_logprobs={params.prompt_logprobs}: "
                              f"{self.logprobs_refused}")
         grammar = self._grammar(params)
         seqs = []
-        for i in range(params.n):
+        num = params.num_seqs
+        for i in range(num):
             if params.seed is not None:
                 seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
             else:
                 seed = int(self._rng.integers(0, 2**63 - 1))
-            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            rid = request_id if num == 1 else f"{i}_{request_id}"
             seqs.append(Request(rid, ids, params, seed, self.eos_token_ids, text, group_id=request_id, index=i,
-                                arrival_time=arrival_time, tokenizer=self.tokenizer, length_cap=L - len(ids)))
+                                arrival_time=arrival_time, tokenizer=self.tokenizer if params.detokenize else None,
+                                length_cap=L - len(ids), bad_words_ids=bad_ids))
             if grammar is not None:
                 seqs[-1].grammar = self._structured.state(grammar)
         return text, ids, seqs

@@ -268,7 +268,7 @@ class LLMEngine:
                 lp = float(res.logprobs[0][r])
                 if req.params.logprobs is not None:
                     entry = op.logprob_entry(tok, lp, int(res.logprobs[1][r]), res.logprobs[2][r],
-                                             res.logprobs[3][r], req.params.logprobs)
+                                             res.logprobs[3][r], req.params.logprobs, req.params.detokenize)
             if req.grammar is not None:  # only kept tokens reach the grammar (wasted rows returned above)
                 err = req.grammar.accept(tok)
                 if err is not None:

@@ -1,5 +1,9 @@
 """Output processing: a step's sampled ids and logprobs -> the requests' tokens and logprob entries
--> RequestOutput (final only, cumulative or delta, as each request asked)."""
+-> RequestOutput (final only, cumulative or delta, as each request asked).
+
+best_of > n: nothing is output until all best_of sequences finished; then the n with the highest
+cumulative logprob are output, best first, numbered 0..n-1 (their first output is the whole
+sequence, also for DELTA)."""
 from __future__ import annotations
 
 from jvllm.engine.request import Request
@@ -27,16 +31,17 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def _decode_one(self, tid: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([int(tid)])
+    def _decode_one(self, tid: int, decode: bool) -> str | None:
+        return None if self.tokenizer is None or not decode else self.tokenizer.decode([int(tid)])
 
-    def logprob_entry(self, tok, lp, rank, top_ids, top_lps, n) -> dict:
-        """{token id: Logprob} of the sampled token and the top `n` (rank 1 = best)."""
-        entry = {tok: Logprob(lp, rank, self._decode_one(tok))}
+    def logprob_entry(self, tok, lp, rank, top_ids, top_lps, n, decode: bool = True) -> dict:
+        """{token id: Logprob} of the sampled token and the top `n` (rank 1 = best); decoded text
+        only when `decode` (the request's detokenize)."""
+        entry = {tok: Logprob(lp, rank, self._decode_one(tok, decode))}
         for i in range(n):
             t = int(top_ids[i])
             if t not in entry:
-                entry[t] = Logprob(float(top_lps[i]), i + 1, self._decode_one(t))
+                entry[t] = Logprob(float(top_lps[i]), i + 1, self._decode_one(t, decode))
         return entry
 
     def add_prompt_logprobs(self, req: Request, pos, tok_lp, rank, top_ids, top_lps):
@@ -45,7 +50,8 @@ class OutputProcessor:
             if len(req.prompt_logprobs) != p + 1:
                 continue  # already recorded (recompute after preemption)
             t = req.prompt_token_ids[p + 1]
-            req.prompt_logprobs.append(self.logprob_entry(t, float(tok_lp[j]), int(rank[j]), top_ids[j], top_lps[j], n))
+            req.prompt_logprobs.append(self.logprob_entry(t, float(tok_lp[j]), int(rank[j]), top_ids[j], top_lps[j], n,
+                                                          req.params.detokenize))
 
     def outputs(self, groups: dict, group_ids) -> list[RequestOutput]:
         """The outputs of `group_ids` (finished groups leave `groups`)."""
@@ -66,8 +72,13 @@ class OutputProcessor:
         finished = g.finished
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        seqs = g.seqs
+        if g.params.num_seqs > g.params.n:
+            if not finished:
+                return None
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:g.params.n]
         comps = []
-        for s in g.seqs:
+        for rank, s in enumerate(seqs):
             text = s.streamable_text()
             ids, lps = s.output_token_ids, s.logprobs
             if kind is RequestOutputKind.DELTA:
@@ -76,7 +87,7 @@ class OutputProcessor:
                 text, ids = text[t0:], ids[k0:]
                 lps = lps[k0:] if lps is not None else None
             comps.append(CompletionOutput(
-                index=s.index, text=text, token_ids=list(ids),
+                index=rank if seqs is not g.seqs else s.index, text=text, token_ids=list(ids),
                 cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
                 logprobs=lps, finish_reason=s.status.reason, stop_reason=s.stop_reason,
                 hidden_states=s.hidden_states()))

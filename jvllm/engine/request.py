@@ -96,7 +96,9 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                  eos_token_ids: tuple = (), prompt: str | None = None, group_id: str | None = None,
                  index: int = 0, arrival_time: float | None = None, tokenizer=None,
-                 length_cap: int = 2**31):
+                 length_cap: int = 2**31, bad_words_ids: list[list[int]] | None = None):
+        """`tokenizer` None: no text (detokenize=False or no tokenizer). `bad_words_ids`: the
+        request's bad words as token ids (`sampling_params.bad_words_token_ids`)."""
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index
@@ -111,6 +113,7 @@ class Request:
         self.num_pending = 0  # tokens sampled by dispatched steps, not yet appended (0, 1 or 2)
         self.microbatch: int | None = None  # pipeline micro-batch, fixed from admission to preemption
         self.length_cap = length_cap  # max_model_len - prompt length
+        self.bad_words_ids = bad_words_ids
         self.status = Status.WAITING
         self.block_hashes: list[bytes] = []
         self.cache_salt: bytes | None = params.cache_salt()  # the first block's hash parent

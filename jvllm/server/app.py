@@ -66,6 +66,8 @@ def _patch_openapi(app: FastAPI, names: list[str], limits: Limits, max_model_len
                                   "title": "Model"}
             if "n" in props:
                 props["n"]["maximum"] = limits.max_n
+            if "best_of" in props:
+                first(props["best_of"])["maximum"] = limits.max_n
             for f in ("max_tokens", "max_completion_tokens"):
                 if f in props:
                     first(props[f])["maximum"] = max_model_len - 1
@@ -258,7 +260,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         renderer.check_common(req)
         opts = chat_options(req, trust_request_chat_template, add_special_tokens=req.add_special_tokens)
         mode, tool_constraint = tool_mode(req, tool_call_parser, enable_auto_tool_choice)
-        prompt = await render(renderer.chat_prompt, req.messages, opts)
+        prompt = await render(renderer.chat_prompt, req.messages, opts, req.truncate_prompt_tokens)
         sp = renderer.chat_params(req, prompt, tool_constraint)
         items = [("chatcmpl-" + os.urandom(8).hex(), {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
                   sp)]

@@ -30,7 +30,7 @@ _COMMON = {
     "guided_decoding_backend": "a structured-output backend other than llguidance",
     "structural_tag": _STRUCTURED,
     "use_beam_search": "beam search", "length_penalty": "beam search", "early_stopping": "beam search",
-    "truncate_prompt_tokens": "prompt truncation", "logits_processors": "custom logits processors",
+    "logits_processors": "custom logits processors",
     "priority": "priority scheduling", "return_tokens_as_token_ids": "tokens as token ids",
     "return_token_ids": "token ids in the answer", "cache_salt": "prefix-cache salting",
     "kv_transfer_params": "KV transfer", "vllm_xargs": "vLLM extra arguments", "request_id": "client request ids",
@@ -42,7 +42,7 @@ UNIMPLEMENTED = {
              "reasoning_effort": "reasoning control", "include_reasoning": "reasoning parsing",
              "documents": "documents in the chat template", "echo": "echoing the last message",
              "audio": "audio output", "modalities": "non-text output", "web_search_options": "web search",
-             "thinking_token_budget": "reasoning control", "best_of": "best_of sampling",
+             "thinking_token_budget": "reasoning control",
              "media_io_kwargs": "multi-modal input"},
     "tokenize": {"mm_processor_kwargs": "multi-modal input",
                  "return_token_strs": "token strings"},
@@ -50,7 +50,7 @@ UNIMPLEMENTED = {
 }
 NEUTRAL = {  # values that ask for nothing beyond what jvllm does anyway
     "guided_decoding_backend": ["llguidance", "guidance", "auto"], "use_beam_search": [False], "length_penalty": [1.0, 1],
-    "early_stopping": [False], "best_of": [1],
+    "early_stopping": [False],
     "priority": [0], "return_tokens_as_token_ids": [False], "return_token_ids": [False], "echo": [False],
     "modalities": [["text"]], "documents": [[]], "return_token_strs": [False],
 }

@@ -104,9 +104,13 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     spaces_between_special_tokens: bool = True
-    # forwarded when jvllm's SamplingParams has them, else a 400 naming them (render.py)
-    allowed_token_ids: list[int] | None = Field(None, min_length=1)
-    bad_words: list[StopStr] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="only these ids may be sampled")
+    bad_words: list[StopStr] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
+                                            description="words never generated (vLLM's rules)")
+    best_of: int | None = Field(None, ge=1, description="sample best_of, return the n with the highest cumulative "
+                                "logprob (capped by --max-n; not with stream)")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31 - 1,
+                                               description="keep the last k prompt tokens; -1: max_model_len - 1")
     # structured outputs (server/structured.py reads them; at most one may ask for a constraint)
     response_format: dict[str, Any] | None = Field(None, description="{'type': 'text' | 'json_object' | "
                                                    "'json_schema', 'json_schema': {'name', 'schema', 'strict'}}")
@@ -128,7 +132,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = Field(None, max_length=0, description="not supported: null or empty")
-    best_of: int | None = Field(None, ge=1)
     add_special_tokens: bool = True
 
 

@@ -27,9 +27,6 @@ from jvllm.server.protocol import APIError, ChatCompletionRequest, CompletionReq
 from jvllm.server.structured import structured_params
 
 CHARS_PER_TOKEN_BOUND = 32
-# vLLM sampling fields jvllm forwards when its SamplingParams has them (a 400 naming them otherwise)
-_OPTIONAL_SAMPLING = ("allowed_token_ids", "bad_words")
-_SP_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +91,17 @@ class Renderer:
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids)
 
+    def truncate(self, ids: list[int], k: int | None) -> list[int]:
+        """The last `k` tokens (truncate_prompt_tokens; -1: max_model_len - 1, the most that leave
+        room to generate). k > max_model_len is a 400, as in vLLM."""
+        if k is None:
+            return ids
+        L = self.max_model_len
+        if k == 0 or k > L:
+            raise APIError(f"truncate_prompt_tokens must be -1 or in [1, max_model_len = {L}], got {k}",
+                           param="truncate_prompt_tokens")
+        return ids[-(L - 1 if k == -1 else k):]
+
     def completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
         p = req.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
@@ -112,17 +120,24 @@ class Renderer:
                 text = item
             else:
                 ids, text = list(item), None
+            cut = self.truncate(ids, req.truncate_prompt_tokens)
+            if len(cut) < len(ids):
+                ids, text = cut, (self.decode(cut) if text is not None or req.echo else None)
             self.check_ids(ids, "prompt")
             if text is None and req.echo:
                 text = self.decode(ids)
             out.append(Prompt(ids, text))
         return out
 
-    def chat_prompt(self, messages, opts: ChatOptions) -> Prompt:
+    def chat_prompt(self, messages, opts: ChatOptions, truncate: int | None = None) -> Prompt:
+        """`truncate`: the request's truncate_prompt_tokens (the text is then the kept tokens' text)."""
         self._need_tokenizer("chat")
         self.check_chars(sum(len(m.text()) for m in messages), "messages")
         text = render_chat(self.tokenizer, self.chat_template, messages, opts)
         ids = self.encode(text, opts.add_special_tokens, "messages")
+        cut = self.truncate(ids, truncate)
+        if len(cut) < len(ids):
+            ids, text = cut, self.decode(cut)
         self.check_ids(ids, "messages")
         return Prompt(ids, text)
 
@@ -136,6 +151,18 @@ class Renderer:
         if len(stops) > lim.max_stop:
             raise APIError(f"stop: at most {lim.max_stop} stop strings (this server's --max-stop), got "
                            f"{len(stops)}", param="stop")
+        if req.best_of is not None and req.best_of > lim.max_n:
+            raise APIError(f"best_of must be <= {lim.max_n} (this server's --max-n), got {req.best_of}",
+                           param="best_of")
+        if req.best_of is not None and req.best_of > req.n and req.stream:
+            raise APIError(f"best_of ({req.best_of}) > n ({req.n}) cannot be streamed: the best sequences are "
+                           f"known only at the end", param="best_of")
+        bad = [t for t in (req.allowed_token_ids or []) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"allowed_token_ids {bad[:16]} outside the vocabulary [0, {self.vocab_size})",
+                           param="allowed_token_ids")
+        if req.bad_words:
+            self._need_tokenizer("bad_words")
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
         bad = [t for t in (req.stop_token_ids or []) if not 0 <= t < self.vocab_size]
@@ -169,12 +196,6 @@ class Renderer:
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                            f"completion). Reduce the prompt or {max_tokens_param} to at most {L - prompt_len}.",
                            param=max_tokens_param)
-        extra = {}
-        for name in _OPTIONAL_SAMPLING:
-            if getattr(req, name) is not None:
-                if name not in _SP_FIELDS:
-                    raise APIError(f"{name} is not supported by jvllm yet; remove the field", param=name)
-                extra[name] = getattr(req, name)
         try:
             return SamplingParams(
                 n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -185,7 +206,8 @@ class Renderer:
                 logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
-                output_kind=RequestOutputKind.DELTA, structured_outputs=structured, **extra)
+                best_of=req.best_of, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+                output_kind=RequestOutputKind.DELTA, structured_outputs=structured)
         except (ValueError, TypeError) as e:
             msg = str(e)
             raise APIError(msg, param=msg.split(" ", 1)[0].rstrip(":")) from None
@@ -193,8 +215,6 @@ class Renderer:
     def completion_params(self, req: CompletionRequest, prompt: Prompt) -> SamplingParams:
         if req.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(f"best_of must equal n ({req.n}) when given, got {req.best_of}", param="best_of")
         plp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
             plp = max(plp or 0, req.logprobs)

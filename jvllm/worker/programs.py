@@ -190,7 +190,7 @@ def _sample_signature(ctx, key) -> Signature:
     R, extras = key
     last = ctx.stages[-1]
     shard = last.sharding()
-    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, extras, shard)
+    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, ctx.cfg.vocab_size, extras, shard)
     # GPUs: no lax.cond in the sampler (a cond's predicate goes to the host and blocks the
     # dispatcher); elsewhere conds skip the unneeded work
     fn = cached(ctx, "sample", lambda: jax.jit(functools.partial(

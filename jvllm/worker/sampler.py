@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from jvllm.sampling import SamplingBatch, SamplingExtras
-from jvllm.sampling_params import MAX_LOGIT_BIAS
+from jvllm.sampling_params import MAX_LOGIT_BIAS, bad_word_bans
 
 BIAS_SLOTS = MAX_LOGIT_BIAS + 8  # logit_bias entries + min_tokens' forbidden EOS / stop ids
 
@@ -23,21 +23,27 @@ def batch_layout(R: int) -> dict[str, tuple[tuple[int, ...], type]]:
                 want_logprobs=((), np.bool_))
 
 
-def extras_layout(R: int, max_model_len: int) -> dict[str, tuple[tuple[int, ...], type]]:
+def mask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+def extras_layout(R: int, max_model_len: int, vocab_size: int) -> dict[str, tuple[tuple[int, ...], type]]:
     L, B = max_model_len, BIAS_SLOTS
     return dict(repetition=((R,), np.float32), presence=((R,), np.float32), frequency=((R,), np.float32),
                 hist_ids=((R, L), np.int32), hist_is_out=((R, L), np.bool_),
-                bias_ids=((R, B), np.int32), bias_vals=((R, B), np.float32))
+                bias_ids=((R, B), np.int32), bias_vals=((R, B), np.float32),
+                allow_bits=((R, mask_words(vocab_size)), np.uint32))
 
 
-def abstract_inputs(R: int, max_model_len: int, extras: bool, sharding=None):
+def abstract_inputs(R: int, max_model_len: int, vocab_size: int, extras: bool, sharding=None):
     """(SamplingBatch, SamplingExtras | None) of ShapeDtypeStructs for the sampler programs."""
     import jax
 
     def tree(cls, layout):
         return cls(**{k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, (shape, dt) in layout.items()})
 
-    return tree(SamplingBatch, batch_layout(R)), (tree(SamplingExtras, extras_layout(R, max_model_len)) if extras else None)
+    return tree(SamplingBatch, batch_layout(R)), (tree(SamplingExtras, extras_layout(R, max_model_len, vocab_size))
+                                           if extras else None)
 
 
 def plain_greedy(p) -> bool:
@@ -48,7 +54,7 @@ def plain_greedy(p) -> bool:
 def sampling_inputs(scheduled, R: int, vocab_size: int, max_model_len: int):
     """(SamplingBatch, SamplingExtras | None, any row wants logprobs) as numpy arrays for the rows of
     `scheduled` (padded to R). Extras are built only when some request needs them (penalties,
-    logit bias, min_tokens)."""
+    logit bias, min_tokens, allowed_token_ids, bad_words)."""
     V = vocab_size
     temp = np.zeros(R, np.float32)
     top_k = np.full(R, V, np.int32)
@@ -65,18 +71,19 @@ def sampling_inputs(scheduled, R: int, vocab_size: int, max_model_len: int):
         top_p[r], min_p[r] = p.top_p, p.min_p
         keys[r] = key_data(s.req.seed)
         counter[r] = s.req.num_output_tokens + s.req.num_pending  # index of the token drawn now
-        want_lp |= p.logprobs is not None
+        want_lp |= p.needs_logprobs
         extras |= p.needs_extras
     sb = SamplingBatch(temp, top_k, top_p, min_p, keys, counter, np.bool_(want_lp))
     return sb, (_extras(scheduled, R, V, max_model_len) if extras else None), want_lp
 
 
 def _extras(scheduled, R: int, V: int, max_model_len: int) -> SamplingExtras:
-    lay = extras_layout(R, max_model_len)
+    lay = extras_layout(R, max_model_len, V)
     a = {k: np.zeros(shape, dt) for k, (shape, dt) in lay.items()}
     a["repetition"][:] = 1.0
     a["hist_ids"][:] = -1
     a["bias_ids"][:] = -1
+    a["allow_bits"][:] = 0xFFFFFFFF
     L, B = lay["hist_ids"][0][1], lay["bias_ids"][0][1]
     for r, s in enumerate(scheduled):
         req, p = s.req, s.req.params
@@ -95,6 +102,8 @@ def _extras(scheduled, R: int, V: int, max_model_len: int) -> SamplingExtras:
         if items:
             a["bias_ids"][r, :len(items)] = [k for k, _ in items]
             a["bias_vals"][r, :len(items)] = [v for _, v in items]
+        if p.needs_mask:
+            a["allow_bits"][r] = allow_bits(req, V)
     return SamplingExtras(**a)
 
 
@@ -113,3 +122,17 @@ def grammar_mask(scheduled, R: int, vocab_size: int) -> np.ndarray | None:
         mask[r] = 0
         g.fill(mask[r])
     return mask
+
+
+def allow_bits(req, V: int) -> np.ndarray:
+    """The row's packed vocabulary mask ([ceil(V / 32)] u32, `SamplingExtras.allow_bits`): the
+    request's allowed_token_ids (all when None) minus the bad-word tokens banned after its output
+    so far."""
+    p = req.params
+    ok = np.zeros(mask_words(V) * 32, np.bool_)
+    ok[p.allowed_token_ids if p.allowed_token_ids is not None else slice(0, V)] = True
+    if req.bad_words_ids:
+        bans = bad_word_bans(req.bad_words_ids, req.output_token_ids)
+        if bans:
+            ok[list(bans)] = False
+    return np.packbits(ok, bitorder="little").view("<u4")
