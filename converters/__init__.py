@@ -111,6 +111,20 @@ def hf_config_dict(spec: ModelSpec) -> dict:
         return json.load(f)
 
 
+def llama_config_defaults(d: dict) -> dict:
+    """transformers' LlamaConfig defaults for what `d` leaves out (the fields ModelConfig reads;
+    tests/test_converters.py checks the result against LlamaConfig for every llama preset). Built
+    by hand because importing a transformers config class imports torch where it is installed
+    (seconds of start-up, about 10 s on the GPU image)."""
+    heads = d.get("num_attention_heads", 32)
+    return dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
+                head_dim=d.get("hidden_size", 4096) // heads, hidden_act="silu", max_position_embeddings=2048,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=None,
+                attention_bias=False, mlp_bias=False, sliding_window=None, layer_types=None, pad_token_id=None,
+                bos_token_id=1, eos_token_id=2)
+
+
 def model_config(spec: ModelSpec):
     from jvllm.config import ModelConfig, load_hf_config
 
@@ -119,9 +133,13 @@ def model_config(spec: ModelSpec):
 
         return model_config_from_dict(hf_config_dict(spec))
     if spec.kind == "random":
+        d = hf_config_dict(spec)
+        if d["model_type"] == "llama":  # filled with LlamaConfig's defaults: no config class to import
+            from .gguf import model_config_from_dict
+
+            return model_config_from_dict({**llama_config_defaults(d), **d})
         import transformers
 
-        d = hf_config_dict(spec)
         cls = transformers.CONFIG_MAPPING[d["model_type"]]
         return ModelConfig.from_hf_config(cls(**{k: v for k, v in d.items() if k != "model_type"}))
     if spec.kind == "hf":

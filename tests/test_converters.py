@@ -189,3 +189,23 @@ def test_orbax_mismatch_is_an_error(ckpt_dir, tmp_path):
     json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
     with pytest.raises(CheckpointError, match="mlp"):
         load_checkpoint(dst)
+
+
+def test_llama_random_presets_config_without_transformers_classes():
+    """random: llama presets build their ModelConfig from a dict of LlamaConfig's defaults (no
+    transformers config class: its import pulls torch); it must equal the transformers path."""
+    import transformers
+
+    from jvllm.config import ModelConfig
+    from jvllm.converters import RANDOM_PRESETS, hf_config_dict, model_config, resolve_model
+
+    n = 0
+    for name in RANDOM_PRESETS:
+        spec = resolve_model(f"random:{name}")
+        d = hf_config_dict(spec)
+        if d["model_type"] != "llama":
+            continue
+        ref = ModelConfig.from_hf_config(transformers.LlamaConfig(**{k: v for k, v in d.items() if k != "model_type"}))
+        assert model_config(spec) == ref, name
+        n += 1
+    assert n >= 3
