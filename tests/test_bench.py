@@ -56,7 +56,8 @@ def run_cli(tmp_path, *args) -> dict:
     assert d["compiles_after_warmup"] == 0
     assert d["startup"]["construct_s"] > 0 and d["startup"]["first_token_s"] > 0
     parts = d["startup"]["init_parts"]  # the start-up beyond load and warm-up, split
-    assert set(parts) == {"build_stages_s", "kv_sizing_s", "runner_s", "block_pool_s"} and all(v >= 0 for v in parts.values())
+    assert set(parts) == {"backend_init_s", "model_config_s", "tokenizer_s", "build_stages_s", "kv_sizing_s",
+                          "runner_s", "block_pool_s"} and all(v >= 0 for v in parts.values())
     assert sum(parts.values()) <= d["startup"]["init_s"] - d["startup"]["warmup_compile_s"]
     assert d["xla_programs"]["summary"]["step"]["programs"] >= 2  # token buckets 16, 64 (+ variants)
     steps = [p for name, p in d["xla_programs"]["programs"].items() if name.startswith("step")]

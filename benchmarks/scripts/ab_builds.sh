@@ -8,7 +8,9 @@
 #     sampled  the same through the general sampler (temperature 0.8, top_p 0.95) -> {before,after}_sampled.json
 #     startup  `jvllm bench latency --cold-start` (process start to first token, empty and warm cache),
 #              after only                                                      -> after_startup.json
-#   ORDER (default "before after"), BEFORE (default .before), MODEL (default random:llama3-8b).
+#   ORDER (default "before after"), BEFORE (default .before), MODEL (default random:llama3-8b),
+#   BEFORE_COMMIT / AFTER_COMMIT: each build's commit for its JSON (the device copy's own git HEAD is
+#   the session's base commit, not the tree it carries).
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el (this tree's editable install is unused: each build runs from its target)
 BEFORE=${BEFORE:-.before}; MODEL=${MODEL:-random:llama3-8b}
@@ -23,7 +25,8 @@ run() {  # run <build> <name> <args...>
   local b=$1 name=$2; shift 2
   echo "[$(el)s] $b $name"
   # from /tmp: `python -m` puts the working directory first on sys.path, which would import this tree
-  (cd /tmp && PYTHONPATH=/tmp/site_$b JVLLM_CACHE_DIR=/tmp/cache_$b timeout ${LIMIT:-280} \
+  local commit=${AFTER_COMMIT:-unknown}; [ "$b" = before ] && commit=${BEFORE_COMMIT:-unknown}
+  (cd /tmp && JVLLM_GIT_COMMIT=$commit PYTHONPATH=/tmp/site_$b JVLLM_CACHE_DIR=/tmp/cache_$b timeout ${LIMIT:-280} \
     python -m jvllm.cli bench "$@" --output-json "$OUT/${b}_${name}.json" > "$OUT/${b}_${name}.log" 2>&1)
   echo "rc=$?"; grep -E "^ *(W1|B1|P1|startup|cold|memory)" "$OUT/${b}_${name}.log" | cut -c1-220
 }

@@ -95,7 +95,6 @@ class Worker:
                 f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB; gpu_memory_utilization {config.gpu_memory_utilization}): "
                 f"free memory on the device, raise gpu_memory_utilization, or shard the model "
                 f"(tensor_parallel_size / pipeline_parallel_size)") from e
-        self.init_parts["weights_s"] = ckpt.load_seconds
         t = time.perf_counter()
         tokenizer = None
         if config.skip_tokenizer_init is not True:
