@@ -1,7 +1,6 @@
 """`jvllm launch`: run one command as N cooperating processes on this host, one per GPU group,
-the way tensor parallelism ran fastest on 2 H200s (benchmarks/results/h200x2_tp2mp_*.json: W1
-11,196 out tok/s with one process per GPU, 9,294 with both GPUs driven from one process, whose
-host launch time bounded every step).
+the way tensor parallelism runs fastest on one host (one process per GPU beat both GPUs driven
+from one process, whose host launch time bounded every step: benchmarks/results/INDEX.md).
 
     jvllm launch --nproc 2 -- jvllm bench all --model random:llama3-8b -tp 2
     jvllm launch --nproc 2 -- python my_script.py        # my_script builds LLM(..., tensor_parallel_size=2)

@@ -14,9 +14,8 @@ ceil(max_num_seqs / num_microbatches) each, and at most an eighth of that above 
 and stays in it until it finishes or is preempted, so its next step's input token is in that
 micro-batch's sampled ids (async scheduling). The budget is per micro-batch: a prefill chunk is cut to what its
 micro-batch has left, so no micro-batch exceeds `max_num_batched_tokens` (the largest bucket).
-Measured on 2 H200s (W1, PP=2 over processes, build 479b533): splitting one 2048-token step into
-two micro-batches afterwards gave pieces of about 1,100 and 950 tokens, padded to the 2048 and
-1024 buckets, and the prefill phase ran only 1.2x faster than one GPU.
+(Splitting one whole step into micro-batches afterwards pads each piece to a large bucket and
+measured much slower: benchmarks/README.md, History.)
 """
 from __future__ import annotations
 

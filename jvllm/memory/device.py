@@ -17,8 +17,7 @@ otherwise), and it cannot be resized once the backend exists. So:
   allocation. The rule is vLLM's: share x pool - weights (in use now) - activation peak, where
   the share is `POOL_SHARE` (0.9) of a pool jvllm sized to `u` itself (the pool already is the
   engine's share of the device; the 10% left is headroom for what the activation probe does not
-  see: two steps in flight under async scheduling, transfers, fragmentation; at u = 0.9 on an
-  H200 that is 13 GiB, more than the 11 GiB the measured runs had under JAX's default pool), and
+  see: two steps in flight under async scheduling, transfers, fragmentation), and
   `u` of any other pool (JAX's default 75%, or the user's settings).
 """
 from __future__ import annotations

@@ -108,9 +108,8 @@ class AttentionMetadata:
 
 def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
     """Scatter new K or V rows [T, kv_heads, head_dim] into `pages` at `slot_mapping` (in place
-    when `pages` is donated). Out-of-range slots (padding) are dropped. Measured against one Pallas
-    kernel writing K and V together (99270df, B1 on an H200, h200_b1_variants_99270df.json): 8B
-    203.6 tok/s with the two scatters, 204.0 with the kernel; 1B 501-527 against 423-432."""
+    when `pages` is donated). Out-of-range slots (padding) are dropped. (One Pallas kernel writing
+    K and V together did not beat these two scatters: benchmarks/README.md, Negative results.)"""
     kh, nb, bs, d = pages.shape
     flat = pages.reshape(kh, nb * bs, d)
     flat = flat.at[:, slot_mapping].set(new.astype(pages.dtype).transpose(1, 0, 2), mode="drop")

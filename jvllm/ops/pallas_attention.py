@@ -2,8 +2,8 @@
 NVIDIA GPUs; `interpret=True` runs the same kernel on CPU for tests).
 
 Why: the XLA reference (`jvllm.ops.attention.paged_attention`) gathers every tile's whole context
-out of the pool into a temporary and walks all tiles to the batch's longest context. On an H200 that
-made a 2048-token prefill take ~3x the time of its matmuls. This kernel reads pages straight from
+out of the pool into a temporary and walks all tiles to the batch's longest context (a prefill
+then costs several times its matmuls: benchmarks/README.md). This kernel reads pages straight from
 the pool (no gathered copy), and every query tile stops at its own last position (causal skip per
 tile), so a prefill chunk does about half of the dense work and a short request in a long batch
 costs only its own context.
@@ -145,19 +145,14 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
                            interpret: bool = False):
     """q [T, H, D] -> [T, H, D]; same contract and result as `attention.paged_attention` (which is
     the test oracle). K/V for this step's tokens must already be in the pages. Launch defaults
-    (None = by tile kind) are the best measured on an H200 (bf16, 8 KV heads, head_dim 128):
+    (None = by tile kind) are the best measured on an H200 (bf16, 8 KV heads, head_dim 128; the
+    figures are in benchmarks/README.md and results/INDEX.md):
     - tiles of several queries (prefill, mixed steps): 64 keys per inner step (`pages_per_block`
-      = max(1, 64 // block size)), 4 warps, 2 stages (benchmarks/gpu_kernels.py, session 2);
+      = max(1, 64 // block size)), 4 warps, 2 stages;
     - one-query tiles (decode-only steps) with at least 512 programs (64 requests x 8 KV heads):
-      128 keys per inner step, 4 warps, 1 stage: 0.475 ms against 0.713 ms for the prefill launch
-      at 256 decodes of context 800, 16-token pages, and 0.49 ms with 64-token pages
-      (benchmarks/results/h200_gpu_decode_sweep_dcbef8f.json); in the engine W1 went from 7,448
-      to 7,774 out tok/s (h200_jvllm_all_block64_dcbef8f.json, h200x2_tp1_a78ae13.json);
+      128 keys per inner step, 4 warps, 1 stage;
     - one-query tiles with fewer than 512 programs (small decode batches, B1) keep the 64-key,
-      2-stage launch (the sweep found nothing better for them) but are split-K (`decode_splits`):
-      B1 went from 186.9 to 198.1-198.6 tok/s on H200s (h200x2_tp1_a78ae13.json before;
-      h200_b1_split_a0626a7.json, h200x2_b1_tp1_0e2cbac.json after; separate calls, Llama-3-8B
-      bf16), where 8 unsplit programs left the GPU idle (0.79 ms of attention per step).
+      2-stage launch but are split-K (`decode_splits`): unsplit, so few programs leave the GPU idle.
     `softcap` soft-caps the scores as the reference does (cap * tanh(scale * q.k / cap)).
     `prefetch_ids` loads the next inner step's page ids one iteration ahead (experimental; it
     did not beat the defaults in that sweep).
