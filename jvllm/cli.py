@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="dispatch step N+1 before reading step N (None: on in a single process; data-parallel replicas step synchronously)")
     p.add_argument("--query-tile", type=int, default=None, help="tokens per attention query tile of mixed steps")
+    p.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile what a first request needs at start-up and the other programs in a background "
+                        "thread (--no-background-compile: every program before serving)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices per tensor-parallel group")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
@@ -58,7 +61,7 @@ def engine_kwargs(a) -> dict:
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
                 skip_tokenizer_init=a.skip_tokenizer_init, token_buckets=a.token_buckets,
-                compilation_cache_dir=a.compilation_cache_dir)
+                compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile)
 
 
 def add_sampling_args(p, max_tokens: int):

@@ -109,3 +109,16 @@ def test_background_warmup_compiles_the_first_request_programs_first(ckpt_dir):
         assert llm.get_stats()["compiles_after_warmup"] == 0
     finally:
         llm.shutdown()
+
+
+def test_background_compile_flag_reaches_the_engine_config():
+    """--no-background-compile (every program before serving) and the default both reach EngineConfig."""
+    import argparse
+
+    from jvllm.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2")
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args([]))["background_compile"] is True
+    assert engine_kwargs(p.parse_args(["--no-background-compile"]))["background_compile"] is False
