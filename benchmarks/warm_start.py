@@ -4,8 +4,10 @@
 
 Each configuration runs in a fresh child process against one fresh temporary cache directory
 (in order: empty -> fills both caches; warm with JVLLM_EXECUTABLE_CACHE=0 -> JAX's persistent
-cache only, which still traces and lowers every program to compute its key; warm -> jvllm's cache,
-no tracing). Figures: seconds to construct the engine, seconds to the first generated tokens,
+cache only; warm -> jvllm's executable cache too; both trace and lower each program to compute its
+key, jvllm's cache then skips XLA's cache look-up and deserialisation path). The engine compiles in
+the background by default, so these are seconds to the first tokens with the rest still
+compiling. Figures: seconds to construct the engine, seconds to the first generated tokens,
 compile count, executable-cache loads, and the generated ids (must be equal in all three).
 """
 from __future__ import annotations
