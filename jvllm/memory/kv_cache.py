@@ -6,6 +6,8 @@ runner allocates exactly that, and the benchmarks derive bytes per token from it
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,9 +41,15 @@ def page_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int,
 
 def allocate(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, sharding=None) -> list:
     """Zeroed KV pages for `num_layers` layers: [(K, V)] with `sharding` (None: the default device)."""
-    shape = page_shape(cfg, num_blocks, block_size)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    zeros = _zeros_program(page_shape(cfg, num_blocks, block_size), jnp.dtype(dtype), sharding)
     return [(zeros(), zeros()) for _ in range(num_layers)]
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_program(shape: tuple, dtype, sharding):
+    """One jitted zero-maker per (shape, dtype, sharding): a pool allocated again with the same
+    layout (wake_up after sleep) reuses it instead of compiling a new one."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def delete(pages) -> None:
