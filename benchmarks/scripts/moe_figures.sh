@@ -10,11 +10,13 @@
 #   moe      `jvllm bench all` (W1, B1, P1) on random:qwen3-30b-a3b bf16, --moe-backend $MOE_BACKEND -> moe_all.json
 #   moe_xla  the same with --moe-backend xla (jax.lax.ragged_dot) -> moe_all_xla.json
 #   dense    `jvllm bench all` on random:llama3-8b bf16 (the dense figures of the same call) -> dense_all.json
+#   gemma3_4b  `jvllm bench latency` (B1 and its bandwidth roofline share) on random:gemma3-4b bf16 -> gemma3_4b_b1.json
 #   share    benchmarks/probes/moe_profile_share.py, B1 and W1: device time in grouped matmuls and
 #            routing (CUPTI trace attributed through the HLO op names) -> moe_share_b1.json, moe_share_w1.json
 # tokamax is not in the device image: carry its wheels in .whl/ (device_env.sh installs them), e.g.
-#   pip download --no-deps -d .whl tokamax==0.0.12 qwix==0.1.8 einshape==1.0 jaxtyping==0.3.11 \
-#       wadler-lindig==0.1.8 immutabledict==4.3.1 typeguard==2.13.3 tensorboardx==2.6.5
+#   pip download --no-deps -d .whl tokamax==0.0.12 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 \
+#       typeguard==2.13.3 tensorboardx==2.6.5 pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 \
+#       typing-inspection==0.4.2  (the image has jaxtyping and wadler-lindig, not pydantic)
 # Without it MOE_BACKEND=auto runs XLA's ragged_dot, which upstream XLA expands densely on CUDA.
 # Env: MOE_BACKEND (auto | xla | tokamax, default auto), BACKEND (attention backend, default auto),
 # END_S (590: every stage's limit ends by then).
@@ -61,12 +63,16 @@ run_stage() {
     dense) timeout $(left 330) python -m jvllm.cli bench all --model random:llama3-8b --dtype bfloat16 --max-model-len 4096 \
              --attention-backend $BACKEND --no-xla-report --output-json "$OUT/dense_all.json" > "$OUT/dense_all.log" 2>&1
            echo "rc=$?"; tail -9 "$OUT/dense_all.log" ;;
+    gemma3_4b) timeout $(left 150) python -m jvllm.cli bench latency --model random:gemma3-4b --dtype bfloat16 \
+             --max-model-len 4096 --attention-backend $BACKEND --no-xla-report --output-json "$OUT/gemma3_4b_b1.json" \
+             > "$OUT/gemma3_4b_b1.log" 2>&1
+           echo "rc=$?"; tail -6 "$OUT/gemma3_4b_b1.log" ;;
     share) for w in b1 w1; do
              timeout $(left 240) python benchmarks/probes/moe_profile_share.py --workload $w $MOE --moe-backend $MOE_BACKEND \
                --token-buckets 16,64,128,256,1024,2048 --steps 20 --out "$OUT/moe_share_$w.json" > "$OUT/moe_share_$w.log" 2>&1
              echo "rc=$?"; grep -E "ms/step|Error" "$OUT/moe_share_$w.log" | tail -2
            done ;;
-    *) echo "unknown stage $stage (smoke gmm moe moe_xla dense share)"; return 2 ;;
+    *) echo "unknown stage $stage (smoke gmm moe moe_xla dense gemma3_4b share)"; return 2 ;;
   esac
 }
 
