@@ -18,7 +18,7 @@
 #       typeguard==2.13.3 tensorboardx==2.6.5 pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 \
 #       typing-inspection==0.4.2  (the image has jaxtyping and wadler-lindig, not pydantic)
 # Without it MOE_BACKEND=auto runs XLA's ragged_dot, which upstream XLA expands densely on CUDA.
-# Env: MOE_BACKEND (auto | xla | tokamax, default auto), BACKEND (attention backend, default auto),
+# Env: MOE_BACKEND (auto | xla | tokamax | pallas, default auto), BACKEND (attention backend, default auto),
 # END_S (590: every stage's limit ends by then).
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
@@ -29,19 +29,19 @@ left() { local l=$(( END_S - $(el) )); [ "$1" -lt "$l" ] && l=$1; echo $l; }  # 
 MOE="--model random:qwen3-30b-a3b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND"
 
 smoke() {
-  python - > "$OUT/moe_smoke.log" 2>&1 <<'PY'
-import jax, jax.numpy as jnp, numpy as np
+  SMOKE_BACKEND=${MOE_BACKEND/auto/tokamax} python - > "$OUT/moe_smoke.log" 2>&1 <<'PY'
+import os, jax, jax.numpy as jnp, numpy as np
 from jvllm.ops.grouped_matmul import moe_ffn, ragged_dot_fn
-ragged_dot_fn("tokamax")  # ImportError naming the package when the wheels were not carried
+B = os.environ["SMOKE_BACKEND"]; ragged_dot_fn(B)  # ImportError naming the package when the wheels were not carried
 E, k, D, I, T = 128, 8, 2048, 768, 8
 key = jax.random.split(jax.random.key(0), 4)
 ws = [(jax.random.normal(kk, s) * 0.02).astype(jnp.bfloat16) for kk, s in zip(key, ((E, D, I), (E, D, I), (E, I, D)))]
 x = jax.random.normal(key[3], (T, D)).astype(jnp.bfloat16)
 idx = jnp.asarray(np.stack([np.random.default_rng(t).choice(E, k, replace=False) for t in range(T)]), jnp.int32)
 w = jnp.full((T, k), 1.0 / k, jnp.float32)
-a = jax.jit(lambda *z: moe_ffn(*z, backend="tokamax"))(x, idx, w, *ws)
+a = jax.jit(lambda *z: moe_ffn(*z, backend=B))(x, idx, w, *ws)
 b = jax.jit(lambda *z: moe_ffn(*z, backend="xla"))(x, idx, w, *ws)
-err = float(jnp.abs(a - b).max()); scale = float(jnp.abs(b).max()); print("smoke err", err, "scale", scale)
+err = float(jnp.abs(a - b).max()); scale = float(jnp.abs(b).max()); print("smoke", B, "err", err, "scale", scale)
 assert err <= 0.02 * scale + 1e-3
 PY
 }
@@ -63,7 +63,7 @@ run_stage() {
     dense) timeout $(left 330) python -m jvllm.cli bench all --model random:llama3-8b --dtype bfloat16 --max-model-len 4096 \
              --attention-backend $BACKEND --no-xla-report --output-json "$OUT/dense_all.json" > "$OUT/dense_all.log" 2>&1
            echo "rc=$?"; tail -9 "$OUT/dense_all.log" ;;
-    gemma3_4b) timeout $(left 150) python -m jvllm.cli bench latency --model random:gemma3-4b --dtype bfloat16 \
+    gemma3_4b) timeout $(left 240) python -m jvllm.cli bench latency --model random:gemma3-4b --dtype bfloat16 \
              --max-model-len 4096 --attention-backend $BACKEND --no-xla-report --output-json "$OUT/gemma3_4b_b1.json" \
              > "$OUT/gemma3_4b_b1.log" 2>&1
            echo "rc=$?"; tail -6 "$OUT/gemma3_4b_b1.log" ;;
