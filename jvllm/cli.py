@@ -41,8 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture of experts: shard the experts over the tensor-parallel devices")
-    p.add_argument("--moe-backend", default="auto", choices=("auto", "xla", "tokamax"),
-                   help="mixture of experts: grouped-matmul backend (auto: tokamax on GPUs when installed)")
+    p.add_argument("--moe-backend", default="auto", choices=("auto", "xla", "pallas", "tokamax"),
+                   help="mixture of experts: grouped-matmul backend (auto: pallas on GPUs, xla elsewhere)")
     p.add_argument("--coordinator-address", default=None, help="multi-host: host:port of process 0")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")

@@ -4,20 +4,21 @@
 # the expert FFN per grouped-matmul backend, and the profile's share of grouped matmuls / routing.
 # STAGES (default "smoke gmm moe dense") run in order; about 600 s of device time per call, so
 # put "share" (and "moe_xla") in a second call.
-#   smoke    tokamax importable; the expert FFN on tokamax equal to XLA's at a decode shape -> moe_smoke.log
+#   smoke    the expert FFN on $MOE_BACKEND (auto = pallas) equal to XLA's at a decode shape -> moe_smoke.log
 #   gmm      benchmarks/probes/moe_grouped_matmul.py: one layer's expert FFN, backends xla and
-#            tokamax, 1..2048 tokens -> moe_gmm.json
+#            pallas, 1..2048 tokens -> moe_gmm.json
 #   moe      `jvllm bench all` (W1, B1, P1) on random:qwen3-30b-a3b bf16, --moe-backend $MOE_BACKEND -> moe_all.json
 #   moe_xla  the same with --moe-backend xla (jax.lax.ragged_dot) -> moe_all_xla.json
 #   dense    `jvllm bench all` on random:llama3-8b bf16 (the dense figures of the same call) -> dense_all.json
 #   gemma3_4b  `jvllm bench latency` (B1 and its bandwidth roofline share) on random:gemma3-4b bf16 -> gemma3_4b_b1.json
 #   share    benchmarks/probes/moe_profile_share.py, B1 and W1: device time in grouped matmuls and
 #            routing (CUPTI trace attributed through the HLO op names) -> moe_share_b1.json, moe_share_w1.json
-# tokamax is not in the device image: carry its wheels in .whl/ (device_env.sh installs them), e.g.
+# MOE_BACKEND=auto takes jvllm's Pallas kernel on the GPU. tokamax (MOE_BACKEND=tokamax) is not in the
+# device image, and 0.0.12's kernels fail on jax 0.11.2; to try it, carry its wheels in .whl/ (device_env.sh installs them), e.g.
 #   pip download --no-deps -d .whl tokamax==0.0.12 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 \
 #       typeguard==2.13.3 tensorboardx==2.6.5 pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 \
 #       typing-inspection==0.4.2  (the image has jaxtyping and wadler-lindig, not pydantic)
-# Without it MOE_BACKEND=auto runs XLA's ragged_dot, which upstream XLA expands densely on CUDA.
+# MOE_BACKEND=xla runs XLA's ragged_dot, which upstream XLA expands densely on CUDA.
 # Env: MOE_BACKEND (auto | xla | tokamax | pallas, default auto), BACKEND (attention backend, default auto),
 # END_S (590: every stage's limit ends by then).
 set -u
@@ -29,7 +30,7 @@ left() { local l=$(( END_S - $(el) )); [ "$1" -lt "$l" ] && l=$1; echo $l; }  # 
 MOE="--model random:qwen3-30b-a3b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND"
 
 smoke() {
-  SMOKE_BACKEND=${MOE_BACKEND/auto/tokamax} python - > "$OUT/moe_smoke.log" 2>&1 <<'PY'
+  SMOKE_BACKEND=${MOE_BACKEND/auto/pallas} python - > "$OUT/moe_smoke.log" 2>&1 <<'PY'
 import os, jax, jax.numpy as jnp, numpy as np
 from jvllm.ops.grouped_matmul import moe_ffn, ragged_dot_fn
 B = os.environ["SMOKE_BACKEND"]; ragged_dot_fn(B)  # ImportError naming the package when the wheels were not carried
