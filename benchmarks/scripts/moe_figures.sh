@@ -20,7 +20,7 @@
 #       typing-inspection==0.4.2  (the image has jaxtyping and wadler-lindig, not pydantic)
 # MOE_BACKEND=xla runs XLA's ragged_dot, which upstream XLA expands densely on CUDA.
 # Env: MOE_BACKEND (auto | xla | tokamax | pallas, default auto), BACKEND (attention backend, default auto),
-# END_S (590: every stage's limit ends by then).
+# END_S (590: every stage's limit ends by then), GMM_SWEEP (the gmm stage's --sweep of Pallas launch configs).
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 BACKEND=${BACKEND:-auto}
@@ -53,7 +53,8 @@ run_stage() {
   echo "[$(el)s] $stage"
   case $stage in
     smoke) smoke; echo "rc=$?"; grep -E "smoke err|Error" "$OUT/moe_smoke.log" | tail -2 ;;
-    gmm) timeout $(left 150) python benchmarks/probes/moe_grouped_matmul.py --out "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1
+    gmm) timeout $(left 150) python benchmarks/probes/moe_grouped_matmul.py ${GMM_SWEEP:+--sweep $GMM_SWEEP} \
+           --out "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1
          echo "rc=$?"; grep -E "^T=|Error" "$OUT/moe_gmm.log" | tail -12 ;;
     moe) timeout $(left 330) python -m jvllm.cli bench all $MOE --moe-backend $MOE_BACKEND \
            --output-json "$OUT/moe_all.json" > "$OUT/moe_all.log" 2>&1
