@@ -2,7 +2,9 @@
 tokens and logprobs are bit-identical whatever else is in its batch, however its prompt was chunked
 and whether its prefix came from the prefix cache. The idea is Thinking Machines' ("Defeating
 Nondeterminism in LLM Inference") and vLLM's `VLLM_BATCH_INVARIANT`: a token's result must not
-depend on the shape of the batch it was computed in, only on its own inputs.
+depend on the shape of the batch it was computed in, only on its own inputs. vLLM swaps in kernels
+whose per-row result is the same for any M (fixed-tile persistent matmuls, fixed-split attention,
+row-wise norms); jvllm, which hands its kernels to XLA, instead gives every step the same shapes.
 
 What breaks invariance in the default mode, and what this mode does about it (chosen once, at
 construction; nothing is decided per step):
