@@ -20,8 +20,9 @@ C = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def llm(ckpt_dir):
+    # batch-invariant: one step program (the quickest engine to build), and the hooks work there too
     llm = LLM(ckpt_dir("llama", tokenizer=True), dtype="float32", max_model_len=64, max_num_batched_tokens=32,
-              max_num_seqs=4, token_buckets=(8, 32), use_tqdm_on_load=False, background_compile=False)
+              max_num_seqs=4, batch_invariant=True, use_tqdm_on_load=False)
     yield llm
     llm.shutdown()
 
