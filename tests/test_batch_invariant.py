@@ -47,6 +47,24 @@ def _cold(llm):
     assert llm.llm_engine.kv_manager.pool.reset_prefix_cache()
 
 
+def _prompt_chunks(llm, fn):
+    """fn()'s result and the (start, size) chunks TARGET's prompt was computed in."""
+    sched = llm.llm_engine.scheduler
+    chunks, orig = [], sched.schedule
+
+    def spy(*a, **kw):
+        out = orig(*a, **kw)
+        chunks.extend((s.start, s.num_tokens) for s in out.scheduled
+                      if s.req.prompt_token_ids == TARGET and s.start < len(TARGET))
+        return out
+
+    sched.schedule = spy
+    try:
+        return fn(), chunks
+    finally:
+        del sched.schedule
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_bit_equal_across_batches_and_chunkings(inv, temperature):
     tp = _params(temperature)
@@ -55,16 +73,19 @@ def test_bit_equal_across_batches_and_chunkings(inv, temperature):
     assert alone[3] == 0 and len(alone[0]) == N_OUT
     batches = [
         [TARGET, OTHERS[1]],                        # a small neighbour
-        [OTHERS[0], TARGET],                        # 27 tokens first: TARGET's prompt chunked 5 + 32
+        [OTHERS[0], TARGET],                        # 27 tokens first: TARGET gets 5 prompt tokens in step 1
         [OTHERS[2], OTHERS[1], TARGET, OTHERS[3]],  # a 90-token neighbour: more KV chunks, other splits
         OTHERS[3:] + [TARGET] + OTHERS[:2],
     ]
     sampled = SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True, logprobs=2)
+    chunkings = set()
     for i, b in enumerate(batches):
         _cold(inv)
-        got = _run(inv, b, tp, sampled if i % 2 else None)
-        assert got[3] == 0
-        assert got[:3] == alone[:3], f"batch {i} changed the target's tokens or logprobs"
+        got, chunks = _prompt_chunks(inv, lambda: _run(inv, b, tp, sampled if i % 2 else None))
+        chunkings.add(tuple(chunks))
+        assert got[3] == 0 and sum(n for _, n in chunks) == len(TARGET)
+        assert got[:3] == alone[:3], f"batch {i} (prompt chunks {chunks}) changed the target's tokens or logprobs"
+    assert len(chunkings) >= 3, chunkings  # the prompt really was cut in different places
 
 
 def test_bit_equal_with_prefix_cache_hit(inv):
