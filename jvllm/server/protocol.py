@@ -127,8 +127,8 @@ class _SamplingFields(_Request):
         None, min_length=1, description="layers (0 = embeddings, num_layers = after the final norm): each choice "
         "gets hidden_states {layer: one [hidden] list per token}, prompt and generated tokens (the last sampled "
         "token has none: it was never fed to the model)")
-    steering: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")], Annotated[list[float], Field(min_length=1)]] \
-        | None = Field(None, min_length=1, description="{layer (0 = embeddings, i = after decoder layer i-1): "
+    steering: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
+                   Annotated[list[float], Field(min_length=1)]] | None = Field(None, min_length=1, description="{layer (0 = embeddings, i = after decoder layer i-1): "
                        "vector [hidden]} added to the residual stream of this request's tokens only")
 
 
