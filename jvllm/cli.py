@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile what a first request needs at start-up and the other programs in a background "
                         "thread (--no-background-compile: every program before serving)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logprobs bit-identical whatever else is in its batch (one token "
+                        "bucket, no decode-only program: small steps cost a full max-num-batched-tokens step)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices per tensor-parallel group")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
@@ -61,7 +64,8 @@ def engine_kwargs(a) -> dict:
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
                 skip_tokenizer_init=a.skip_tokenizer_init, token_buckets=a.token_buckets,
-                compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile)
+                compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile,
+                batch_invariant=a.batch_invariant)
 
 
 def add_sampling_args(p, max_tokens: int):

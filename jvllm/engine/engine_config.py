@@ -52,3 +52,12 @@ class EngineConfig:
     # (LLMEngine.wait_for_warmup waits for them); False compiles everything before returning.
     # Multi-process runs always compile in the foreground.
     background_compile: bool = True
+    # a request's tokens and logprobs bit-identical whatever else is in its batch, however its
+    # prompt was chunked and whether its prefix was cached: one token bucket, no decode-only
+    # variant, one sampler program (jvllm.worker.batch_invariant states what holds where)
+    batch_invariant: bool = False
+
+    def __post_init__(self):
+        from jvllm.worker.batch_invariant import check_buckets  # host only, like this module
+
+        check_buckets(self.batch_invariant, self.token_buckets)

@@ -20,6 +20,8 @@ Contracts:
 - /v1/completions with echo and logprobs: the prompt's tokens lead `logprobs` (the first with
   null logprob and null top_logprobs, as in vLLM), then the generated ones; text_offset counts
   from the start of the echoed text. Streamed, the echo chunk waits for the prompt logprobs.
+- `return_hidden_states` (research hooks): each choice carries `hidden_states` {"layer": one
+  [hidden] list per token}, in the body or on the choice's last streamed chunk.
 - An unexpected exception under a request is logged with a request id; the client gets a generic
   500 naming that id, never the exception text.
 """
@@ -54,6 +56,25 @@ def _lp(x: float | None) -> float | None:
     return max(x, -9999.0) if x == x else -9999.0
 
 
+def hidden_states_json(hs: dict) -> dict:
+    """{"layer": one [hidden] list of floats per token, or None when no token was computed};
+    non-finite values (a float16 overflow) become null (JSON has no NaN / Infinity)."""
+    import math
+
+    import numpy as np
+
+    def rows(a):
+        if a is None:
+            return None
+        a = np.asarray(a, np.float32)
+        out = a.tolist()
+        if not np.isfinite(a).all():
+            out = [[x if math.isfinite(x) else None for x in r] for r in out]
+        return out
+
+    return {str(k): rows(v) for k, v in hs.items()}
+
+
 def _tok(lp, tid: int) -> str:
     s = getattr(lp, "decoded_token", None)
     return s if s is not None else f"token_id:{tid}"
@@ -63,7 +84,7 @@ class ChoiceState:
     """What has been generated for one choice (accumulated over DELTA outputs)."""
 
     __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "started",
-                 "finish_sent", "sent_len")
+                 "finish_sent", "sent_len", "hidden_states")
 
     def __init__(self, index: int):
         self.index = index
@@ -73,6 +94,7 @@ class ChoiceState:
         self.finish_reason = self.stop_reason = None
         self.started = self.finish_sent = False
         self.sent_len = 0  # characters of content streamed (chat with tools holds a possible call back)
+        self.hidden_states = None  # {layer: [n, hidden]} so far (return_hidden_states; every output has all)
 
 
 class Collector:
@@ -99,6 +121,8 @@ class Collector:
                 continue
             ch.text.append(c.text)
             ch.token_ids.extend(c.token_ids)
+            if c.hidden_states is not None:
+                ch.hidden_states = c.hidden_states
             if c.logprobs:
                 ch.logprobs.extend(c.logprobs)
             self.completion_tokens += len(c.token_ids)
@@ -269,6 +293,8 @@ class CompletionServer:
                 c = {"index": ch.index, "text": prefix + text, "logprobs": lp,
                      "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
                      "prompt_logprobs": prompt_logprobs_json(self.col.prompt_logprobs[pidx])}
+            if ch.hidden_states is not None:
+                c["hidden_states"] = hidden_states_json(ch.hidden_states)
             choices.append(c)
         body = self._head("chat.completion" if self.chat else "text_completion")
         body["choices"] = choices
@@ -378,6 +404,8 @@ class CompletionServer:
                     plp = self.col.prompt_logprobs[pidx]
                     for d in deltas:
                         c = self._choice_delta(*d)
+                        if d[-1] and d[0].hidden_states is not None:  # the choice's last chunk
+                            c["hidden_states"] = hidden_states_json(d[0].hidden_states)
                         if plp is not None and not self.chat and not self.col.prompt_logprobs_sent[pidx]:
                             self.col.prompt_logprobs_sent[pidx] = True
                             c["prompt_logprobs"] = prompt_logprobs_json(plp)

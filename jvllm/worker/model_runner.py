@@ -30,6 +30,7 @@ from jvllm.memory import kv_cache
 from jvllm.sampling import NUM_TOP_LOGPROBS
 from jvllm.worker import logits_processors, microbatches, programs, sampler
 from jvllm.worker.attention_modes import attention_modes
+from jvllm.worker.batch_invariant import StepVariants
 from jvllm.worker.executors import Pending, Work, make_executor
 from jvllm.worker.inputs import InputLayout
 from jvllm.worker.stage import Stage, put, to_host
@@ -84,7 +85,7 @@ class ModelRunner:
                  num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
                  query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
                  num_microbatches: int | None = None, attention_backend: str = "auto",
-                 logits_processors: tuple = ()):
+                 logits_processors: tuple = (), batch_invariant: bool = False):
         self.cfg = cfg
         self.stages = stages or [Stage(graphdef, state)]
         self.head_w = head_w
@@ -93,11 +94,13 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.logits_processors = logits_processors  # ((name, fn), ...): jvllm.worker.logits_processors
         self.num_microbatches = num_microbatches or len(self.stages)
+        self.variants = StepVariants.for_mode(batch_invariant)  # jvllm.worker.batch_invariant
         self.attention_backend, self.attention_modes = attention_modes(attention_backend)
         max_blocks = cdiv(max_model_len, block_size)
         self.kv_chunk_blocks = min(kv_chunk_blocks, max_blocks)
         self.layout = InputLayout(tuple(token_buckets), max_num_seqs, query_tile, block_size, num_blocks,
-                                  cdiv(max_blocks, self.kv_chunk_blocks) * self.kv_chunk_blocks)
+                                  cdiv(max_blocks, self.kv_chunk_blocks) * self.kv_chunk_blocks,
+                                  decode_variants=self.variants.decode_variants)
         self.platform = jax.default_backend()
         # stages over several processes: each process launches only its own stages
         self.pid = jax.process_index()
@@ -151,12 +154,17 @@ class ModelRunner:
         every other program, in the order a new workload meets them: each token bucket's prefill
         step and greedy sampler from the smallest bucket up, then the rest), this process's only.
         A request whose program is not compiled yet compiles it on demand (or waits for the
-        warm-up thread if that is compiling it)."""
+        warm-up thread if that is compiling it). Batch-invariant mode: the first are its one step
+        program and its sampler, and the argmax-only samplers (never used there) are left out."""
         keys = self.programs.keys()
         b = self.layout.token_buckets
+        if not self.variants.greedy_program:
+            keys = [k for k in keys if k[0] != "greedy"]
         t_dec = min((T for T in b if self.layout.has_decode_variant(T)), default=b[0])
-        first = [k for k in keys if (k[0] == "step" and k[1][1:] == (t_dec, True))
-                 or (k[0] == "greedy" and k[1] == self.layout.seq_bucket(t_dec))]
+        sampler0 = ("greedy", self.layout.seq_bucket(t_dec)) if self.variants.greedy_program else \
+            ("sample", (self.layout.seq_bucket(t_dec), False))
+        first = [k for k in keys if (k[0] == "step" and k[1][1:] == (t_dec, self.layout.has_decode_variant(t_dec)))
+                 or k == sampler0]
 
         def order(k):
             kind, key = k
@@ -199,11 +207,13 @@ class ModelRunner:
             t1 = time.perf_counter()
             mask = sampler.grammar_mask(sched, ps.R, self.cfg.vocab_size)  # None: no constrained row
             tm["grammar_mask_s"] += time.perf_counter() - t1
-            if mask is None and all(sampler.plain_greedy(s.req.params) for s in sched):  # argmax needs no inputs
-                sb, ex, want_lp, greedy = None, None, False, True
+            greedy_ok = self.variants.greedy_program
+            if greedy_ok and mask is None and all(sampler.plain_greedy(s.req.params) for s in sched):
+                sb, ex, want_lp, greedy = None, None, False, True  # argmax needs no inputs
             else:
                 sb, ex, want_lp = sampler.sampling_inputs(sched, ps.R, self.cfg.vocab_size, self.max_model_len)
-                greedy = mask is None and ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
+                greedy = (greedy_ok and mask is None and ex is None and not want_lp
+                          and not np.any(sb.temperature[:len(sched)] > 0))
             procs_in = None
             if logits_processors.uses_processors(sched):
                 greedy = False

@@ -183,16 +183,19 @@ class Worker:
                                         tensor_parallel_size=c.tensor_parallel_size)
 
     def _make_runner(self, num_blocks: int, sc: SchedulerConfig, buckets):
+        from jvllm.worker.batch_invariant import step_buckets
         from jvllm.worker.model_runner import ModelRunner
 
         c, acc = self.config, self.on_accelerator
         return ModelRunner(self.model_config, head_w=self._head_w, dtype=self.dtype, block_size=c.block_size,
                            num_blocks=num_blocks, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
-                           token_buckets=buckets, query_tile=c.query_tile or (16 if acc else 8),
+                           token_buckets=step_buckets(c.batch_invariant, c.token_buckets, buckets),
+                           query_tile=c.query_tile or (16 if acc else 8),
                            kv_chunk_blocks=c.kv_chunk_blocks or (16 if acc else 4),
                            stages=[dataclasses.replace(st, kv=None) for st in self._stages],  # shares weights
                            num_microbatches=c.num_microbatches, attention_backend=c.attention_backend,
-                           logits_processors=tuple((c.logits_processors or {}).items()))
+                           logits_processors=tuple((c.logits_processors or {}).items()),
+                           batch_invariant=c.batch_invariant)
 
     def _activation_peak(self, sc: SchedulerConfig, buckets) -> int:
         """XLA's temp allocation for the largest step and sampler programs, compiled against a
