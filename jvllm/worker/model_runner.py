@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jvllm import structured
 from jvllm.compilation.registry import Programs
 from jvllm.config import ModelConfig, cdiv
 from jvllm.memory import kv_cache
@@ -158,8 +159,11 @@ class ModelRunner:
         every other program, in the order a new workload meets them: each token bucket's prefill
         step and greedy sampler from the smallest bucket up, then the rest), this process's only.
         A request whose program is not compiled yet compiles it on demand (or waits for the
-        warm-up thread if that is compiling it)."""
+        warm-up thread if that is compiling it). Where the grammar engine is installed, every
+        `sample` variant's masked twin (`sample_masked`, same key) comes last."""
         keys = self.programs.keys()
+        if structured.available():
+            keys += [("sample_masked", key) for kind, key in keys if kind == "sample"]
         b = self.layout.token_buckets
         t_dec = min((T for T in b if self.layout.has_decode_variant(T)), default=b[0])
         first = [k for k in keys if (k[0] == "step" and k[1][1:] == (t_dec, True))
