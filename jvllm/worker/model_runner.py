@@ -159,11 +159,15 @@ class ModelRunner:
         every other program, in the order a new workload meets them: each token bucket's prefill
         step and greedy sampler from the smallest bucket up, then the rest), this process's only.
         A request whose program is not compiled yet compiles it on demand (or waits for the
-        warm-up thread if that is compiling it). Where the grammar engine is installed, every
-        `sample` variant's masked twin (`sample_masked`, same key) comes last."""
+        warm-up thread if that is compiling it). Where the grammar engine is installed (and the
+        last stage is one device), the masked twin (`sample_masked`, same key) of every `sample`
+        variant without extras comes last; a constrained batch that also needs extras (penalties,
+        logit bias, allowed_token_ids) compiles its variant on first use."""
         keys = self.programs.keys()
-        if structured.available():
-            keys += [("sample_masked", key) for kind, key in keys if kind == "sample"]
+        # single-device only for now: on a sharded last stage programs.py's sample_masked signature
+        # passes abstract_inputs the wrong arguments (sharding as `extras`) and cannot lower
+        if structured.available() and self.stages[-1].sharding() is None:
+            keys += [("sample_masked", key) for kind, key in keys if kind == "sample" and not key[1]]
         b = self.layout.token_buckets
         t_dec = min((T for T in b if self.layout.has_decode_variant(T)), default=b[0])
         first = [k for k in keys if (k[0] == "step" and k[1][1:] == (t_dec, True))
