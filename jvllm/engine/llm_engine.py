@@ -218,7 +218,8 @@ class LLMEngine:
 
     def _launch(self, sched, prev_run=None, late: bool = False) -> StepHandle:
         try:
-            run = self.runner.dispatch(sched.scheduled, prev=prev_run, late_sampling=late)
+            run = (self.runner.dispatch(sched.scheduled, prev=prev_run, late_sampling=True) if late
+                   else self.runner.dispatch(sched.scheduled, prev=prev_run))
         except Exception as e:
             return StepHandle(sched, error=e)
         if not late:  # a late step counts its pending tokens when its sampler is launched
