@@ -54,6 +54,7 @@ def run(llm, prompts, params) -> tuple[dict, list]:
 
 def main(argv=None):
     from jvllm import LLM, SamplingParams, StructuredOutputsParams
+    from jvllm.bench import versions
     from jvllm.engine.loop import AsyncLoop, make_loop
     from structured_w1 import SCHEMA, tokenizer
 
@@ -96,7 +97,7 @@ def main(argv=None):
     res = dict(probe="structured_overlap", model=a.model, dtype=a.dtype, num_prompts=a.num_prompts,
                output_len=a.output_len, constrained_requests=sum(q is so for q in params), repeats=a.repeats,
                async_loop=best["async"], sync_loop=best["sync"], same_tokens=toks["async"] == toks["sync"],
-               speedup=best["sync"]["wall_s"] / best["async"]["wall_s"])
+               speedup=best["sync"]["wall_s"] / best["async"]["wall_s"], **versions())
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:
