@@ -15,7 +15,8 @@ Contracts:
   requests at once, which frees their KV blocks before the engine's next step.
 - Chat with tools (`tool_mode`, tools.py): the finished text is parsed into `message.tool_calls`
   (content: the text before the calls, or null) with finish_reason "tool_calls"; streamed, content
-  flows until a call may begin, the rest is held and sent at the end as `delta.tool_calls`.
+  flows until a call may begin, then `delta.tool_calls` chunks carry each call's name and then its
+  arguments as they are generated (tool_stream.py).
 - Logprobs of -inf are clamped to -9999.0 (JSON has no infinities).
 - /v1/completions with echo and logprobs: the prompt's tokens lead `logprobs` (the first with
   null logprob and null top_logprobs, as in vLLM), then the generated ones; text_offset counts
@@ -250,6 +251,7 @@ class CompletionServer:
         self.decode = decode  # token ids -> text (the first echoed token has no prompt logprob entry)
         self.col = Collector(num_prompts, n)
         self.tool_mode = tool_mode  # tools.ToolMode of a chat request whose output may be tool calls
+        self._tool_streams: dict = {}  # choice index -> tool_stream.ToolCallStream (streamed chat with tools)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -352,24 +354,16 @@ class CompletionServer:
         return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
 
     def _tool_delta(self, ch: ChoiceState, finished_now: bool, fr):
-        """(delta, finish_reason) of a chat choice with tools: the content not held back, and at the
-        end the parsed calls as `tool_calls` (finish_reason "tool_calls")."""
-        full = "".join(ch.text)
-        if not finished_now:
-            hold = self.tool_mode.hold_from(full)
-            end = len(full) if hold is None else max(hold, ch.sent_len)
-            delta = {"content": full[ch.sent_len:end]}
-            ch.sent_len = end
-            return delta, fr
-        content, calls = self.tool_mode.parse(full)
-        if not calls:
-            delta = {"content": full[ch.sent_len:]}
-            ch.sent_len = len(full)
-            return delta, fr
-        delta = {"content": None, "tool_calls": [t.as_openai(i) for i, t in enumerate(calls)]}
-        if content and len(content) > ch.sent_len:  # content before the calls that was held
-            delta["content"] = content[ch.sent_len:]
-        return delta, ("tool_calls" if fr in ("stop", "length") else fr)
+        """(delta, finish_reason) of a chat choice with tools (`tool_stream.ToolCallStream`):
+        content until a call may begin, then each call's name and argument chunks as they come;
+        finish_reason "tool_calls" when the finished output parses into calls."""
+        from jvllm.server.tool_stream import ToolCallStream
+
+        st = self._tool_streams.get(ch.index)
+        if st is None:
+            st = self._tool_streams[ch.index] = ToolCallStream(self.tool_mode)
+        delta, called = st.feed("".join(ch.text), finished_now)
+        return delta, ("tool_calls" if called and fr in ("stop", "length") else fr)
 
     def _first_chunks(self, pidx: int) -> list[str]:
         """The role chunk (chat) or the echo chunk (completions) of each choice not started yet. With

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jvllm import structured
 from jvllm.compilation.registry import Programs
 from jvllm.config import ModelConfig, cdiv
 from jvllm.memory import kv_cache
@@ -46,9 +47,16 @@ class StepResult:
 
 @dataclasses.dataclass
 class DispatchedStep:
-    """A dispatched step: its number of rows and one Pending per micro-batch."""
+    """A dispatched step: its number of rows and one Pending per micro-batch; `late`: (work,
+    forward outputs) per micro-batch while a `late_sampling` dispatch waits for its samplers."""
     num_rows: int
     pending: list[Pending]
+    late: list | None = None
+
+
+def _not_sampled():
+    raise RuntimeError("a late_sampling step was read (or fed a later step) before launch_sampling enqueued "
+                       "its samplers")
 
 
 def _split_hidden(hs: np.ndarray, sched, rows) -> dict:
@@ -114,7 +122,7 @@ class ModelRunner:
         z = np.zeros(self.max_num_seqs, np.int32)
         self.no_prev = put(z, first.sharding()) if first.sharding() is not None else jnp.asarray(z)
         self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0,
-                           grammar_mask_s=0.0)
+                           grammar_mask_s=0.0, late_sampling_s=0.0)
         self.jit_cache: dict = {}
         self.executor = make_executor(self)
         self.programs = Programs(self)  # every kind registered by worker/programs.py and executors/
@@ -155,8 +163,12 @@ class ModelRunner:
         step and greedy sampler from the smallest bucket up, then the rest), this process's only.
         A request whose program is not compiled yet compiles it on demand (or waits for the
         warm-up thread if that is compiling it). Batch-invariant mode: the first are its one step
-        program and its sampler, and the argmax-only samplers (never used there) are left out."""
+        program and its sampler, and the argmax-only samplers (never used there) are left out. Where
+        the grammar engine is installed, the masked twin (`sample_masked`, same key) of every
+        `sample` variant comes last."""
         keys = self.programs.keys()
+        if structured.available():
+            keys += [("sample_masked", key) for kind, key in keys if kind == "sample"]
         b = self.layout.token_buckets
         if not self.variants.greedy_program:
             keys = [k for k in keys if k[0] != "greedy"]
@@ -187,12 +199,21 @@ class ModelRunner:
         self.executor.release()
 
     # ------------------------------------------------------------------ execute
-    def dispatch(self, scheduled, prev: DispatchedStep | None = None) -> DispatchedStep:
+    def dispatch(self, scheduled, prev: DispatchedStep | None = None, late_sampling: bool = False) -> DispatchedStep:
         """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`.
         `prev`: the handle of the step still in flight whose sampled ids some of these requests
         need as input (async scheduling), else None. Each micro-batch takes its pending tokens from
         the one micro-batch of `prev` its requests were in; the ids move to the first stage's
-        devices on the device, never through the host."""
+        devices on the device, never through the host.
+
+        `late_sampling` (needs `executor.late_sampling`): enqueue only the forwards now; the
+        sampling inputs (a grammar's mask, penalties' history, logits processors' inputs) are built
+        from the requests' host state and the samplers enqueued by `launch_sampling(handle)`, which
+        must come before `collect` or before the handle is a later dispatch's `prev`. The engine
+        calls it once the step before has been read, so those inputs see its tokens while this
+        step's forward runs."""
+        if late_sampling and not self.executor.late_sampling:
+            raise ValueError(f"late_sampling: the {type(self.executor).__name__} launches whole micro-batches only")
         tm = self.timers
         prev_groups = prev.pending if prev is not None else None
         work = []  # host-side inputs of every micro-batch first, then the launches
@@ -204,32 +225,55 @@ class ModelRunner:
             t0 = time.perf_counter()
             ps = self.layout.prepare(sched, prev_rows=prev_rows)
             packed = self.layout.pack(ps)
-            t1 = time.perf_counter()
-            mask = sampler.grammar_mask(sched, ps.R, self.cfg.vocab_size)  # None: no constrained row
-            tm["grammar_mask_s"] += time.perf_counter() - t1
-            greedy_ok = self.variants.greedy_program
-            if greedy_ok and mask is None and all(sampler.plain_greedy(s.req.params) for s in sched):
-                sb, ex, want_lp, greedy = None, None, False, True  # argmax needs no inputs
-            else:
-                sb, ex, want_lp = sampler.sampling_inputs(sched, ps.R, self.cfg.vocab_size, self.max_model_len)
-                greedy = (greedy_ok and mask is None and ex is None and not want_lp
-                          and not np.any(sb.temperature[:len(sched)] > 0))
-            procs_in = None
-            if logits_processors.uses_processors(sched):
-                greedy = False
-                procs_in = logits_processors.host_inputs(sched, ps.R, tuple(n for n, _ in self.logits_processors),
-                                                         self.max_model_len)
-            tm["prepare_s"] += t1 - t0
-            tm["sample_inputs_s"] += time.perf_counter() - t1
+            tm["prepare_s"] += time.perf_counter() - t0
             if p is not None and bool((ps.src >= 0).any()):
                 tok_in = self.executor.prev_ids(prev_groups[p])
             else:
                 tok_in = self.no_prev
-            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy, mask=mask,
-                             capture=any(s.req.params.return_hidden_states for s in sched), procs_in=procs_in,
-                             steer=_steer_inputs(sched, ps.T, ps.R, self.cfg, self.dtype)))
+            w = Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in,
+                     capture=any(s.req.params.return_hidden_states for s in sched),
+                     steer=_steer_inputs(sched, ps.T, ps.R, self.cfg, self.dtype))
+            if not late_sampling:
+                self._sampling_inputs(w)
+            work.append(w)
+        if late_sampling:  # the forwards now, the samplers in launch_sampling
+            late = [(w, self.executor.forward(w)) for w in work]
+            return DispatchedStep(len(scheduled), [Pending(w.group, resolve=_not_sampled) for w in work], late)
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
         return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
+
+    def launch_sampling(self, handle: DispatchedStep):
+        """The second half of a `late_sampling` dispatch: build each micro-batch's sampling inputs
+        from the requests' state now and enqueue its sampler (a no-op for other handles)."""
+        if handle.late is None:
+            return
+        t0 = time.perf_counter()
+        late, handle.late = handle.late, None
+        for (w, out), pending in zip(late, handle.pending):
+            self._sampling_inputs(w)
+            pending.value = self.executor.launch_sample(w, out)
+        self.timers["late_sampling_s"] += time.perf_counter() - t0
+
+    def _sampling_inputs(self, w: Work):
+        """Fill `w`'s sampler inputs (greedy or not, SamplingBatch / extras, grammar mask, logits
+        processors' inputs) from its requests' host state."""
+        tm, sched = self.timers, w.sched
+        t1 = time.perf_counter()
+        w.mask = mask = sampler.grammar_mask(sched, w.R, self.cfg.vocab_size)  # None: no constrained row
+        tm["grammar_mask_s"] += time.perf_counter() - t1
+        greedy_ok = self.variants.greedy_program  # off in batch-invariant mode
+        if greedy_ok and mask is None and all(sampler.plain_greedy(s.req.params) for s in sched):
+            w.sb, w.ex, w.want_lp, w.greedy = None, None, False, True  # argmax needs no inputs
+        else:
+            w.sb, w.ex, w.want_lp = sampler.sampling_inputs(sched, w.R, self.cfg.vocab_size, self.max_model_len)
+            w.greedy = (greedy_ok and mask is None and w.ex is None and not w.want_lp
+                        and not np.any(w.sb.temperature[:len(sched)] > 0))
+        w.procs_in = None
+        if logits_processors.uses_processors(sched):
+            w.greedy = False
+            w.procs_in = logits_processors.host_inputs(sched, w.R, tuple(n for n, _ in self.logits_processors),
+                                                       self.max_model_len)
+        tm["sample_inputs_s"] += time.perf_counter() - t1
 
     def collect(self, handle: DispatchedStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled ids (and logprobs) to the host."""
