@@ -9,14 +9,17 @@
 #   auto     W1 with bf16 KV -> kv_auto_w1.json
 #   fp8      W1 with fp8 KV -> kv_fp8_w1.json
 #   summary  kv_tokens, decode_phase_s, output tok/s of both and their ratios -> kv_fp8_summary.json
-# Env: BACKEND (attention backend, default auto), N (W1 requests, 256), END_S (590: every
-# stage's limit ends by then).
+# Both runs get the same KV byte budget, KV_BYTES (default 40 GiB): sized from free memory instead,
+# the fp8 pool would hit the engine's cap of max_num_seqs x max_model_len tokens (256 x 4096) and
+# the capacity ratio would show that cap, not the format.
+# Env: BACKEND (attention backend, default auto), N (W1 requests, 256), KV_BYTES, END_S (590:
+# every stage's limit ends by then).
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 BACKEND=${BACKEND:-auto}
 END_S=${END_S:-590}
 left() { local l=$(( END_S - $(el) )); [ "$1" -lt "$l" ] && l=$1; echo $l; }  # min(stage limit, time left)
-W1="--model random:llama3-8b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND --num-prompts ${N:-256} --no-xla-report"
+W1="--model random:llama3-8b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND --num-prompts ${N:-256} --no-xla-report --kv-cache-memory-bytes ${KV_BYTES:-42949672960}"
 
 smoke() {
   python - > "$OUT/kv_fp8_smoke.log" 2>&1 <<'PY'
