@@ -19,6 +19,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV blocks (None: sized from memory)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool bytes (None: sized from memory)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV pages: auto (the model dtype) | fp8 | fp8_e4m3")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (None: engine default)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in one step (None: engine default)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -61,7 +62,8 @@ def engine_kwargs(a) -> dict:
                 data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
                 moe_backend=a.moe_backend, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                 block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
-                kv_cache_memory_bytes=a.kv_cache_memory_bytes, max_num_batched_tokens=a.max_num_batched_tokens,
+                kv_cache_memory_bytes=a.kv_cache_memory_bytes, kv_cache_dtype=a.kv_cache_dtype,
+                max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
                 skip_tokenizer_init=a.skip_tokenizer_init, token_buckets=a.token_buckets,
                 compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile,

@@ -15,6 +15,8 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    # KV pages: auto (the model dtype) | fp8 / fp8_e4m3 (float8_e4m3fn, per-token scales: jvllm.ops.kv_quant)
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True

@@ -93,11 +93,13 @@ class ModelRunner:
                  num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
                  query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
                  num_microbatches: int | None = None, attention_backend: str = "auto",
-                 logits_processors: tuple = (), batch_invariant: bool = False):
+                 logits_processors: tuple = (), batch_invariant: bool = False, kv_dtype=None):
+        """`kv_dtype`: the KV pages' dtype (`kv_cache.resolve_dtype`; None: the model's `dtype`)."""
         self.cfg = cfg
         self.stages = stages or [Stage(graphdef, state)]
         self.head_w = head_w
         self.dtype = jnp.dtype(dtype)
+        self.kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.logits_processors = logits_processors  # ((name, fn), ...): jvllm.worker.logits_processors
@@ -116,7 +118,7 @@ class ModelRunner:
         self._local = [not self.multiprocess or st.mesh is None
                        or next(iter(st.mesh.devices.flat)).process_index == self.pid for st in self.stages]
         for i, st in enumerate(self.stages):
-            st.kv = (kv_cache.allocate(cfg, st.num_layers(), num_blocks, block_size, self.dtype,
+            st.kv = (kv_cache.allocate(cfg, st.num_layers(), num_blocks, block_size, self.kv_dtype,
                                        st.sharding(st.kv_spec)) if self.local(i) else None)  # else another process's pool
         first = self.stages[0]
         z = np.zeros(self.max_num_seqs, np.int32)
