@@ -9,8 +9,10 @@ per build (the first run fills it, the second finds it warm). The clock starts j
 child is spawned, so interpreter start-up and imports count. /health is polled every 20 ms; as
 soon as it answers 200, one streamed chat request (max_tokens 8, greedy) is sent and the time of
 the first SSE chunk with content is taken; then the server is stopped with SIGTERM. Figures per
-run: seconds to healthy, to the first streamed token, to the request's end; the server's own
-"engine ready" line; the streamed text (must be equal in every run). Only the standard library is
+run: seconds to healthy, to the first streamed token, to the request's end; the server process's
+CPU seconds (all threads) at healthy and at the request's end, which a loaded machine inflates far
+less than wall time; the server's own "engine ready" line; the streamed text (must be equal in
+every run). Only the standard library is
 used on the client side, so the client adds no import time of its own.
 
 `--build LABEL=SITE` as in warm_start.py: SITE goes first on the child's PYTHONPATH, empty for the
@@ -36,6 +38,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far, all its threads (Linux /proc; else None).
+    On a shared machine this is the figure that load inflates least: wall time waits for the cores."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def wait_healthy(port: int, proc, timeout: float) -> float | None:
@@ -95,12 +108,13 @@ def run_once(model: str, serve_flags: list[str], site: str, cache: str, cwd: str
             log.seek(0)
             return dict(error=f"not healthy (rc={proc.poll()})", log_tail=log.read()[-3000:])
         out["process_start_to_healthy_s"] = t_health - t0
+        out["cpu_s_at_healthy"] = cpu_seconds(proc.pid)
         req = first_streamed_token(port, model, timeout)
         if "error" in req:
             return dict(out, **req)
         out.update(process_start_to_first_token_s=req["first"] - t0 if req["first"] else None,
                    healthy_to_first_token_s=req["first"] - t_health if req["first"] else None,
-                   request_s=req["done"] - req["sent"], text=req["text"])
+                   request_s=req["done"] - req["sent"], text=req["text"], cpu_s_at_done=cpu_seconds(proc.pid))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

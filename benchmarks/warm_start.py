@@ -9,8 +9,9 @@ persistent cache only, every program traced and lowered; warm -> jvllm's executa
 keyed by program fingerprints where the build has them, so nothing is traced or lowered). The
 engine compiles in the background by default, so these are seconds to the first tokens with the
 rest still compiling. Figures: process start to the first 8 generated tokens (imports included),
-to the end of construction, compile count, programs lowered, executable-cache loads, and the
-generated ids (must be equal in every run).
+to the end of construction, the process's CPU seconds at the first tokens (all threads; a loaded
+machine inflates them far less than wall time), compile count, programs lowered, executable-cache
+loads, and the generated ids (must be equal in every run).
 
 `--build LABEL=SITE` (repeatable) runs each configuration once per build, builds interleaved so
 that they share the machine's load: SITE is a folder put first on the child's PYTHONPATH (e.g.
@@ -41,7 +42,8 @@ t1 = time.perf_counter()
 out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
 t2 = time.perf_counter()
 lowered = jc.lowering_count() if hasattr(jc, "lowering_count") else None
-print(json.dumps(dict(process_start_to_first_tokens_s=time.time() - t_start, import_s=t_import - t0,
+print(json.dumps(dict(process_start_to_first_tokens_s=time.time() - t_start, cpu_s=time.process_time(),
+                      import_s=t_import - t0,
                       construct_s=t1 - t0, first_tokens_s=t2 - t0, load_s=llm.llm_engine.load_seconds,
                       warmup_compile_s=llm.llm_engine.warmup_seconds,
                       init_parts=dict(getattr(llm.llm_engine.worker, "init_parts", {})), compiles=jc.compile_count(),
