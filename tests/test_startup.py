@@ -178,5 +178,12 @@ def test_describe_refuses_what_it_cannot_pin():
         fpm._describe(np.zeros(1 << 20, np.float32), set())
     with pytest.raises(fpm.Unfingerprintable, match="object"):
         fpm._describe(object(), set())
+
+    class Local:
+        pass
+
+    with pytest.raises(fpm.Unfingerprintable, match="Local"):
+        fpm._describe(Local, set())  # a class outside jvllm: its code is pinned by nothing
+    assert fpm._describe(jnp.float32, set()) != fpm._describe(jnp.bfloat16, set())
     assert fpm._describe(np.arange(4), set()) != fpm._describe(np.arange(1, 5), set())
     assert fpm._describe((1, 2.0), set()) != fpm._describe((1, 2), set())  # types are part of it

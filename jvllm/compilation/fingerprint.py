@@ -116,7 +116,7 @@ def environment() -> tuple:
             v = getattr(jax.config, name)
         except AttributeError:
             v = jax.config.values[name]
-        cfg.append((name, _describe(v, set())))
+        cfg.append((name, type(v).__name__, repr(v)))  # plain values; one holding an address only misses
     client = jax.devices()[0].client
     return (_process_constants(), tuple(cfg), os.environ.get("XLA_FLAGS", ""), jax.default_backend(),
             getattr(client, "platform_version", None), jax.process_count())
@@ -185,6 +185,8 @@ def _describe(x, seen):  # noqa: C901 (one dispatch over the known types, in one
     if isinstance(x, (set, frozenset)):
         return (_qualified(type(x)), tuple(sorted(repr(_describe(v, seen)) for v in x)))
     if isinstance(x, type):
+        if not (_own_module(x.__module__) or _library_module(x.__module__)):
+            raise Unfingerprintable(f"class {_qualified(x)} is neither jvllm's nor a pinned library's")
         return ("type", _qualified(x))
     if isinstance(x, np.dtype):
         return ("dtype", str(x))
