@@ -187,3 +187,20 @@ def test_describe_refuses_what_it_cannot_pin():
     assert fpm._describe(jnp.float32, set()) != fpm._describe(jnp.bfloat16, set())
     assert fpm._describe(np.arange(4), set()) != fpm._describe(np.arange(1, 5), set())
     assert fpm._describe((1, 2.0), set()) != fpm._describe((1, 2), set())  # types are part of it
+
+
+def test_gguf_header_is_parsed_once_per_file_version(tmp_path, smollm2_path):
+    """Config, tokenizer and weights of one start-up share one parse of the GGUF header; a file
+    changed since (size or mtime) is parsed again."""
+    import shutil
+
+    from jvllm.converters import gguf
+
+    p = tmp_path / "m.gguf"
+    shutil.copy(smollm2_path, p)
+    a = gguf._reader(str(p))
+    assert gguf._reader(str(p)) is a
+    st = os.stat(p)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    b = gguf._reader(str(p))
+    assert b is not a and b.fields == a.fields
