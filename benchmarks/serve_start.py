@@ -151,7 +151,10 @@ def main():
             ap.error(f"--build {spec!r}: {site} holds no jvllm package")
         builds[label] = os.path.abspath(site) if site else ""
     flags = ["--max-model-len", str(a.max_model_len), "--dtype", a.dtype, *serve_flags]
-    res = dict(benchmark="serve_start", model=a.model, serve_flags=flags, python=platform.python_version(),
+    from importlib import metadata
+
+    res = dict(benchmark="serve_start", model=a.model, serve_flags=flags, jax=metadata.version("jax"),
+               python=platform.python_version(),
                backend=os.environ.get("JAX_PLATFORMS"), cpus=os.cpu_count(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                builds=builds, runs={b: {} for b in builds})
     with tempfile.TemporaryDirectory() as d:
