@@ -52,7 +52,7 @@ _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GG
 _NORM_PLUS_ONE_ARCHS = ("gemma3",)
 
 
-_last_reader: tuple = (None, None)  # ((path, size, mtime_ns), GGUFFile) of the file read last; one
+_last_reader: tuple = (None, None)  # ((path, inode, size, mtime, ctime), GGUFFile) of the file read last; one
                                     # tuple, replaced whole, so threads never see a mixed pair
 
 
@@ -71,7 +71,7 @@ def _reader(path: str):
 
     try:
         st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     except OSError:
         return GGUFFile(path)  # raises its own error naming the file
     global _last_reader
