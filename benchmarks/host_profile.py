@@ -42,7 +42,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--input-len", type=bench._parse_len_range, default=bench.W1_INPUT_LEN)
+    ap.add_argument("--input-len", type=bench.parse_len_range, default=bench.W1_INPUT_LEN)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", default="host_profile.json")
     ap.add_argument("--top", type=int, default=40)
@@ -53,14 +53,14 @@ def main(argv=None):
     eng = llm.llm_engine
     vocab = eng.model_config.vocab_size
     warm = [{"prompt_token_ids": p} for p in bench.w1_prompts(4, a.input_len, vocab, seed=12345)]
-    llm.generate(warm, bench._sp(8), use_tqdm=False)
+    llm.generate(warm, bench.sampling_params(8), use_tqdm=False)
     prompts = [{"prompt_token_ids": p} for p in bench.w1_prompts(a.num_prompts, a.input_len, vocab)]
     s0 = llm.get_stats()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     if not a.no_cprofile:
         prof.enable()
-    llm.generate(prompts, bench._sp(a.output_len), use_tqdm=False)
+    llm.generate(prompts, bench.sampling_params(a.output_len), use_tqdm=False)
     prof.disable()
     dt = time.perf_counter() - t0
     s1 = llm.get_stats()
@@ -69,7 +69,7 @@ def main(argv=None):
 
     res = dict(model=a.model, engine=engine_kwargs(a), versions=bench.versions(), num_prompts=a.num_prompts,
                input_len=list(a.input_len), output_len=a.output_len, steps=steps, elapsed_s=dt,
-               ms_per_step=1e3 * dt / steps, **bench._host_share(s0, s1),
+               ms_per_step=1e3 * dt / steps, **bench.host_share(s0, s1),
                **({} if a.no_cprofile else summarise(prof, steps, a.top)))
     out = a.out if jax.process_count() == 1 else f"{os.path.splitext(a.out)[0]}.p{jax.process_index()}.json"
     bench.write_json(out, res)

@@ -102,7 +102,7 @@ def summarize(trace: dict, steps: int, top: int = 40) -> dict:
 
 
 def main(argv=None):
-    from jvllm.bench import _one_prompt, _sp, build_llm, versions, w1_prompts
+    from jvllm.bench import build_llm, one_prompt, sampling_params, versions, w1_prompts
     from jvllm.cli import add_engine_args, engine_kwargs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -126,11 +126,11 @@ def main(argv=None):
     vocab = eng.model_config.vocab_size
     big = a.steps * 4 + 64
     if a.workload == "b1":
-        eng.add_request("p0", {"prompt_token_ids": _one_prompt(a.input_len, vocab, seed=7)}, _sp(big))
+        eng.add_request("p0", {"prompt_token_ids": one_prompt(a.input_len, vocab, seed=7)}, sampling_params(big))
         warm = 8
     else:
         for i, p in enumerate(w1_prompts(a.num_prompts, (64, 1024), vocab)):
-            eng.add_request(f"w{i}", {"prompt_token_ids": p}, _sp(big + 200))
+            eng.add_request(f"w{i}", {"prompt_token_ids": p}, sampling_params(big + 200))
         warm = 0
     for _ in range(warm):
         eng.step()

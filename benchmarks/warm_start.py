@@ -1,14 +1,22 @@
 """Start-up with an empty cache, a warm JAX persistent cache only, and jvllm's executable cache.
 
     python benchmarks/warm_start.py [--model smollm2] [--max-model-len 512] [--out PATH]
+        [--build before=/tmp/site_before --build after=/tmp/site_after]
 
 Each configuration runs in a fresh child process against one fresh temporary cache directory
-(in order: empty -> fills both caches; warm with JVLLM_EXECUTABLE_CACHE=0 -> JAX's persistent
-cache only; warm -> jvllm's executable cache too; both trace and lower each program to compute its
-key, jvllm's cache then skips XLA's cache look-up and deserialisation path). The engine compiles in
-the background by default, so these are seconds to the first tokens with the rest still
-compiling. Figures: seconds to construct the engine, seconds to the first generated tokens,
-compile count, executable-cache loads, and the generated ids (must be equal in all three).
+per build (in order: empty -> fills both caches; warm with JVLLM_EXECUTABLE_CACHE=0 -> JAX's
+persistent cache only, every program traced and lowered; warm -> jvllm's executable cache too,
+keyed by program fingerprints where the build has them, so nothing is traced or lowered). The
+engine compiles in the background by default, so these are seconds to the first tokens with the
+rest still compiling. Figures: process start to the first 8 generated tokens (imports included),
+to the end of construction, the process's CPU seconds at the first tokens (all threads; a loaded
+machine inflates them far less than wall time), compile count, programs lowered, executable-cache
+loads, and the generated ids (must be equal in every run).
+
+`--build LABEL=SITE` (repeatable) runs each configuration once per build, builds interleaved so
+that they share the machine's load: SITE is a folder put first on the child's PYTHONPATH (e.g.
+`pip install --no-deps --target SITE <tree>`), empty for the installed jvllm. Children run from a
+temporary folder, so the working directory's tree is never imported by accident.
 """
 from __future__ import annotations
 
@@ -23,16 +31,25 @@ import time
 
 CHILD = r'''
 import json, os, sys, time
+t_start = float(sys.argv[4])
 t0 = time.perf_counter()
+import jvllm
 from jvllm import LLM, SamplingParams
-from jvllm import compile as jc
+import jvllm.compilation as jc
+t_import = time.perf_counter()
 llm = LLM(sys.argv[1], max_model_len=int(sys.argv[2]), compilation_cache_dir=sys.argv[3], use_tqdm_on_load=False)
 t1 = time.perf_counter()
 out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
 t2 = time.perf_counter()
-print(json.dumps(dict(construct_s=t1 - t0, first_tokens_s=t2 - t0, load_s=llm.llm_engine.load_seconds,
-                      warmup_compile_s=llm.llm_engine.warmup_seconds, compiles=jc.compile_count(),
-                      executable_cache=jc.executable_cache_stats(), ids=out[0].outputs[0].token_ids)))
+lowered = jc.lowering_count() if hasattr(jc, "lowering_count") else None
+print(json.dumps(dict(process_start_to_first_tokens_s=time.time() - t_start, cpu_s=time.process_time(),
+                      import_s=t_import - t0,
+                      construct_s=t1 - t0, first_tokens_s=t2 - t0, load_s=llm.llm_engine.load_seconds,
+                      warmup_compile_s=llm.llm_engine.warmup_seconds,
+                      init_parts=dict(getattr(llm.llm_engine.worker, "init_parts", {})), compiles=jc.compile_count(),
+                      programs_lowered=lowered, executable_cache=jc.executable_cache_stats(),
+                      jvllm_file=jvllm.__file__, ids=out[0].outputs[0].token_ids)), flush=True)
+os._exit(0)  # the background warm-up may still be compiling: its seconds are not start-up
 '''
 
 
@@ -41,21 +58,37 @@ def main():
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--out", default="benchmarks/results/warm_start.json")
+    ap.add_argument("--build", action="append", default=[], metavar="LABEL=SITE",
+                    help="a build to run (repeatable): SITE first on PYTHONPATH, empty = the installed jvllm")
     a = ap.parse_args()
+    builds = {}
+    for spec in a.build or ["current="]:
+        label, sep, site = spec.partition("=")
+        if not sep or not label:
+            ap.error(f"--build wants LABEL=SITE, got {spec!r}")
+        if site and not os.path.isdir(os.path.join(site, "jvllm")):
+            ap.error(f"--build {spec!r}: {site} holds no jvllm package")
+        builds[label] = os.path.abspath(site) if site else ""
     import jax
 
     res = dict(model=a.model, max_model_len=a.max_model_len, jax=jax.__version__, python=platform.python_version(),
                backend=os.environ.get("JAX_PLATFORMS") or jax.default_backend(), cpus=os.cpu_count(),
-               time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), runs={})
+               time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), builds=builds, runs={b: {} for b in builds})
     with tempfile.TemporaryDirectory() as d:
         for name, exe_cache in (("empty_cache", "1"), ("warm_jax_cache_only", "0"), ("warm_executable_cache", "1")):
-            env = dict(os.environ, JVLLM_EXECUTABLE_CACHE=exe_cache)
-            p = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.max_model_len), d], env=env,
-                               capture_output=True, text=True, check=False)
-            line = [x for x in p.stdout.splitlines() if x.startswith("{")]
-            res["runs"][name] = json.loads(line[-1]) if line else dict(error=p.stderr[-2000:])
-            print(name, json.dumps({k: v for k, v in res["runs"][name].items() if k != "ids"}), flush=True)
-    ids = [r.get("ids") for r in res["runs"].values()]
+            for label, site in builds.items():
+                env = dict(os.environ, JVLLM_EXECUTABLE_CACHE=exe_cache)
+                if site:
+                    env["PYTHONPATH"] = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH")) if x)
+                cache = os.path.join(d, "cache_" + label)
+                p = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.max_model_len), cache, repr(time.time())],
+                                   env=env, cwd=d, capture_output=True, text=True, check=False)
+                line = [x for x in p.stdout.splitlines() if x.startswith("{")]
+                run = json.loads(line[-1]) if line else dict(error=p.stderr[-2000:])
+                res["runs"][label][name] = run
+                print(label, name, json.dumps({k: v for k, v in run.items() if k not in ("ids", "init_parts")}),
+                      flush=True)
+    ids = [r.get("ids") for runs in res["runs"].values() for r in runs.values()]
     res["same_tokens"] = all(i == ids[0] for i in ids)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

@@ -8,6 +8,7 @@ built from the same metadata by `gguf_tokenizer` (no torch needed).
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Iterator
 
@@ -51,7 +52,14 @@ _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GG
 _NORM_PLUS_ONE_ARCHS = ("gemma3",)
 
 
+_last_reader: tuple = (None, None)  # ((path, inode, size, mtime, ctime), GGUFFile) of the file read last; one
+                                    # tuple, replaced whole, so threads never see a mixed pair
+
+
 def _reader(path: str):
+    """The parsed header of `path`, shared by the config, the tokenizer and the weights of one
+    start-up (each would otherwise parse it again): the last file read stays parsed (and mapped)
+    until another file is read; a file replaced or touched since (other size or mtime) is read again."""
     from .deps import MissingDependencyError
 
     try:
@@ -61,7 +69,18 @@ def _reader(path: str):
                                      f"pip install 'jvllm[gguf]'") from None
     from .gguf_file import GGUFFile
 
-    return GGUFFile(path)
+    try:
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    except OSError:
+        return GGUFFile(path)  # raises its own error naming the file
+    global _last_reader
+    cached_key, cached = _last_reader
+    if cached_key == key:
+        return cached
+    r = GGUFFile(path)
+    _last_reader = (key, r)
+    return r
 
 
 def _field(r, key, default=None):

@@ -1,4 +1,4 @@
-"""The benchmark harness (jvllm/bench.py) end to end through the CLI, on random:tiny, CPU.
+"""The benchmark harness (jvllm/bench/) end to end through the CLI, on random:tiny, CPU.
 
 To stay fast, the four CLI runs share one engine: `build_llm` is wrapped so the first run constructs
 it and later runs with the same engine flags reuse it (its shutdown deferred to the end of the
@@ -24,7 +24,7 @@ def shared_engine():
     from jvllm.compilation import compile_count
 
     cache = {}
-    real = bench.build_llm
+    real = bench.run.build_llm
 
     def build(model, kw):
         key = (model, json.dumps(kw, sort_keys=True, default=str))
@@ -38,7 +38,7 @@ def shared_engine():
         return llm, dict(st)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(bench, "build_llm", build)
+    mp.setattr(bench.run, "build_llm", build)
     yield cache
     mp.undo()
     for _, _, shutdown in cache.values():

@@ -107,6 +107,6 @@ def test_memory_report_lists_devices_with_stats(monkeypatch):
 
     devs = [Dev(0, dict(peak_bytes_in_use=5, bytes_in_use=4, bytes_limit=9)), Dev(1, None)]
     monkeypatch.setattr(jax, "local_devices", lambda: devs)
-    monkeypatch.setattr(bench, "param_stats", lambda llm: dict(weight_bytes=1))
+    monkeypatch.setattr(bench.facts, "param_stats", lambda llm: dict(weight_bytes=1))
     r = bench.memory_report(LLMish())
     assert r["per_device"] == [dict(device="fake:0", peak_bytes_in_use=5, bytes_in_use=4, bytes_limit=9)]

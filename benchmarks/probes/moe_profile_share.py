@@ -82,7 +82,7 @@ def attribute(trace: dict, names: dict, steps: int) -> dict:
 def main(argv=None):
     import jax
 
-    from jvllm.bench import _one_prompt, _sp, build_llm, w1_prompts
+    from jvllm.bench import build_llm, one_prompt, sampling_params, w1_prompts
     from jvllm.cli import add_engine_args, engine_kwargs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -102,13 +102,13 @@ def main(argv=None):
     vocab = eng.model_config.vocab_size
     big = a.steps * 4 + 64
     if a.workload == "b1":
-        eng.add_request("p0", {"prompt_token_ids": _one_prompt(a.input_len, vocab, seed=7)}, _sp(big))
+        eng.add_request("p0", {"prompt_token_ids": one_prompt(a.input_len, vocab, seed=7)}, sampling_params(big))
         for _ in range(8):
             eng.step()
     else:
         lo, hi = (int(v) for v in a.w1_input_len.split(","))
         for i, p in enumerate(w1_prompts(a.num_prompts, (lo, hi), vocab)):
-            eng.add_request(f"w{i}", {"prompt_token_ids": p}, _sp(big + 200))
+            eng.add_request(f"w{i}", {"prompt_token_ids": p}, sampling_params(big + 200))
         while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
             eng.step()
         for _ in range(4):

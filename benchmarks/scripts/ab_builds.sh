@@ -6,8 +6,8 @@
 #   STAGES (default "greedy"): any of
 #     greedy   `jvllm bench all` (W1, B1, P1) on random:llama3-8b bf16        -> {before,after}_greedy.json
 #     sampled  the same through the general sampler (temperature 0.8, top_p 0.95) -> {before,after}_sampled.json
-#     startup  `jvllm bench latency --cold-start` (process start to first token, empty and warm cache),
-#              after only                                                      -> after_startup.json
+#     startup  `jvllm bench latency --cold-start` (process start to first token, empty and warm cache;
+#              a short B1 after it), each build in ORDER                      -> {before,after}_startup.json
 #   ORDER (default "before after"), BEFORE (default .before), MODEL (default random:llama3-8b),
 #   BEFORE_COMMIT / AFTER_COMMIT: each build's commit for its JSON (the device copy's own git HEAD is
 #   the session's base commit, not the tree it carries).
@@ -35,7 +35,9 @@ for stage in ${STAGES:-greedy}; do
     greedy) for b in ${ORDER:-before after}; do run $b greedy all $COMMON --no-xla-report; done ;;
     sampled) for b in ${ORDER:-before after}; do
                run $b sampled all $COMMON --no-xla-report --temperature 0.8 --top-p 0.95; done ;;
-    startup) run after startup latency $COMMON --no-xla-report --cold-start ;;
+    startup) for b in ${ORDER:-before after}; do
+               run $b startup latency $COMMON --no-xla-report --cold-start --output-len 16 --num-iters 1 \
+                 --num-iters-warmup 0; done ;;
   esac
 done
 echo "[total $(el)s]"

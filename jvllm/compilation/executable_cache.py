@@ -1,10 +1,13 @@
 """jvllm's executable cache: serialized executables under <persistent cache dir>/executables.
 
 Beside JAX's persistent cache, each entry also keeps what the compiling process's memory analysis
-said (a loaded executable has none on some backends, and the KV sizing reads it). An entry is
-keyed by what the program IS: the sha256 of the lowered module's text (so two models whose inputs
-have equal shapes never share an entry), its devices, the jax / jaxlib versions, the backend and
-XLA_FLAGS. A warm start therefore still pays a trace and a lowering per program, never a compile.
+said (a loaded executable has none on some backends, and the KV sizing reads it), inside the entry
+and in a small `<key>.json` beside it (read by the KV sizing without loading the executable). An
+entry is keyed by what the program is made from: its fingerprint (`fingerprint.py`: jvllm's source,
+library versions, the jitted function's closure and abstract arguments, jax's config, XLA_FLAGS,
+devices), computed without tracing, so a warm start neither traces, lowers nor compiles. A program
+with no exact fingerprint is keyed by the sha256 of its lowered module's text (`executable_key`)
+plus the same environment, at the price of a trace and a lowering.
 
 Hazards: entries are pickles, so the cache directory must be trusted (whoever can write it can run
 code in every process that loads from it). Single-process runs only (a serialized executable
@@ -14,6 +17,7 @@ at once); any failure to load or store falls back to compiling and is counted in
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import tempfile
@@ -46,13 +50,13 @@ def enabled() -> bool:
 
 
 def executable_key(lowered, devices) -> str:
-    """sha256 of the lowered module's text, the devices it runs on (in order), versions and flags."""
-    from jax._src.lib import version_str as jaxlib_version
+    """sha256 of the lowered module's text, the devices it runs on (in order) and the environment
+    of `fingerprint.environment` (versions, jax config, XLA_FLAGS, backend)."""
+    from jvllm.compilation.fingerprint import environment
 
     h = hashlib.sha256()
     h.update(lowered.as_text().encode())
-    env = (jax.__version__, jaxlib_version, os.environ.get("XLA_FLAGS", ""), jax.default_backend(),
-           tuple((d.id, d.device_kind) for d in devices), jax.process_count())
+    env = (environment(), tuple((d.id, d.device_kind) for d in devices))
     h.update(repr(env).encode())
     return h.hexdigest()
 
@@ -78,19 +82,40 @@ def load(key: str, devices):
     return exe
 
 
+def load_meta(key: str) -> dict | None:
+    """What the compiling process's memory analysis said about entry `key` ({"temp_size_in_bytes":
+    int | None}), without loading the executable; None when there is no readable entry."""
+    d = cache_dir()
+    if not d or not os.path.isfile(os.path.join(d, key + ".exe")):
+        return None
+    try:
+        with open(os.path.join(d, key + ".json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _write_atomic(d: str, name: str, data: bytes):
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(d, name))  # atomic: concurrent starts never read half a file
+
+
 def store(key: str, compiled) -> bool:
+    """Serialize `compiled` under `key` (and its memory analysis beside it); False on failure."""
     from jax.experimental import serialize_executable as se
 
     d = cache_dir()
     if not d:
         return False
     try:
-        blob = pickle.dumps((*se.serialize(compiled), dict(temp_size_in_bytes=temp_bytes(compiled))))
+        meta = dict(temp_size_in_bytes=temp_bytes(compiled))
+        blob = pickle.dumps((*se.serialize(compiled), meta))
         os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, os.path.join(d, key + ".exe"))  # atomic: concurrent starts never read half a file
+        _write_atomic(d, key + ".json", json.dumps(meta).encode())  # first: an .exe never lacks its meta
+        _write_atomic(d, key + ".exe", blob)
     except Exception:
         _bump("failed")
         return False

@@ -12,7 +12,8 @@ A `ProgramKind` says, for a runner (its `ctx`) and a key (a bucket, a stage, a v
                                      takes every kind of its family, so a new kind is one
                                      registration in a module its owner imports
 
-`Programs.get` compiles on demand (through jvllm's executable cache where it is on) and is
+`Programs.get` compiles on demand (through jvllm's executable cache where it is on: keyed by the
+program's fingerprint, so a warm start neither traces nor lowers; see `fingerprint`) and is
 thread-safe: one lock per key, so two threads asking for one key compile it once and a thread
 asking for another key does not wait. `warm_up(keys, background=True)` compiles a list in a daemon
 thread and returns a `WarmUp` handle (`wait()`, `done()`); serving meanwhile compiles what it needs
@@ -33,7 +34,8 @@ import weakref
 from typing import Any, Callable
 
 from jvllm.compilation import executable_cache
-from jvllm.compilation.counter import compile_count
+from jvllm.compilation import fingerprint as fingerprints
+from jvllm.compilation.counter import compile_count, temp_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,14 @@ class WarmUp:
 
 
 _running: "weakref.WeakSet[WarmUp]" = weakref.WeakSet()
+_lowered = [0]  # programs this process traced and lowered through a `Programs` (lowering_count)
+_lowered_lock = threading.Lock()
+
+
+def lowering_count() -> int:
+    """How many programs this process has traced and lowered through a `Programs` (a warm start
+    with jvllm's executable cache lowers none: tests and benchmarks read it)."""
+    return _lowered[0]
 
 
 @atexit.register
@@ -111,6 +121,13 @@ def _stop_warmups():
         h.cancel()
     for h in list(_running):
         h._event.wait(120)
+
+
+def _lower(sig: Signature):
+    lowered = sig.fn.lower(*sig.args, **sig.kwargs)
+    with _lowered_lock:
+        _lowered[0] += 1
+    return lowered
 
 
 class Programs:
@@ -123,6 +140,7 @@ class Programs:
             raise KeyError(f"no program kind of family {family!r} is registered; families: "
                            f"{sorted({k.family for k in KINDS.values()})}")
         self._compiled: dict = {}
+        self._described: dict = {}  # id(jitted fn) -> (fn, its description): fingerprints.fingerprint's memo
         self._locks: dict = {}
         self._lock = threading.Lock()
 
@@ -151,18 +169,47 @@ class Programs:
     def lower(self, name: str, key):
         """(lowered module, devices) of (name, key), without compiling."""
         sig = kind(name).signature(self.ctx, key)
-        return sig.fn.lower(*sig.args, **sig.kwargs), sig.devices
+        return _lower(sig), sig.devices
 
     def cache_key(self, name: str, key) -> str:
-        """jvllm's executable-cache key of (name, key) (`executable_cache.executable_key`)."""
+        """jvllm's lowered-module executable-cache key of (name, key) (`executable_cache.executable_key`)."""
         return executable_cache.executable_key(*self.lower(name, key))
 
+    def fingerprint(self, name: str, key) -> str | None:
+        """The traceless cache key of (name, key) (`compilation.fingerprint`), or None when some part
+        of its signature has no exact description (it is then keyed by its lowered module)."""
+        return self._fingerprint(name, key, kind(name).signature(self.ctx, key))
+
+    def _fingerprint(self, name: str, key, sig) -> str | None:
+        try:
+            return fingerprints.fingerprint(name, key, sig, self._described)
+        except fingerprints.Unfingerprintable:
+            return None
+
+    def temp_bytes(self, name: str, key) -> int | None:
+        """XLA's temp allocation of (name, key): read from jvllm's executable cache without loading
+        or tracing anything when its entry is there, else from the program compiled now."""
+        if executable_cache.enabled():
+            fp = self.fingerprint(name, key)
+            meta = executable_cache.load_meta(fp) if fp is not None else None
+            if meta is not None and "temp_size_in_bytes" in meta:
+                return meta["temp_size_in_bytes"]
+        return temp_bytes(self.get(name, key))
+
     def _compile(self, name: str, key):
-        lowered, devices = self.lower(name, key)
+        """Load (name, key) from jvllm's executable cache, keyed by its fingerprint (no trace) or,
+        where it has none, by its lowered module; else lower, compile and store it."""
+        sig = kind(name).signature(self.ctx, key)
         ck = None
         if executable_cache.enabled():
-            ck = executable_cache.executable_key(lowered, devices)
-            exe = executable_cache.load(ck, devices)
+            ck = self._fingerprint(name, key, sig)
+            exe = executable_cache.load(ck, sig.devices) if ck is not None else None
+            if exe is not None:
+                return exe
+        lowered = _lower(sig)
+        if executable_cache.enabled() and ck is None:
+            ck = executable_cache.executable_key(lowered, sig.devices)
+            exe = executable_cache.load(ck, sig.devices)
             if exe is not None:
                 return exe
         exe = lowered.compile()

@@ -1,0 +1,3 @@
+from jvllm.bench.cli import main
+
+main()
