@@ -114,9 +114,10 @@ ROUTINGS = ("gather", "all_to_all")
 # the rows of its own experts and one psum sums the partial outputs (it replaces the all-reduce a
 # tensor-parallel MLP needs anyway). All-to-all sends each device's T/n tokens to the experts'
 # owners and back at the dropless capacity (T/n * k rows to every peer), then all-gathers the
-# tokens: k times the bytes of the psum, and a measurement on fake CPU devices agreed
-# (benchmarks/probes/moe_grouped_matmul.py --routings). All-to-all pays off only when tokens are
-# sharded to begin with (data-parallel attention), which jvllm does not run.
+# tokens: k times the bytes of the psum. The choice rests on that count: fake CPU devices (the
+# only measurement so far, benchmarks/probes/moe_grouped_matmul.py --routings) leaned to gather
+# but are no model of a GPU interconnect; run the probe on GPUs before changing it. All-to-all
+# pays off when tokens are sharded to begin with (data-parallel attention), which jvllm does not run.
 ENGINE_ROUTING = "gather"
 
 
