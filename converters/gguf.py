@@ -4,7 +4,8 @@ The header is parsed by `gguf_file.GGUFFile`; tensor data are dequantized by `gg
 (vectorized numpy for the common types, the `gguf` package's kernels for the rest). llama.cpp stores Llama/Mistral q and k projections with
 its rotary permutation (`convert_hf_to_gguf.py: LlamaModel.permute`); `unpermute` undoes it so the
 result is the HF layout, which `name_map` then converts like any HF checkpoint. The tokenizer is
-built from the same metadata by `gguf_tokenizer` (no torch needed).
+built from the same metadata by `gguf_tokenizer` (no torch needed). The mixture-of-experts files
+(Mixtral as arch "llama" with experts, qwen2moe, qwen3moe) and Gemma 2: `gguf_moe`.
 """
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from typing import Iterator
 
 import numpy as np
 
+from . import gguf_moe
 from .name_map import CheckpointError
 
 # GGUF architecture -> (HF architecture, HF model_type)
+# ("llama" with {arch}.expert_count > 0 is Mixtral: gguf_moe.MOE_ARCHS)
 _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+               "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
+               "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"]}
 SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -45,11 +50,19 @@ _GEMMA_TO_HF = [
     (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
     (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
 ] + [r for r in _GGUF_TO_HF if "ffn_norm" not in r[0]]
-GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF_TO_HF, "gemma3": _GEMMA_TO_HF}
+# keyed by GGUF arch, and "mixtral" for arch "llama" with experts (`_rules_key`); the stacked
+# *_exps tensors are split before these rules apply (gguf_moe.expert_tensors)
+GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF_TO_HF, "gemma2": _GEMMA_TO_HF,
+                      "gemma3": _GEMMA_TO_HF, "qwen2moe": gguf_moe.MOE_RULES + _GGUF_TO_HF,
+                      "qwen3moe": gguf_moe.MOE_RULES + _GGUF_TO_HF, "mixtral": gguf_moe.MIXTRAL_RULES + _GGUF_TO_HF}
 _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GGUF_RULES_BY_ARCH.items()}
 # llama.cpp stores Gemma's norm weights as 1 + w (convert_hf_to_gguf.py adds 1; transformers'
 # GGUF reader subtracts it again): the checkpoint's w is the stored value minus 1
-_NORM_PLUS_ONE_ARCHS = ("gemma3",)
+_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
+
+
+def _rules_key(r, arch: str) -> str:
+    return "mixtral" if arch == "llama" and gguf_moe.is_moe_llama(r.fields) else arch
 
 
 _last_reader: tuple = (None, None)  # ((path, inode, size, mtime, ctime), GGUFFile) of the file read last; one
@@ -104,7 +117,7 @@ def gguf_hf_config(path: str) -> dict:
     names = {t.name for t in r.tensors}
     if vocab is None:
         vocab = int([t for t in r.tensors if t.name == "token_embd.weight"][0].shape[1])
-    hf_arch, model_type = _GGUF_ARCHS[arch]
+    hf_arch, model_type = (gguf_moe.MOE_ARCHS["llama"] if _rules_key(r, arch) == "mixtral" else _GGUF_ARCHS[arch])
     cfg = {
         "model_type": model_type,
         "architectures": [hf_arch],
@@ -127,6 +140,10 @@ def gguf_hf_config(path: str) -> dict:
         cfg["attention_bias"] = True
     if arch == "gemma3":
         cfg.update(_gemma3_fields(cfg, g))
+    if arch == "gemma2":
+        cfg.update(gguf_moe.gemma2_fields(cfg, g))
+    if hf_arch in (a for a, _ in gguf_moe.MOE_ARCHS.values()):
+        cfg.update(gguf_moe.moe_fields(arch, g, cfg))
     st = g("rope.scaling.type")
     if st and st != "none":
         cfg["rope_scaling"] = {"rope_type": st, "factor": float(g("rope.scaling.factor", 1.0))}
@@ -176,15 +193,23 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
     """(HF tensor name, loader) for every tensor of the file, dequantized to float32."""
     import gguf
 
-    from .gguf_dequant import dequantize
-
     r = _reader(path)
     hf_cfg = hf_cfg or gguf_hf_config(path)
     arch = r.get("general.architecture")
+    rules = _GGUF_RX[_rules_key(r, arch)]
     H, KV = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
+    E = hf_cfg.get("num_local_experts") or hf_cfg.get("num_experts") or 0
     for t in r.tensors:
         qtype = gguf.GGMLQuantizationType(t.ggml_type)
-        for rx, tgt in _GGUF_RX[arch]:
+        if qtype.name not in SUPPORTED_GGUF_TYPES:
+            raise CheckpointError(f"{path}: tensor {t.name!r} has unsupported GGUF type {qtype.name}; "
+                                  f"supported: {', '.join(SUPPORTED_GGUF_TYPES)}")
+        if E and gguf_moe.is_stacked_experts(t.name):
+            r.tensor_bytes(t)  # checks the file holds the whole tensor
+            experts = gguf_moe.expert_tensors(t.name, arch, lambda t=t, qtype=qtype: _dequantize(path, t, qtype, r), E)
+            yield from experts
+            continue
+        for rx, tgt in rules:
             m = rx.match(t.name)
             if m:
                 break
@@ -193,17 +218,12 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
         if tgt is None:
             continue
         hf_name = m.expand(tgt)
-        if qtype.name not in SUPPORTED_GGUF_TYPES:
-            raise CheckpointError(f"{path}: tensor {t.name!r} has unsupported GGUF type {qtype.name}; "
-                                  f"supported: {', '.join(SUPPORTED_GGUF_TYPES)}")
-        raw = r.tensor_bytes(t)  # checks the file holds the whole tensor
+        r.tensor_bytes(t)  # checks the file holds the whole tensor
 
-        def load(t=t, qtype=qtype, hf_name=hf_name, raw=raw):
-            try:
-                a = dequantize(raw, qtype, t.numpy_shape)
-            except NotImplementedError:
-                raise CheckpointError(f"{path}: tensor {t.name!r} uses GGUF type {qtype.name}, which this "
-                                      f"gguf version cannot dequantize") from None
+        def load(t=t, qtype=qtype, hf_name=hf_name):
+            a = _dequantize(path, t, qtype, r)
+            if hf_name.endswith("shared_expert_gate.weight"):
+                a = gguf_moe.shared_gate_row(a)
             if arch in _PERMUTED_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 a = unpermute(a, H if ".q_proj" in hf_name else KV)
             if arch in _NORM_PLUS_ONE_ARCHS and hf_name.endswith("norm.weight"):
@@ -211,6 +231,16 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
             return a
 
         yield hf_name, load
+
+
+def _dequantize(path: str, t, qtype, r) -> np.ndarray:
+    from .gguf_dequant import dequantize
+
+    try:
+        return dequantize(r.tensor_bytes(t), qtype, t.numpy_shape)
+    except NotImplementedError:
+        raise CheckpointError(f"{path}: tensor {t.name!r} uses GGUF type {qtype.name}, which this "
+                              f"gguf version cannot dequantize") from None
 
 
 def gguf_tokenizer(path: str):

@@ -45,6 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture of experts: shard the experts over the tensor-parallel devices")
+    p.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
+                   help="mixture of experts: expert groups per stage (attention replicated over them)")
     p.add_argument("--moe-backend", default="auto", choices=("auto", "xla", "pallas", "tokamax"),
                    help="mixture of experts: grouped-matmul backend (auto: pallas on GPUs, xla elsewhere)")
     p.add_argument("--coordinator-address", default=None, help="multi-host: host:port of process 0")
@@ -60,6 +62,7 @@ def engine_kwargs(a) -> dict:
     return dict(attention_backend=a.attention_backend, async_scheduling=a.async_scheduling, query_tile=a.query_tile,
                 tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                 data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
+                expert_parallel_size=a.expert_parallel_size,
                 moe_backend=a.moe_backend, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                 block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, kv_cache_dtype=a.kv_cache_dtype,

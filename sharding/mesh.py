@@ -1,8 +1,14 @@
 """Device meshes for tensor / pipeline / data parallelism, and multi-host start-up.
 
-A jvllm mesh has the named axes ("data", "stage", "tensor"). Data-parallel replicas are separate
-engines (each with its own scheduler and KV pool) on the sub-meshes `mesh.devices[d]`; pipeline
-stages are the sub-meshes `mesh.devices[d, s]` with the single axis "tensor".
+A jvllm mesh has the named axes ("data", "stage", "expert", "tensor"). Data-parallel replicas are
+separate engines (each with its own scheduler and KV pool) on the sub-meshes `mesh.devices[d]`;
+pipeline stages are the sub-meshes `mesh.devices[d, s]` with the axes ("expert", "tensor").
+
+The "expert" axis (expert_parallel_size, 1 unless asked for) exists for mixture-of-experts models:
+attention, dense MLPs, embedding and head are sharded over "tensor" only and so replicated over
+"expert" (every expert group runs the same attention on the same tokens, with its own copy of the
+KV pool); only the experts are split over "expert" (sharding.rules). Code that shards over
+"tensor" alone (the attention shard_map) is therefore unchanged by it.
 """
 from __future__ import annotations
 
@@ -12,32 +18,36 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-AXES = ("data", "stage", "tensor")
+AXES = ("data", "stage", "expert", "tensor")
+STAGE_AXES = AXES[2:]
 
 
-def make_mesh(tensor: int = 1, stage: int = 1, data: int = 1, devices=None) -> Mesh:
-    """A (data, stage, tensor) mesh over the first data*stage*tensor devices.
+def make_mesh(tensor: int = 1, stage: int = 1, data: int = 1, devices=None, expert: int = 1) -> Mesh:
+    """A (data, stage, expert, tensor) mesh over the first data*stage*expert*tensor devices
+    ("tensor" fastest: the devices of one tensor group are neighbours).
 
     Raises ValueError naming the sizes when there are not enough devices."""
     for name, v in (("tensor_parallel_size", tensor), ("pipeline_parallel_size", stage),
-                    ("data_parallel_size", data)):
-        if not isinstance(v, int) or v < 1:
+                    ("data_parallel_size", data), ("expert_parallel_size", expert)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     devices = list(devices if devices is not None else jax.devices())
-    n = tensor * stage * data
+    n = tensor * stage * data * expert
     if n > len(devices):
+        ep = f" x expert_parallel_size ({expert})" if expert > 1 else ""
         raise ValueError(
-            f"tensor_parallel_size ({tensor}) x pipeline_parallel_size ({stage}) x data_parallel_size ({data}) "
+            f"tensor_parallel_size ({tensor}) x pipeline_parallel_size ({stage}) x data_parallel_size ({data}){ep} "
             f"= {n} devices, but only {len(devices)} are available ({devices[0].platform})")
-    return Mesh(np.asarray(devices[:n], dtype=object).reshape(data, stage, tensor), AXES)
+    return Mesh(np.asarray(devices[:n], dtype=object).reshape(data, stage, expert, tensor), AXES)
 
 
 def stage_mesh(mesh: Mesh, data_index: int, stage_index: int) -> Mesh:
-    return Mesh(mesh.devices[data_index, stage_index], ("tensor",))
+    """The ("expert", "tensor") mesh of one pipeline stage of one replica."""
+    return Mesh(mesh.devices[data_index, stage_index], STAGE_AXES)
 
 
 def replica_mesh(mesh: Mesh, data_index: int) -> Mesh:
-    return Mesh(mesh.devices[data_index], ("stage", "tensor"))
+    return Mesh(mesh.devices[data_index], AXES[1:])
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,

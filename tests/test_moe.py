@@ -68,28 +68,50 @@ def test_tokamax_backend(ffn_case):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_expert_and_tensor_parallel_ffn(ffn_case, n):
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+# (expert groups, tensor devices, enable_expert_parallel): experts over "expert" with their hidden
+# dimension over "tensor", or (EP) experts over ("expert", "tensor")
+FFN_LAYOUTS = [(1, 2, True), (1, 8, True), (2, 4, True), (4, 2, True), (8, 1, True),
+               (1, 4, False), (2, 2, False), (4, 2, False), (8, 1, False)]
 
-    from jvllm.ops.grouped_matmul import expert_parallel_ffn, tensor_parallel_ffn
+
+@pytest.mark.parametrize("routing", ["gather", "all_to_all"])
+@pytest.mark.parametrize("ep,tp,expert_parallel", FFN_LAYOUTS)
+def test_sharded_ffn(ffn_case, ep, tp, expert_parallel, routing):
+    """Every layout of the presets and both routings equal the oracle, padding tokens included
+    (T=13 does not divide over the expert shards: the all-to-all pads its chunks)."""
+    from jax.sharding import NamedSharding
+
+    from jvllm.ops.grouped_matmul import sharded_ffn
+    from jvllm.sharding import make_mesh, moe_mesh_axes, partition_spec, stage_mesh, PRESETS
 
     x, idx, w, ws, want = ffn_case
-    mesh = Mesh(np.asarray(jax.devices()[:n]), ("tensor",))
-    ep = [jax.device_put(a, NamedSharding(mesh, P("tensor"))) for a in ws]
-    got = jax.jit(lambda *a: expert_parallel_ffn(*a, mesh=mesh, axis="tensor"))(x, idx, w, *ep)
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    mesh = stage_mesh(make_mesh(tensor=tp, expert=ep), 0, 0)
+    rules = PRESETS["expert" if expert_parallel else "tensor"]
+    axes = [("expert", "embed", "moe_mlp"), ("expert", "embed", "moe_mlp"), ("expert", "moe_mlp", "embed")]
+    placed = [jax.device_put(a, NamedSharding(mesh, partition_spec(ax, rules))) for a, ax in zip(ws, axes)]
+    expert_axes, hidden_axis = moe_mesh_axes(expert_parallel)
+    f = jax.jit(lambda *a: sharded_ffn(*a, mesh=mesh, expert_axes=expert_axes, hidden_axis=hidden_axis,
+                                       routing=routing))
     valid = np.arange(x.shape[0]) >= 4
-    got = jax.jit(lambda *a: expert_parallel_ffn(*a, mesh=mesh, axis="tensor"))(x, idx, w, *ep, jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(f(x, idx, w, *placed)), want, atol=1e-4, rtol=1e-4)
+    got = f(x, idx, w, *placed, jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(got), np.where(valid[:, None], want, 0.0), atol=1e-4, rtol=1e-4)
-    if 8 % n == 0 and n <= 8:
-        col, row = NamedSharding(mesh, P(None, None, "tensor")), NamedSharding(mesh, P(None, "tensor"))
-        tp = [jax.device_put(ws[0], col), jax.device_put(ws[1], col), jax.device_put(ws[2], row)]
-        got = jax.jit(lambda *a: tensor_parallel_ffn(*a, mesh=mesh, axis="tensor"))(x, idx, w, *tp)
-        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="experts do not split over 3 devices"):
-        m3 = Mesh(np.asarray(jax.devices()[:3]), ("tensor",))
-        expert_parallel_ffn(x, idx, w, *ws, mesh=m3, axis="tensor")
+
+
+def test_sharded_ffn_errors(ffn_case):
+    from jvllm.ops.grouped_matmul import sharded_ffn
+    from jvllm.sharding import make_mesh, stage_mesh
+
+    x, idx, w, ws, _ = ffn_case
+    m3 = stage_mesh(make_mesh(tensor=3), 0, 0)
+    with pytest.raises(ValueError, match=r"8 experts do not split over 3 devices of mesh axes \('tensor',\)"):
+        sharded_ffn(x, idx, w, *ws, mesh=m3, expert_axes=("tensor",))
+    with pytest.raises(ValueError, match="expert size 8 does not split over 3 devices of mesh axis 'tensor'"):
+        sharded_ffn(x, idx, w, *ws, mesh=m3, expert_axes=(), hidden_axis="tensor")
+    with pytest.raises(ValueError, match="mesh axis 'data' is not in the mesh"):
+        sharded_ffn(x, idx, w, *ws, mesh=m3, expert_axes=("data",))
+    with pytest.raises(ValueError, match="unknown expert routing 'scatter'; known: gather, all_to_all"):
+        sharded_ffn(x, idx, w, *ws, mesh=m3, expert_axes=(), routing="scatter")
 
 
 def _llm(path, **kw):
@@ -146,20 +168,32 @@ def qwen3_moe_base(ckpt_dir):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=8, enable_expert_parallel=True),
-                                dict(tensor_parallel_size=2, enable_expert_parallel=True),
-                                dict(tensor_parallel_size=4),
-                                dict(tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["ep8", "ep2", "tp4", "ep2pp2"])
-def test_parallel_moe_equals_one_device(qwen3_moe_base, kw, monkeypatch):
+def _spy_sharded(monkeypatch):
     from jvllm.ops import grouped_matmul as gm
 
     traced = []
-    for name in ("expert_parallel_ffn", "tensor_parallel_ffn"):
-        def spy(*a, _f=getattr(gm, name), _n=name, **k):
-            traced.append((_n, k["mesh"].shape["tensor"]))
-            return _f(*a, **k)
-        monkeypatch.setattr(gm, name, spy)
+
+    def spy(*a, _f=gm.sharded_ffn, **k):
+        traced.append((k["expert_axes"], k["hidden_axis"], tuple(k["mesh"].shape.items())))
+        return _f(*a, **k)
+
+    monkeypatch.setattr(gm, "sharded_ffn", spy)
+    return traced
+
+
+EP_ALL = (("expert", "tensor"), None)   # enable_expert_parallel: experts over every device of a stage
+EP_GROUPS = (("expert",), "tensor")     # experts over the groups, each expert's hidden over "tensor"
+
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(tensor_parallel_size=8, enable_expert_parallel=True), (EP_ALL, 1, 8)),
+    (dict(tensor_parallel_size=4, expert_parallel_size=2, enable_expert_parallel=True), (EP_ALL, 2, 4)),
+    (dict(tensor_parallel_size=2, expert_parallel_size=4), (EP_GROUPS, 4, 2)),
+    (dict(tensor_parallel_size=4), (EP_GROUPS, 1, 4)),
+    (dict(tensor_parallel_size=2, expert_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True),
+     (EP_ALL, 2, 2))], ids=["ep8", "ep2xtp4", "groups4xtp2", "tp4", "ep2xtp2xpp2"])
+def test_parallel_moe_equals_one_device(qwen3_moe_base, kw, want, monkeypatch):
+    traced = _spy_sharded(monkeypatch)
     path, expected = qwen3_moe_base
     llm = _llm(path, max_num_batched_tokens=32, max_num_seqs=8, token_buckets=(8, 32), **kw)
     try:
@@ -167,18 +201,24 @@ def test_parallel_moe_equals_one_device(qwen3_moe_base, kw, monkeypatch):
         assert llm.get_stats()["compiles_after_warmup"] == 0
     finally:
         llm.shutdown()
-    want = ("expert_parallel_ffn" if kw.get("enable_expert_parallel") else "tensor_parallel_ffn",
-            kw["tensor_parallel_size"])
-    assert traced and set(traced) == {want}  # the variant chosen at construction, on the whole mesh
+    (axes, hidden), e, t = want
+    assert traced and set(traced) == {(axes, hidden, (("expert", e), ("tensor", t)))}  # fixed at construction
 
 
-def test_shared_expert_under_expert_parallel(ckpt_dir):
-    """Qwen2-MoE (shared expert, one dense layer) with EP over 4 devices equals one device."""
-    path = ckpt_dir("qwen2_moe")
+@pytest.mark.parametrize("arch,base_kw,kw", [
+    ("mixtral", dict(num_local_experts=8), dict(tensor_parallel_size=4, expert_parallel_size=2,
+                                                enable_expert_parallel=True)),
+    ("qwen2_moe", {}, dict(tensor_parallel_size=2, expert_parallel_size=4)),
+    ("qwen2_moe", {}, dict(tensor_parallel_size=2, expert_parallel_size=2, enable_expert_parallel=True))],
+    ids=["mixtral-ep2xtp4", "qwen2_moe-groups4xtp2", "qwen2_moe-ep2xtp2"])
+def test_expert_axis_families_equal_one_device(ckpt_dir, arch, base_kw, kw):
+    """Mixtral and Qwen2-MoE (shared expert, one dense layer) on an ("expert", "tensor") stage
+    mesh equal one device."""
+    path = ckpt_dir(arch, **base_kw)
     prompts = _prompts()[:4]
     outs = []
-    for kw in ({}, dict(tensor_parallel_size=4, enable_expert_parallel=True)):
-        llm = _llm(path, **kw)
+    for k in ({}, kw):
+        llm = _llm(path, **k)
         try:
             outs.append(_greedy(llm, prompts))
         finally:
@@ -186,15 +226,15 @@ def test_shared_expert_under_expert_parallel(ckpt_dir):
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("ep", [4, 8])
-def test_golden_expert_parallel_shardings(ep):
-    """The parameter shardings of the EP preset for a Qwen3-30B-A3B-shaped model (one layer)."""
-    from jax.sharding import Mesh
-
+@pytest.mark.parametrize("ep,tp,expert_parallel,name", [(1, 4, True, "ep4"), (1, 8, True, "ep8"),
+                                                        (2, 4, True, "ep2xtp4"), (4, 2, False, "groups4xtp2")])
+def test_golden_expert_parallel_shardings(ep, tp, expert_parallel, name):
+    """The parameter shardings of the MoE presets for a Qwen3-30B-A3B-shaped model (one layer) on
+    an ("expert", "tensor") stage mesh."""
     from jvllm.converters import RANDOM_PRESETS
     from jvllm.config import ModelConfig
     from jvllm.models import param_specs
-    from jvllm.sharding import describe, expert_parallel_rules, param_shardings
+    from jvllm.sharding import describe, make_mesh, parallel_rules, param_shardings, stage_mesh
 
     import transformers
 
@@ -202,11 +242,13 @@ def test_golden_expert_parallel_shardings(ep):
     hf = transformers.Qwen3MoeConfig(**dict(d, num_hidden_layers=1))
     hf.architectures = ["Qwen3MoeForCausalLM"]
     cfg = ModelConfig.from_hf_config(hf)
-    mesh = Mesh(np.asarray(jax.devices()[:ep]), ("tensor",))
-    got = describe(param_shardings(param_specs(cfg), mesh, expert_parallel_rules(cfg, ep)))
-    assert got["layers.0.mlp.expert_gate"] == "('tensor', None, None)"
+    mesh = stage_mesh(make_mesh(tensor=tp, expert=ep), 0, 0)
+    got = describe(param_shardings(param_specs(cfg), mesh, parallel_rules(cfg, tp, ep, expert_parallel)))
+    assert got["layers.0.mlp.expert_gate"] == ("(('expert', 'tensor'), None, None)" if expert_parallel
+                                               else "('expert', None, 'tensor')")
     assert got["layers.0.mlp.router"] == "(None, None)"
-    path = os.path.join(GOLDEN, f"shardings_qwen3-30b-a3b_ep{ep}.json")
+    assert got["layers.0.self_attn.q_proj"] == "(None, 'tensor', None)"  # attention: "tensor" only
+    path = os.path.join(GOLDEN, f"shardings_qwen3-30b-a3b_{name}.json")
     if os.environ.get("JVLLM_UPDATE_GOLDEN"):
         json.dump(got, open(path, "w"), indent=1, sort_keys=True)
     assert got == json.load(open(path))
@@ -241,6 +283,37 @@ def test_moe_errors(ckpt_dir, tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"missing expert\(s\) \[2\] of 'layers.1.mlp.expert_up' \(3 of 4\)"):
         load_checkpoint(str(tmp_path))
+
+
+def test_expert_axis_rules_and_errors(ckpt_dir):
+    """parallel_rules: the presets as data on the ("expert", "tensor") mesh, and the sizes that do
+    not fit named with their numbers."""
+    from jvllm.config import ModelConfig
+    from jvllm.sharding import PRESETS, make_mesh, moe_mesh_axes, parallel_rules, partition_spec
+
+    moe = ModelConfig.from_pretrained(ckpt_dir("qwen2_moe"))  # 4 experts of 32, shared expert 48, 4 heads
+    assert parallel_rules(moe, 2, 2, expert_parallel=True)["expert"] == ("expert", "tensor")
+    assert parallel_rules(moe, 2, 4)["expert"] == "expert" and parallel_rules(moe, 2, 4)["moe_mlp"] == "tensor"
+    assert parallel_rules(moe, 1, 1) == PRESETS["replicated"]
+    assert moe_mesh_axes(True) == (("expert", "tensor"), None) and moe_mesh_axes(False) == (("expert",), "tensor")
+    with pytest.raises(ValueError, match=r"enable_expert_parallel: tensor_parallel_size 4 does not fit this model: "
+                                         r"num_experts 4 over expert_parallel_size 2 x tensor_parallel_size"):
+        parallel_rules(moe, 4, 2, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 1 does not fit.*num_experts 4 over expert_parallel_size 8,"):
+        parallel_rules(moe, 1, 8)
+    with pytest.raises(ValueError, match="expert_parallel_size must be a positive integer, got 0"):
+        parallel_rules(moe, 2, 0)
+    dense = ModelConfig.from_pretrained(ckpt_dir("llama"))
+    with pytest.raises(ValueError, match="expert_parallel_size 2 needs a mixture-of-experts model; LlamaForCausalLM"):
+        parallel_rules(dense, 2, 2)
+    with pytest.raises(ValueError, match="map two dimensions of .* onto one mesh axis"):
+        partition_spec(("expert", "moe_mlp"), dict(PRESETS["tensor"], expert=("expert", "tensor")))
+    with pytest.raises(ValueError, match=r"x expert_parallel_size \(4\) = 16 devices, but only 8"):
+        make_mesh(tensor=4, expert=4)
+    with pytest.raises(ValueError, match="expert_parallel_size must be a positive integer, got 0"):
+        make_mesh(expert=0)
+    with pytest.raises(ValueError, match="expert_parallel_size 2 needs a mixture-of-experts model"):
+        _llm(ckpt_dir("llama"), tensor_parallel_size=2, expert_parallel_size=2)
 
 
 def test_random_moe_presets():
@@ -285,13 +358,16 @@ def test_grouped_matmul_probe_dry_run(tmp_path):
     import sys
 
     out = tmp_path / "gmm.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "moe_grouped_matmul.py"), "--tiny", "--tokens",
-                        "8", "--backends", "xla", "--devices", "2", "--iters", "2", "--out", str(out)],
+                        "8", "--backends", "xla", "--devices", "4", "--expert-groups", "2", "--routings",
+                        "gather,all_to_all", "--iters", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {r["mode"] for r in rows} == {"one_device", "expert_parallel", "tensor_parallel"}
+    assert {(r["mode"], r["routing"]) for r in rows} == {
+        ("one_device", "-"), ("expert_parallel", "gather"), ("expert_parallel", "all_to_all"),
+        ("tensor_parallel", "gather"), ("groups", "gather"), ("groups", "all_to_all")}
     assert all(r["ms"] > 0 for r in rows)
 
 

@@ -170,7 +170,7 @@ def test_golden_param_shardings(tp):
     import transformers
 
     cfg = ModelConfig.from_hf_config(transformers.LlamaConfig(**dict(RANDOM_PRESETS["llama3-8b"], num_hidden_layers=1)))
-    mesh = make_mesh(tensor=tp).devices[0, 0]
+    mesh = make_mesh(tensor=tp).devices[0, 0, 0]
     from jax.sharding import Mesh
 
     got = describe(param_shardings(param_specs(cfg), Mesh(mesh, ("tensor",)), tensor_parallel_rules(cfg, tp)))
@@ -193,7 +193,7 @@ def test_tp2_shard_preset_is_one_devices_share():
         return ModelConfig.from_hf_config(transformers.LlamaConfig(**dict(RANDOM_PRESETS[name], num_hidden_layers=1)))
 
     full, share = cfg("llama3-8b"), cfg("llama3-8b-tp2-shard")
-    mesh = Mesh(make_mesh(tensor=2).devices[0, 0], ("tensor",))
+    mesh = Mesh(make_mesh(tensor=2).devices[0, 0, 0], ("tensor",))
     shardings = param_shardings(param_specs(full), mesh, tensor_parallel_rules(full, 2))
     per_device = {n: shardings[n].shard_shape(shape) for n, (shape, _, _) in param_specs(full).items()}
     assert per_device == {n: shape for n, (shape, _, _) in param_specs(share).items()}

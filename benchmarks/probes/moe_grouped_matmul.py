@@ -1,8 +1,11 @@
 """The MoE expert FFN (jvllm.ops.grouped_matmul) alone, per backend and token count, on one
-device and, with --devices N, expert parallel (gather + psum) against tensor parallel over N.
+device and, with --devices N, expert parallel over N (per --routings: gather + psum, and
+all-to-all) against tensor parallel over N; with --expert-groups G the N devices form a
+(G, N/G) ("expert", "tensor") mesh and the experts go over the G groups, their hidden dimension
+over the rest ("groups" mode, both routings).
 
     python benchmarks/probes/moe_grouped_matmul.py [--tokens 1,8,64,256,2048] [--backends xla,pallas,tokamax]
-        [--devices 8] [--tiny] [--out $OUT/moe_gmm.json]
+        [--devices 8] [--expert-groups 2] [--routings gather,all_to_all] [--tiny] [--sweep CFGS] [--out $OUT/moe_gmm.json]
 
 Shape: one Qwen3-30B-A3B layer (128 experts, top-8, hidden 2048, expert size 768, bfloat16), or
 --tiny (8 experts, top-2, 64 / 32, float32) for a CPU run. Routing is random (each token k distinct
@@ -39,6 +42,8 @@ def main(argv=None):
     ap.add_argument("--tokens", default="1,8,64,256,2048")
     ap.add_argument("--backends", default="xla,pallas")
     ap.add_argument("--devices", type=int, default=1, help="also EP and TP over this many devices (> 1)")
+    ap.add_argument("--expert-groups", type=int, default=1, help="also experts over G groups x hidden over N/G")
+    ap.add_argument("--routings", default="gather", help="routings of the expert-parallel modes: gather,all_to_all")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--sweep", default="",
@@ -60,12 +65,23 @@ def main(argv=None):
           for kk, s in zip(key, ((E, D, I), (E, D, I), (E, I, D)))]
     itemsize = jnp.dtype(dtype).itemsize
     rng = np.random.default_rng(0)
-    mesh = Mesh(np.asarray(jax.devices()[:a.devices]), ("tensor",)) if a.devices > 1 else None
-    if mesh is not None:
-        ep_w = [jax.device_put(w, NamedSharding(mesh, P("tensor"))) for w in ws]
-        tp_w = [jax.device_put(ws[0], NamedSharding(mesh, P(None, None, "tensor"))),
-                jax.device_put(ws[1], NamedSharding(mesh, P(None, None, "tensor"))),
-                jax.device_put(ws[2], NamedSharding(mesh, P(None, "tensor")))]
+    routings = a.routings.split(",")
+    layouts = []  # (mode, mesh, expert_axes, hidden_axis)
+    if a.devices > 1:
+        mesh = Mesh(np.asarray(jax.devices()[:a.devices]).reshape(1, a.devices), ("expert", "tensor"))
+        layouts += [("expert_parallel", mesh, ("expert", "tensor"), None), ("tensor_parallel", mesh, (), "tensor")]
+    if a.expert_groups > 1:
+        if a.devices % a.expert_groups:
+            raise SystemExit(f"--expert-groups {a.expert_groups} must divide --devices {a.devices}")
+        g = Mesh(np.asarray(jax.devices()[:a.devices]).reshape(a.expert_groups, -1), ("expert", "tensor"))
+        layouts.append(("groups", g, ("expert",), "tensor"))
+
+    def place(mesh, ex, hid):
+        e = ex if len(ex) > 1 else (ex[0] if ex else None)
+        col, row = NamedSharding(mesh, P(e, None, hid)), NamedSharding(mesh, P(e, hid, None))
+        return [jax.device_put(ws[0], col), jax.device_put(ws[1], col), jax.device_put(ws[2], row)]
+
+    placed = {mode: place(m, ex, hid) for mode, m, ex, hid in layouts}
     rows = []
     for T in (int(t) for t in a.tokens.split(",")):
         x = jnp.asarray(rng.normal(size=(T, D)), dtype)
@@ -79,22 +95,21 @@ def main(argv=None):
             except ImportError as e:
                 rows.append(dict(tokens=T, backend=b, mode="one_device", error=str(e)))
                 continue
-            cases = [("one_device", jax.jit(lambda *z, b=b: gm.moe_ffn(*z, backend=b)), ws)]
-            if mesh is not None:
-                cases += [("expert_parallel", jax.jit(lambda *z, b=b: gm.expert_parallel_ffn(
-                              *z, mesh=mesh, axis="tensor", backend=b)), ep_w),
-                          ("tensor_parallel", jax.jit(lambda *z, b=b: gm.tensor_parallel_ffn(
-                              *z, mesh=mesh, axis="tensor", backend=b)), tp_w)]
-            for mode, fn, wts in cases:
+            cases = [("one_device", "-", jax.jit(lambda *z, b=b: gm.moe_ffn(*z, backend=b)), ws)]
+            for mode, m, ex, hid in layouts:
+                for rt in (routings if ex else ["gather"]):
+                    cases.append((mode, rt, jax.jit(lambda *z, b=b, m=m, ex=ex, hid=hid, rt=rt: gm.sharded_ffn(
+                        *z, mesh=m, expert_axes=ex, hidden_axis=hid, routing=rt, backend=b)), placed[mode]))
+            for mode, rt, fn, wts in cases:
                 try:
                     ms = _time(fn, (x, idx, w, *wts), a.iters)
                 except Exception as e:  # a backend that cannot compile this shape: recorded, not fatal
-                    rows.append(dict(tokens=T, backend=b, mode=mode, error=f"{type(e).__name__}: {e}"[:400]))
+                    rows.append(dict(tokens=T, backend=b, mode=mode, routing=rt, error=f"{type(e).__name__}: {e}"[:400]))
                     continue
-                r = dict(tokens=T, backend=b, mode=mode, ms=ms, experts_touched=touched,
+                r = dict(tokens=T, backend=b, mode=mode, routing=rt, ms=ms, experts_touched=touched,
                          touched_weight_gb_s=need / (ms / 1e3) / 1e9)
                 rows.append(r)
-                print(f"T={T:5d} {b:8s} {mode:16s} {ms:9.3f} ms  experts {touched:3d}  "
+                print(f"T={T:5d} {b:8s} {mode:16s} {rt:10s} {ms:9.3f} ms  experts {touched:3d}  "
                       f"{r['touched_weight_gb_s']:8.1f} GB/s of touched weights", flush=True)
         if a.sweep:
             from jvllm.ops.pallas_grouped_matmul import grouped_matmul
@@ -118,7 +133,7 @@ def main(argv=None):
                                  touched_weight_gb_s=need / (ms / 1e3) / 1e9))
                 print(f"T={T:5d} pallas {cfg:16s} {ms:9.3f} ms  {need / (ms / 1e3) / 1e9:8.1f} GB/s", flush=True)
     res = dict(shape=dict(experts=E, top_k=k, hidden=D, expert_size=I, dtype=str(jnp.dtype(dtype))),
-               devices=a.devices, platform=jax.devices()[0].platform, device_kind=jax.devices()[0].device_kind,
+               devices=a.devices, expert_groups=a.expert_groups, platform=jax.devices()[0].platform, device_kind=jax.devices()[0].device_kind,
                jax=jax.__version__, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     json.dump(res, open(a.out, "w"), indent=1)

@@ -21,6 +21,8 @@
 # MOE_BACKEND=xla runs XLA's ragged_dot, which upstream XLA expands densely on CUDA.
 # Env: MOE_BACKEND (auto | xla | tokamax | pallas, default auto), BACKEND (attention backend, default auto),
 # END_S (590: every stage's limit ends by then), GMM_SWEEP (the gmm stage's --sweep of Pallas launch configs).
+# TINY=1: a CPU dry run of the stages' commands (random:tiny-moe / random:tiny in float32 at toy
+# lengths, the probe's --tiny shape; the figures mean nothing, it only shows that every stage runs).
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 BACKEND=${BACKEND:-auto}
@@ -28,6 +30,16 @@ MOE_BACKEND=${MOE_BACKEND:-auto}
 END_S=${END_S:-590}
 left() { local l=$(( END_S - $(el) )); [ "$1" -lt "$l" ] && l=$1; echo $l; }  # min(stage limit, time left)
 MOE="--model random:qwen3-30b-a3b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND"
+DENSE="--model random:llama3-8b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND"
+SIZES=""; GMM=""; SHARE="--token-buckets 16,64,128,256,1024,2048 --steps 20"
+if [ "${TINY:-0}" = 1 ]; then
+  MOE="--model random:tiny-moe --dtype float32 --max-model-len 256 --attention-backend $BACKEND --token-buckets 16,64 --max-num-seqs 8"
+  DENSE="--model random:tiny --dtype float32 --max-model-len 256 --attention-backend $BACKEND --token-buckets 16,64 --max-num-seqs 8"
+  SIZES="--num-prompts 8 --w1-input-len 8,16 --output-len 8 --b1-input-len 16 --b1-output-len 8 --prefill-len 64
+         --num-iters 1 --num-iters-warmup 0 --warmup-requests 1 --copy-bytes 16777216 --matmul-n 256"
+  GMM="--tiny --tokens 8,64 --iters 2"
+  SHARE="--steps 2 --num-prompts 8 --input-len 16 --w1-input-len 8,16"
+fi
 
 smoke() {
   SMOKE_BACKEND=${MOE_BACKEND/auto/pallas} python - > "$OUT/moe_smoke.log" 2>&1 <<'PY'
@@ -53,17 +65,16 @@ run_stage() {
   echo "[$(el)s] $stage"
   case $stage in
     smoke) smoke; echo "rc=$?"; grep -E "smoke err|Error" "$OUT/moe_smoke.log" | tail -2 ;;
-    gmm) timeout $(left 150) python benchmarks/probes/moe_grouped_matmul.py ${GMM_SWEEP:+--sweep $GMM_SWEEP} \
+    gmm) timeout $(left 150) python benchmarks/probes/moe_grouped_matmul.py $GMM ${GMM_SWEEP:+--sweep $GMM_SWEEP} \
            --out "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1
          echo "rc=$?"; grep -E "^T=|Error" "$OUT/moe_gmm.log" | tail -12 ;;
-    moe) timeout $(left 330) python -m jvllm.cli bench all $MOE --moe-backend $MOE_BACKEND \
+    moe) timeout $(left 330) python -m jvllm.cli bench all $MOE $SIZES --moe-backend $MOE_BACKEND \
            --output-json "$OUT/moe_all.json" > "$OUT/moe_all.log" 2>&1
          echo "rc=$?"; tail -9 "$OUT/moe_all.log" ;;
-    moe_xla) timeout $(left 330) python -m jvllm.cli bench all $MOE --moe-backend xla --no-xla-report \
+    moe_xla) timeout $(left 330) python -m jvllm.cli bench all $MOE $SIZES --moe-backend xla --no-xla-report \
                --output-json "$OUT/moe_all_xla.json" > "$OUT/moe_all_xla.log" 2>&1
              echo "rc=$?"; tail -9 "$OUT/moe_all_xla.log" ;;
-    dense) timeout $(left 330) python -m jvllm.cli bench all --model random:llama3-8b --dtype bfloat16 --max-model-len 4096 \
-             --attention-backend $BACKEND --no-xla-report --output-json "$OUT/dense_all.json" > "$OUT/dense_all.log" 2>&1
+    dense) timeout $(left 330) python -m jvllm.cli bench all $DENSE $SIZES --no-xla-report --output-json "$OUT/dense_all.json" > "$OUT/dense_all.log" 2>&1
            echo "rc=$?"; tail -9 "$OUT/dense_all.log" ;;
     gemma3_4b) timeout $(left 240) python -m jvllm.cli bench latency --model random:gemma3-4b --dtype bfloat16 \
              --max-model-len 4096 --attention-backend $BACKEND --no-xla-report --output-json "$OUT/gemma3_4b_b1.json" \
@@ -71,7 +82,7 @@ run_stage() {
            echo "rc=$?"; tail -6 "$OUT/gemma3_4b_b1.log" ;;
     share) for w in b1 w1; do
              timeout $(left 240) python benchmarks/probes/moe_profile_share.py --workload $w $MOE --moe-backend $MOE_BACKEND \
-               --token-buckets 16,64,128,256,1024,2048 --steps 20 --out "$OUT/moe_share_$w.json" > "$OUT/moe_share_$w.log" 2>&1
+               $SHARE --out "$OUT/moe_share_$w.json" > "$OUT/moe_share_$w.log" 2>&1
              echo "rc=$?"; grep -E "ms/step|Error" "$OUT/moe_share_$w.log" | tail -2
            done ;;
     *) echo "unknown stage $stage (smoke gmm moe moe_xla dense gemma3_4b share)"; return 2 ;;

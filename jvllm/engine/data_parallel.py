@@ -21,7 +21,7 @@ class DataParallelEngine:
         from jvllm.worker import worker as device
 
         d = config.data_parallel_size
-        per = config.tensor_parallel_size * config.pipeline_parallel_size
+        per = config.tensor_parallel_size * config.pipeline_parallel_size * config.expert_parallel_size
         devices = list(devices if devices is not None else device.devices())
         nproc = device.process_count()
         if nproc > 1:
@@ -33,6 +33,7 @@ class DataParallelEngine:
         if d * per > len(devices):
             raise ValueError(
                 f"data_parallel_size ({d}) x tensor_parallel_size ({config.tensor_parallel_size}) x "
+                f"expert_parallel_size ({config.expert_parallel_size}) x "
                 f"pipeline_parallel_size ({config.pipeline_parallel_size}) = {d * per} devices, but only "
                 f"{len(devices)} are available")
         self.config = config

@@ -33,6 +33,11 @@ class EngineConfig:
     # mixture-of-experts models: shard the experts over the tensor-parallel devices (vLLM's flag;
     # attention stays tensor parallel); an error for a model without experts
     enable_expert_parallel: bool = False
+    # mixture-of-experts models: expert groups per stage (the stage mesh's "expert" axis). Each
+    # stage then runs on expert_parallel_size x tensor_parallel_size devices: attention (and its KV
+    # pool) tensor parallel and replicated over the groups, the experts split over the groups (with
+    # enable_expert_parallel: over all of the stage's devices). An error for a model without experts
+    expert_parallel_size: int = 1
     # the experts' grouped matmuls: auto (tokamax on GPUs when installed, else xla) | xla | tokamax
     moe_backend: str = "auto"
     num_microbatches: int | None = None  # pipeline micro-batches per step (default: one per stage)

@@ -9,10 +9,11 @@ Parameter layout of a sparse layer's `mlp` (logical axes in brackets):
   router [embed, router]; expert_gate / expert_up [expert, embed, moe_mlp]; expert_down
   [expert, moe_mlp, embed]; Qwen2-MoE adds shared_expert.{gate,up,down}_proj (a dense MLP) and
   shared_expert_gate [embed].
-The expert computation is jvllm.ops.grouped_matmul (tokens sorted by expert, ragged_dot). Under a
-tensor-parallel mesh the variant is fixed at construction by `cfg.moe.expert_parallel`: experts
-sharded over the devices (expert parallel) or each expert's hidden dimension split (tensor
-parallel); both sum partial outputs with one psum.
+The expert computation is jvllm.ops.grouped_matmul (tokens sorted by expert, ragged_dot). On a
+stage mesh ("expert", "tensor") the mesh axes the experts and their hidden dimension are split
+over are fixed at construction from the sharding preset (`jvllm.sharding.moe_mesh_axes`, chosen
+by `cfg.moe.expert_parallel`), the same entries that shard the parameters; partial outputs are
+summed with one psum (grouped_matmul.ENGINE_ROUTING).
 """
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ class SparseMoE(nnx.Module):
             self.shared_expert = SharedExpertMLP(cfg, dtype)
             self.shared_expert_gate = declare((D,), ("embed",), dtype)
         self.top_k, self.norm_topk = m.top_k, m.norm_topk_prob
-        self.expert_parallel = m.expert_parallel
+        from jvllm.sharding import moe_mesh_axes
+
+        self.expert_axes, self.hidden_axis = moe_mesh_axes(m.expert_parallel)
         self.backend = m.grouped_matmul
 
     def route(self, x):
@@ -93,12 +96,11 @@ class SparseMoE(nnx.Module):
             top_idx, top_w = self.route(x)
         ws = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
         mesh = _TP_MESH.get()
-        if mesh is None or int(dict(mesh.shape).get("tensor", 1)) == 1:
+        if mesh is None or mesh.size == 1:
             y = gm.moe_ffn(x, top_idx, top_w, *ws, valid, backend=self.backend)
-        elif self.expert_parallel:
-            y = gm.expert_parallel_ffn(x, top_idx, top_w, *ws, valid, mesh=mesh, axis="tensor", backend=self.backend)
         else:
-            y = gm.tensor_parallel_ffn(x, top_idx, top_w, *ws, valid, mesh=mesh, axis="tensor", backend=self.backend)
+            y = gm.sharded_ffn(x, top_idx, top_w, *ws, valid, mesh=mesh, expert_axes=self.expert_axes,
+                               hidden_axis=self.hidden_axis, backend=self.backend)
         y = y.astype(x.dtype)
         if self.has_shared:
             gate = jax.nn.sigmoid((x @ self.shared_expert_gate[...]).astype(jnp.float32))

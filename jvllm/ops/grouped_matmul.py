@@ -8,13 +8,12 @@ every routing. Three ragged_dot calls (gate, up, down) do the expert work: never
 experts, never a dense all-experts product. The rows are then weighted, put back in token order
 and summed over the k choices (a reshape, not a scatter-add, so the sum order is fixed).
 
-Expert parallelism (`expert_parallel_ffn`): the experts' leading dimension is sharded over the
-mesh axis; each device takes the rows of its own experts (contiguous in the sorted buffer: rotated
-to the front from their offset), runs the same grouped matmuls on them and the per-device partial
-outputs are summed with one psum. Tokens are *gathered*, not sent by all-to-all: after attention's
-all-reduce every tensor-parallel device already holds all T tokens, so no token has to move, and
-the psum replaces the all-reduce a tensor-parallel MLP needs anyway. (An all-to-all pays off when
-tokens are sharded over the devices, i.e. data-parallel attention, which jvllm does not run.)
+Sharded experts (`sharded_ffn`): the experts' leading dimension is split over one or more mesh
+axes (expert parallelism) and/or each expert's hidden dimension over another (tensor
+parallelism), as sharding.rules' presets say. Tokens reach the experts by "gather" (each device
+takes the rows of its own experts from the replicated tokens; one psum) or "all_to_all" (each
+device sends its share of the tokens to the experts' owners and back); ENGINE_ROUTING is the one
+the engine uses and says why.
 
 Backends (`backend=`, fixed at model construction): "xla" is `jax.lax.ragged_dot`; "pallas" is
 jvllm's own Pallas kernel (`jvllm.ops.pallas_grouped_matmul`: Triton on GPUs, the interpreter
@@ -114,61 +113,131 @@ def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, backend: str
         return _combine(ys, order, top_w, T, k)
 
 
-def expert_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, mesh, axis: str,
-                        backend: str = "xla"):
-    """`moe_ffn` with the experts sharded over `axis` of `mesh` (the number of experts must be a
-    multiple of the axis size); x and the routing are replicated. Same result as `moe_ffn` up to
-    the float32 summation order of the psum."""
+ROUTINGS = ("gather", "all_to_all")
+# The routing the engine uses (jvllm.models.moe). Gather: attention is replicated over the "expert"
+# axis and all-reduced over "tensor", so every device already holds all T tokens; each computes
+# the rows of its own experts and one psum sums the partial outputs (it replaces the all-reduce a
+# tensor-parallel MLP needs anyway). All-to-all sends each device's T/n tokens to the experts'
+# owners and back at the dropless capacity (T/n * k rows to every peer), then all-gathers the
+# tokens: k times the bytes of the psum. The choice rests on that count: fake CPU devices (the
+# only measurement so far, benchmarks/probes/moe_grouped_matmul.py --routings) leaned to gather
+# but are no model of a GPU interconnect; run the probe on GPUs before changing it. All-to-all
+# pays off when tokens are sharded to begin with (data-parallel attention), which jvllm does not run.
+ENGINE_ROUTING = "gather"
+
+
+def _axes_size(mesh, axes) -> int:
+    n = 1
+    for a in axes:
+        n *= int(dict(mesh.shape)[a])
+    return n
+
+
+def sharded_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, mesh, expert_axes: tuple = (),
+                hidden_axis: str | None = None, routing: str = ENGINE_ROUTING, backend: str = "xla"):
+    """`moe_ffn` on `mesh` with the experts' leading dimension sharded over `expert_axes` (one mesh
+    axis or several, major first, as in the weights' PartitionSpec) and each expert's hidden
+    dimension over `hidden_axis` (gate/up split on their output, down on its input; None: whole).
+    x, top_idx, top_w and valid are replicated; so is the [T, D] float32 result. `routing` is
+    "gather" or "all_to_all" (module docstring of ENGINE_ROUTING). Same result as `moe_ffn` up to
+    the float32 summation order. ValueError naming the numbers when the experts or their hidden
+    dimension do not split, or an axis is not in the mesh. GSPMD is not trusted to split
+    ragged_dot itself: the whole computation is one shard_map."""
     from jax.sharding import PartitionSpec as P
 
-    n = int(dict(mesh.shape)[axis])
-    E = w_gate.shape[0]
+    expert_axes = tuple(expert_axes)
+    for a in expert_axes + ((hidden_axis,) if hidden_axis else ()):
+        if a not in dict(mesh.shape):
+            raise ValueError(f"mixture of experts: mesh axis {a!r} is not in the mesh {dict(mesh.shape)}")
+    if hidden_axis in expert_axes:
+        raise ValueError(f"mixture of experts: mesh axis {hidden_axis!r} cannot split both the experts and their hidden dimension")
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown expert routing {routing!r}; known: {', '.join(ROUTINGS)}")
+    n = _axes_size(mesh, expert_axes)
+    E, I = w_gate.shape[0], w_gate.shape[2]
     if E % n:
-        raise ValueError(f"expert parallelism: {E} experts do not split over {n} devices of mesh axis {axis!r}")
-    T, k = top_idx.shape
-    M = T * k
-    if valid is None:
-        valid = jnp.ones((T,), bool)
-
-    def local(x, top_idx, top_w, valid, wg, wu, wd):
-        El = wg.shape[0]
-        with jax.named_scope(ROUTING_SCOPE):
-            order, sizes = sort_by_expert(top_idx, E, valid)
-            e0 = jax.lax.axis_index(axis) * El
-            local_sizes = jax.lax.dynamic_slice_in_dim(sizes, e0, El)
-            start = jnp.sum(jnp.where(jnp.arange(E) < e0, sizes, 0))  # first row of this device's experts
-            # this device's rows rotated to the front; _expert_mlp zeroes the rows past them
-            rows = (jnp.arange(M) + start) % M
-            xs = x[(order // k)[rows]]
-        ys = _expert_mlp(xs, wg, wu, wd, local_sizes, backend)
-        with jax.named_scope(ROUTING_SCOPE):
-            ys = jnp.zeros_like(ys).at[rows].set(ys)  # back to sorted positions (others' rows are 0)
-            y = _combine(ys, order, top_w, T, k)
-        return jax.lax.psum(y, axis)
-
-    ex = P(axis, None, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), ex, ex, ex), out_specs=P(),
-                         check_vma=False)(x, top_idx, top_w, valid, w_gate, w_up, w_down)
-
-
-def tensor_parallel_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, mesh, axis: str,
-                        backend: str = "xla"):
-    """`moe_ffn` with every expert's hidden dimension sharded over `axis` (Megatron-style: gate
-    and up split on their output, down on its input); each device runs all experts on its slice
-    and one psum sums the partial outputs. GSPMD is not trusted to split ragged_dot itself."""
-    from jax.sharding import PartitionSpec as P
-
-    n = int(dict(mesh.shape)[axis])
-    if w_gate.shape[2] % n:
-        raise ValueError(f"tensor parallelism: expert size {w_gate.shape[2]} does not split over {n} devices "
-                         f"of mesh axis {axis!r}")
-
+        raise ValueError(f"expert parallelism: {E} experts do not split over {n} devices of mesh axes {expert_axes}")
+    h = _axes_size(mesh, (hidden_axis,)) if hidden_axis else 1
+    if I % h:
+        raise ValueError(f"tensor parallelism: expert size {I} does not split over {h} devices of mesh axis {hidden_axis!r}")
     if valid is None:
         valid = jnp.ones((top_idx.shape[0],), bool)
-
-    def local(x, top_idx, top_w, valid, wg, wu, wd):
-        return jax.lax.psum(moe_ffn(x, top_idx, top_w, wg, wu, wd, valid, backend=backend), axis)
-
-    col, row = P(None, None, axis), P(None, axis, None)
+    reduce_axes = expert_axes + ((hidden_axis,) if hidden_axis else ())
+    ex = expert_axes if len(expert_axes) > 1 else (expert_axes[0] if expert_axes else None)
+    col, row = P(ex, None, hidden_axis), P(ex, hidden_axis, None)
+    if routing == "gather":
+        def local(x, top_idx, top_w, valid, wg, wu, wd):
+            y = _gather_local(x, top_idx, top_w, valid, wg, wu, wd, E=E, expert_axes=expert_axes, backend=backend)
+            return jax.lax.psum(y, reduce_axes)
+    else:
+        def local(x, top_idx, top_w, valid, wg, wu, wd):
+            return _all_to_all_local(x, top_idx, top_w, valid, wg, wu, wd, n=n, expert_axes=expert_axes,
+                                     hidden_axis=hidden_axis, backend=backend)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), col, col, row), out_specs=P(),
                          check_vma=False)(x, top_idx, top_w, valid, w_gate, w_up, w_down)
+
+
+def _shard_index(expert_axes):
+    return jax.lax.axis_index(expert_axes) if expert_axes else 0
+
+
+def _gather_local(x, top_idx, top_w, valid, wg, wu, wd, *, E, expert_axes, backend):
+    """This device's partial output: all tokens, only the rows of its own experts (contiguous in
+    the sorted buffer: rotated to the front from their offset; _expert_mlp zeroes the rest)."""
+    T, k = top_idx.shape
+    M, El = T * k, wg.shape[0]
+    with jax.named_scope(ROUTING_SCOPE):
+        order, sizes = sort_by_expert(top_idx, E, valid)
+        e0 = _shard_index(expert_axes) * El
+        local_sizes = jax.lax.dynamic_slice_in_dim(sizes, e0, El)
+        start = jnp.sum(jnp.where(jnp.arange(E) < e0, sizes, 0))  # first row of this device's experts
+        rows = (jnp.arange(M) + start) % M
+        xs = x[(order // k)[rows]]
+    ys = _expert_mlp(xs, wg, wu, wd, local_sizes, backend)
+    with jax.named_scope(ROUTING_SCOPE):
+        ys = jnp.zeros_like(ys).at[rows].set(ys)  # back to sorted positions (others' rows are 0)
+        return _combine(ys, order, top_w, T, k)
+
+
+def _all_to_all_local(x, top_idx, top_w, valid, wg, wu, wd, *, n, expert_axes, hidden_axis, backend):
+    """Device i of the n expert shards takes tokens [i*Tc, (i+1)*Tc) (Tc = ceil(T/n)), sends each
+    (token, choice) pair to the shard owning its expert in a [n, Tc*k, D] buffer (the dropless
+    capacity: every pair of the chunk may pick one shard), runs its experts on what it received,
+    sends the rows back, combines its chunk and all-gathers the chunks over the expert axes."""
+    T, k = top_idx.shape
+    D, El = x.shape[1], wg.shape[0]
+    Tc = -(-T // n)
+    C = Tc * k
+    pad = n * Tc - T
+    with jax.named_scope(ROUTING_SCOPE):
+        if pad:
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+            top_idx, top_w = jnp.pad(top_idx, ((0, pad), (0, 0))), jnp.pad(top_w, ((0, pad), (0, 0)))
+            valid = jnp.pad(valid, (0, pad))
+        me = _shard_index(expert_axes)
+        xc = jax.lax.dynamic_slice_in_dim(x, me * Tc, Tc)
+        ic = jax.lax.dynamic_slice_in_dim(top_idx, me * Tc, Tc).reshape(-1)
+        wc = jax.lax.dynamic_slice_in_dim(top_w, me * Tc, Tc)
+        vc = jnp.repeat(jax.lax.dynamic_slice_in_dim(valid, me * Tc, Tc), k)
+        dest = jnp.where(vc, ic // El, n)  # n: a padding pair, sent nowhere
+        # slot of each pair in its destination's buffer: its rank among the pairs for that shard
+        order = jnp.argsort(dest, stable=True)
+        counts = jnp.zeros((n + 1,), jnp.int32).at[dest].add(1)
+        first = jnp.cumsum(counts) - counts
+        slot = jnp.zeros((C,), jnp.int32).at[order].set(jnp.arange(C, dtype=jnp.int32) - first[dest[order]])
+        send_x = jnp.zeros((n, C, D), x.dtype).at[dest, slot].set(xc[jnp.arange(C) // k], mode="drop")
+        send_e = jnp.full((n, C), El, jnp.int32).at[dest, slot].set(ic % El, mode="drop")
+        recv_x = jax.lax.all_to_all(send_x, expert_axes, 0, 0, tiled=True).reshape(n * C, D)
+        recv_e = jax.lax.all_to_all(send_e, expert_axes, 0, 0, tiled=True).reshape(n * C, 1)
+        order2, sizes2 = sort_by_expert(recv_e, El, recv_e[:, 0] < El)
+        xs = recv_x[order2]
+    ys = _expert_mlp(xs, wg, wu, wd, sizes2, backend)
+    with jax.named_scope(ROUTING_SCOPE):
+        out = jnp.zeros_like(ys).at[order2].set(ys).reshape(n, C, D)
+        back = jax.lax.all_to_all(out, expert_axes, 0, 0, tiled=True)  # [n, C, D]: my pairs, by owner
+        ypair = jnp.where(vc[:, None], back[jnp.minimum(dest, n - 1), slot], 0).reshape(Tc, k, D)
+        y = jnp.sum(ypair.astype(jnp.float32) * wc.astype(jnp.float32)[..., None], axis=1)
+        if hidden_axis:
+            y = jax.lax.psum(y, hidden_axis)
+        y = jax.lax.all_gather(y, expert_axes, axis=0, tiled=True)
+        return y[:T]

@@ -12,7 +12,7 @@ import numpy as np
 class Stage:
     graphdef: object
     state: object
-    mesh: object | None = None        # 1-D mesh ("tensor",) of this stage's devices; None = default device
+    mesh: object | None = None        # ("expert", "tensor") mesh of this stage's devices; None = default device
     kv_spec: object = None            # PartitionSpec of KV pages on `mesh`
     kv: list | None = None            # [(K, V)] per layer (jvllm.memory.kv_cache); None in another process
     first: bool = True

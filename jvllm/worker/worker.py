@@ -110,17 +110,17 @@ class Worker:
 
     def _layout(self, config, devices) -> dict:
         """Mesh, stage meshes and per-parameter shardings for TP x PP (None when on one device)."""
-        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        tp, pp, ep = config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_parallel_size
         mc = self.model_config
-        if tp * pp == 1 and devices is None:
+        if tp * pp * ep == 1 and devices is None:
             return dict(shardings=None, stage_meshes=[None], ranges=[(0, mc.num_layers)], rules=None)
         from jax.sharding import NamedSharding
 
         from jvllm.models import param_specs, stage_layers, stage_names
-        from jvllm.sharding import expert_parallel_rules, make_mesh, partition_spec, stage_mesh, tensor_parallel_rules
+        from jvllm.sharding import make_mesh, parallel_rules, partition_spec, stage_mesh
 
-        rules = (expert_parallel_rules if config.enable_expert_parallel else tensor_parallel_rules)(mc, tp)
-        mesh = make_mesh(tensor=tp, stage=pp, data=1, devices=devices)
+        rules = parallel_rules(mc, tp, ep, config.enable_expert_parallel)
+        mesh = make_mesh(tensor=tp, stage=pp, data=1, devices=devices, expert=ep)
         ranges = stage_layers(mc.num_layers, pp)
         meshes = [stage_mesh(mesh, 0, s) for s in range(pp)]
         if pp > 1 and jax.process_count() > 1:

@@ -1,0 +1,131 @@
+"""GGUF files of the mixture-of-experts families and Gemma 2: architecture, config and names.
+
+What llama.cpp's converter (convert_hf_to_gguf.py) writes, and how it reads back as HF:
+
+  GGUF arch   HF architecture                        experts
+  llama       MixtralForCausalLM when {arch}.expert_count > 0 (Mixtral has no arch of its own)
+  qwen2moe    Qwen2MoeForCausalLM (shared expert + sigmoid gate; every layer sparse)
+  qwen3moe    Qwen3MoeForCausalLM (q/k norms; top-k renormalised)
+  gemma2      Gemma2ForCausalLM (dense; see `gemma2_fields`)
+
+Experts are stacked per layer and projection: `blk.N.ffn_{gate,up,down}_exps.weight` with numpy
+shape [E, out, in] (each expert as HF's Linear weight), the router `blk.N.ffn_gate_inp.weight`
+[E, D]; Qwen2-MoE's shared expert is `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp`
+([D] in llama.cpp's tensor table; [1, D] is accepted too). `expert_tensors` splits a stacked
+tensor into HF's per-expert names, so the HF name map (converters.moe_names) converts them like a
+safetensors checkpoint; the stacked tensor is dequantized once for all its experts.
+
+Router normalisation: `{arch}.expert_weights_norm` when the file has it, else what llama.cpp's
+graph does for the arch (Mixtral and Qwen3-MoE renormalise the top-k weights, Qwen2-MoE does not).
+A gating function other than softmax (`{arch}.expert_gating_func`) is refused by name.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from .name_map import CheckpointError
+
+# GGUF arch -> (HF architecture, HF model_type) for the files this module reads
+MOE_ARCHS = {"llama": ("MixtralForCausalLM", "mixtral"), "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+             "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+_NORM_TOPK_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_SOFTMAX_GATING = 1  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+# stacked expert tensors: (pattern, HF per-expert name with {j}) per GGUF arch
+_MIXTRAL_W = {"gate": "w1", "down": "w2", "up": "w3"}
+_EXPERT_RX = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight\Z")
+MOE_RULES = [
+    (r"blk\.(\d+)\.ffn_gate_inp\.weight", r"model.layers.\1.mlp.gate.weight"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight", r"model.layers.\1.mlp.shared_expert.\2_proj.weight"),
+    (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", r"model.layers.\1.mlp.shared_expert_gate.weight"),
+]
+MIXTRAL_RULES = [(r"blk\.(\d+)\.ffn_gate_inp\.weight", r"model.layers.\1.block_sparse_moe.gate.weight")]
+
+
+def is_moe_llama(fields: dict) -> bool:
+    return int(fields.get("llama.expert_count", 0) or 0) > 0
+
+
+def moe_fields(arch: str, g, cfg: dict) -> dict:
+    """The HF config fields of a MoE file (`g(key)` reads `{arch}.key`); `cfg` is the dense part."""
+    gating = g("expert_gating_func")
+    if gating is not None and int(gating) != _SOFTMAX_GATING:
+        raise ValueError(f"GGUF {arch}.expert_gating_func {gating} is not supported (only softmax, {_SOFTMAX_GATING})")
+    E, k = g("expert_count"), g("expert_used_count")
+    if not E or not k:
+        raise ValueError(f"GGUF arch {arch!r} needs {arch}.expert_count and {arch}.expert_used_count "
+                         f"(got {E!r}, {k!r})")
+    norm = g("expert_weights_norm")
+    norm = _NORM_TOPK_DEFAULT[arch] if norm is None else bool(norm)
+    if arch == "llama":
+        if not norm:
+            raise ValueError("GGUF llama (Mixtral) with expert_weights_norm false is not supported: "
+                             "Mixtral renormalises its top-k weights")
+        return {"num_local_experts": int(E), "num_experts_per_tok": int(k)}
+    out = {"num_experts": int(E), "num_experts_per_tok": int(k), "norm_topk_prob": norm,
+           "moe_intermediate_size": int(g("expert_feed_forward_length") or cfg["intermediate_size"]),
+           "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(g("expert_shared_feed_forward_length") or 0)
+        out["attention_bias"] = True
+    return out
+
+
+def gemma2_fields(cfg: dict, g) -> dict:
+    """What llama.cpp fixes for Gemma 2 rather than storing: even layers sliding, odd global;
+    query_pre_attn_scalar = head_dim (hidden/heads for the 46-layer 27B, as llama.cpp's attention
+    scale), GeGLU. A checkpoint whose query_pre_attn_scalar differs from that rule cannot be
+    written to GGUF faithfully (llama.cpp drops the field). The soft-caps are stored."""
+    n, hd = cfg["num_hidden_layers"], cfg["head_dim"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(g("attention.sliding_window", 4096)),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if n == 46 else hd,
+        "attn_logit_softcapping": _opt_float(g("attn_logit_softcapping")),
+        "final_logit_softcapping": _opt_float(g("final_logit_softcapping")),
+    }
+
+
+def _opt_float(v):
+    return None if v is None else float(v)
+
+
+def is_stacked_experts(name: str) -> bool:
+    return _EXPERT_RX.match(name) is not None
+
+
+def expert_tensors(name: str, arch: str, load, num_experts: int):
+    """[(HF name, loader)] for the experts of the stacked GGUF tensor `name` (is_stacked_experts). `load()` returns the float32 [E, out, in] array; it runs once, on the first expert
+    loaded, and the stack is dropped after the last one (CheckpointError naming the tensor when
+    its leading dimension is not `num_experts`)."""
+    m = _EXPERT_RX.match(name)
+    layer, proj = m.group(1), m.group(2)
+    if arch == "llama":
+        fmt = f"model.layers.{layer}.block_sparse_moe.experts.{{j}}.{_MIXTRAL_W[proj]}.weight"
+    else:
+        fmt = f"model.layers.{layer}.mlp.experts.{{j}}.{proj}_proj.weight"
+    cache: dict = {}
+
+    def get(j):
+        if "a" not in cache:
+            a = load()
+            if a.ndim != 3 or a.shape[0] != num_experts:
+                raise CheckpointError(f"GGUF tensor {name!r} has shape {a.shape}; expected [{num_experts}, out, in] "
+                                      f"({num_experts} experts)")
+            cache["a"], cache["left"] = a, num_experts
+        a = cache["a"][j]
+        cache["left"] -= 1
+        if cache["left"] == 0:
+            cache.pop("a")
+        return np.ascontiguousarray(a)
+
+    return [(fmt.format(j=j), (lambda j=j: get(j))) for j in range(num_experts)]
+
+
+def shared_gate_row(a: np.ndarray) -> np.ndarray:
+    """llama.cpp's [D] shared-expert gate as HF's [1, D] Linear weight."""
+    return a.reshape(1, -1) if a.ndim == 1 else a

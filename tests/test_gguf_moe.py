@@ -1,0 +1,160 @@
+"""GGUF files of the mixture-of-experts families (Mixtral as arch llama with experts, qwen2moe,
+qwen3moe) and Gemma 2: tiny random HF checkpoints re-encoded the way llama.cpp does
+(tests.gguf_util.write_hf_as_gguf, names from the gguf package's own table), read back name by
+name and shape by shape, and their float32 logits against transformers on the original
+checkpoint; quantized experts against the gguf package's dequantization."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.gguf_util import write_hf_as_gguf
+
+PROMPTS = [list(range(3, 40)), [5, 6, 7], [200, 17, 3, 3, 3, 9] * 5]
+# overrides llama.cpp's format can carry: Qwen2-MoE with every layer sparse (its converter has no
+# dense-layer names), Gemma 2 with query_pre_attn_scalar = head_dim (GGUF does not store it)
+CASES = {"mixtral": {}, "qwen2_moe": dict(mlp_only_layers=None), "qwen3_moe": {},
+         "gemma2": dict(query_pre_attn_scalar=16)}
+
+
+@pytest.fixture(scope="module")
+def gguf_case(ckpt_dir, tmp_path_factory):
+    made = {}
+
+    def make(arch, qtype="F32"):
+        if (arch, qtype) not in made:
+            hf = ckpt_dir(arch, **CASES[arch])
+            out = str(tmp_path_factory.mktemp(f"gguf_{arch}") / f"{arch}-{qtype}.gguf")
+            made[arch, qtype] = (hf, write_hf_as_gguf(hf, out, lambda n, s: qtype))
+        return made[arch, qtype]
+
+    return make
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_gguf_names_shapes_and_config(gguf_case, arch):
+    """Every tensor of the file comes back under the checkpoint's HF name with its shape and
+    values (float32 file), and the config read from the metadata is the checkpoint's."""
+    from safetensors.numpy import load_file
+
+    from jvllm.config import ModelConfig
+    from jvllm.converters.gguf import gguf_hf_config, gguf_tensor_stream, model_config_from_dict
+
+    hf, path = gguf_case(arch)
+    want = load_file(f"{hf}/model.safetensors")
+    got = {name: load() for name, load in gguf_tensor_stream(path)}
+    assert sorted(got) == sorted(want)
+    for name, a in got.items():
+        assert a.shape == want[name].shape, name
+        np.testing.assert_allclose(a, want[name], atol=1e-6, err_msg=name)
+    ours = model_config_from_dict(gguf_hf_config(path))
+    ref = ModelConfig.from_pretrained(hf)
+    skip = {"max_position_embeddings", "bos_token_id", "eos_token_ids", "rope_scaling"}
+
+    def same(a, b):  # GGUF stores floats as float32
+        return a == pytest.approx(b, rel=1e-6) if isinstance(b, float) else a == b
+
+    diff = {f.name: (getattr(ours, f.name), getattr(ref, f.name)) for f in dataclasses.fields(ModelConfig)
+            if f.name not in skip and not same(getattr(ours, f.name), getattr(ref, f.name))}
+    assert diff == {}
+
+
+def _jvllm_logits(path, ids):
+    import jax.numpy as jnp
+
+    from jvllm.config import cdiv
+    from jvllm.converters import load_checkpoint
+    from jvllm.models import bind
+    from jvllm.worker.model_runner import ModelRunner
+
+    ck = load_checkpoint(path, "float32")
+    cfg = ck.config
+    g, s = bind(cfg, ck.params, jnp.float32)
+    head = ck.params["embed"] if cfg.tie_word_embeddings else ck.params["lm_head"]
+    n = max(len(p) for p in ids)
+    r = ModelRunner(cfg, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=cdiv(n, 16) + 1,
+                    max_model_len=n, max_num_seqs=1, token_buckets=(n,))
+    return [r.sequence_logits(p) for p in ids]
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_gguf_logits_match_transformers(gguf_case, arch):
+    """jvllm from the GGUF file == transformers from the original safetensors (float32, 1e-4)."""
+    import torch
+    import transformers
+
+    hf, path = gguf_case(arch)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    for ids, ours in zip(PROMPTS, _jvllm_logits(path, PROMPTS)):
+        with torch.no_grad():
+            theirs = ref(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(ours - theirs).max() < 1e-4, (arch, float(np.abs(ours - theirs).max()))
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q8_0"), ("mixtral", "Q4_0")])
+def test_gguf_quantized_experts(gguf_case, arch, qtype):
+    """Quantized stacked experts (and permuted q/k for arch llama) read back as the gguf
+    package's own dequantization of each expert's quantized rows. (transformers' GGUF reader is
+    no reference for these tiny files: it ignores expert_feed_forward_length and norm_topk_prob.)"""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from jvllm.converters.gguf import gguf_tensor_stream
+
+    hf, path = gguf_case(arch, qtype)
+    want = load_file(f"{hf}/model.safetensors")
+    Q = gguf.GGMLQuantizationType[qtype]
+    got = {name: load() for name, load in gguf_tensor_stream(path)}
+    assert sorted(got) == sorted(want)
+    n_quant = 0
+    for name, a in got.items():
+        w = want[name]
+        if w.ndim == 2:  # quantized row-wise; a row permutation commutes with it
+            w = gguf.quants.dequantize(gguf.quants.quantize(w, Q), Q)
+            n_quant += 1
+        np.testing.assert_allclose(a, w, atol=1e-6, err_msg=name)
+    assert n_quant > len(got) // 2
+
+
+def test_gguf_moe_errors(gguf_case, tmp_path):
+    import gguf
+
+    from jvllm.converters import CheckpointError
+    from jvllm.converters.gguf import gguf_hf_config, gguf_tensor_stream
+
+    _, path = gguf_case("qwen3_moe")
+    r = gguf.GGUFReader(path)
+
+    def rewrite(out, drop_key=None, set_u32=None, cut_experts=False):
+        w = gguf.GGUFWriter(out, "qwen3moe")
+        for k, f in r.fields.items():
+            if k.startswith("GGUF.") or k == "general.architecture" or k == drop_key:
+                continue
+            v = f.contents()
+            if isinstance(v, int):
+                w.add_uint32(k, v)
+            elif isinstance(v, float):
+                w.add_float32(k, v)
+            elif isinstance(v, str):
+                w.add_string(k, v)
+        for k, v in (set_u32 or {}).items():
+            w.add_uint32(k, v)
+        for t in r.tensors:
+            a = np.asarray(t.data).reshape(tuple(reversed([int(d) for d in t.shape])))
+            if cut_experts and t.name == "blk.0.ffn_up_exps.weight":
+                a = a[:-1]
+            w.add_tensor(t.name, np.ascontiguousarray(a))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return out
+
+    with pytest.raises(ValueError, match="needs qwen3moe.expert_count and qwen3moe.expert_used_count"):
+        gguf_hf_config(rewrite(str(tmp_path / "a.gguf"), drop_key="qwen3moe.expert_count"))
+    with pytest.raises(ValueError, match="qwen3moe.expert_gating_func 2 is not supported"):
+        gguf_hf_config(rewrite(str(tmp_path / "b.gguf"), set_u32={"qwen3moe.expert_gating_func": 2}))
+    cut = rewrite(str(tmp_path / "c.gguf"), cut_experts=True)
+    with pytest.raises(CheckpointError, match=r"'blk.0.ffn_up_exps.weight' has shape \(15, 32, 64\); expected \[16"):
+        for _, load in gguf_tensor_stream(cut):
+            load()
