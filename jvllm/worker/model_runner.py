@@ -27,7 +27,7 @@ import numpy as np
 from jvllm.compilation.registry import Programs
 from jvllm.config import ModelConfig, cdiv
 from jvllm.memory import kv_cache
-from jvllm.sampling import NUM_TOP_LOGPROBS
+from jvllm.sampling import NUM_TOP_LOGPROBS, SamplerImpl
 from jvllm.worker import logits_processors, microbatches, programs, sampler
 from jvllm.worker.attention_modes import attention_modes
 from jvllm.worker.executors import Pending, Work, make_executor
@@ -84,7 +84,7 @@ class ModelRunner:
                  num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
                  query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
                  num_microbatches: int | None = None, attention_backend: str = "auto",
-                 logits_processors: tuple = ()):
+                 logits_processors: tuple = (), sampler_impl: SamplerImpl | None = None):
         self.cfg = cfg
         self.stages = stages or [Stage(graphdef, state)]
         self.head_w = head_w
@@ -99,6 +99,8 @@ class ModelRunner:
         self.layout = InputLayout(tuple(token_buckets), max_num_seqs, query_tile, block_size, num_blocks,
                                   cdiv(max_blocks, self.kv_chunk_blocks) * self.kv_chunk_blocks)
         self.platform = jax.default_backend()
+        # GPUs: exact sampler variants without conds (a cond blocks the dispatcher); elsewhere conds
+        self.sampler_impl = sampler_impl or SamplerImpl.for_platform(self.platform)
         # stages over several processes: each process launches only its own stages
         self.pid = jax.process_index()
         self.multiprocess = jax.process_count() > 1 and len(self.stages) > 1
@@ -111,7 +113,7 @@ class ModelRunner:
         z = np.zeros(self.max_num_seqs, np.int32)
         self.no_prev = put(z, first.sharding()) if first.sharding() is not None else jnp.asarray(z)
         self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0,
-                           grammar_mask_s=0.0)
+                           grammar_mask_s=0.0)  # grammar_mask_s: filling vocabulary masks (part of sample_inputs_s)
         self.jit_cache: dict = {}
         self.executor = make_executor(self)
         self.programs = Programs(self)  # every kind registered by worker/programs.py and executors/
@@ -197,16 +199,10 @@ class ModelRunner:
             ps = self.layout.prepare(sched, prev_rows=prev_rows)
             packed = self.layout.pack(ps)
             t1 = time.perf_counter()
-            mask = sampler.grammar_mask(sched, ps.R, self.cfg.vocab_size)  # None: no constrained row
-            tm["grammar_mask_s"] += time.perf_counter() - t1
-            if mask is None and all(sampler.plain_greedy(s.req.params) for s in sched):  # argmax needs no inputs
-                sb, ex, want_lp, greedy = None, None, False, True
-            else:
-                sb, ex, want_lp = sampler.sampling_inputs(sched, ps.R, self.cfg.vocab_size, self.max_model_len)
-                greedy = mask is None and ex is None and not want_lp and not np.any(sb.temperature[:len(sched)] > 0)
+            plan = sampler.plan(sched, ps.R, self.cfg.vocab_size, self.max_model_len, self.sampler_impl)
+            tm["grammar_mask_s"] += plan.mask_fill_s if plan is not None else 0.0
             procs_in = None
             if logits_processors.uses_processors(sched):
-                greedy = False
                 procs_in = logits_processors.host_inputs(sched, ps.R, tuple(n for n, _ in self.logits_processors),
                                                          self.max_model_len)
             tm["prepare_s"] += t1 - t0
@@ -215,7 +211,7 @@ class ModelRunner:
                 tok_in = self.executor.prev_ids(prev_groups[p])
             else:
                 tok_in = self.no_prev
-            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, sb, ex, want_lp, greedy, mask=mask,
+            work.append(Work(group, sched, ps.T, ps.R, ps.decode, packed, tok_in, plan,
                              capture=any(s.req.params.return_hidden_states for s in sched), procs_in=procs_in,
                              steer=_steer_inputs(sched, ps.T, ps.R, self.cfg, self.dtype)))
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
