@@ -195,11 +195,12 @@ def _sample_signature(ctx, key) -> Signature:
 
 
 def sample_variants(impl) -> list[SamplerVariant]:
-    """The unmasked variants a runner compiles before serving: every search level with and
-    without logprobs and extras where programs are exact (GPUs), the largest two elsewhere."""
+    """The unmasked variants a runner compiles before serving (`sampler.choose_variant` picks no
+    other): where programs are exact (GPUs) every search level with and without logprobs, and the
+    largest with extras; elsewhere the largest with and without extras."""
     if impl.branchy:
         return [SamplerVariant(2, True, ex) for ex in (False, True)]
-    return [SamplerVariant(s, lp, ex) for s in (1, 0, 2) for lp in (False, True) for ex in (False, True)]
+    return [SamplerVariant(s, lp) for s in (1, 0, 2) for lp in (False, True)] + [SamplerVariant(2, True, True)]
 
 
 def largest_sample_key(ctx, R: int):

@@ -15,6 +15,8 @@ is never read on the device, so a batch pays host work only for the rows that us
 
 Variant choice (`choose_variant`, per batch): exact (GPU programs: the smallest variant that covers
 the rows) or, with `SamplerImpl.branchy`, the largest for the batch's inputs (conds skip the rest).
+Batches with extras always take the largest (they pay [R, V] scatters anyway), which keeps the
+variants to compile at 7 per request bucket.
 """
 from __future__ import annotations
 
@@ -125,7 +127,7 @@ def _mask_row(s) -> int:
 
 def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl) -> SamplerVariant:
     """The variant that serves `scheduled`: the smallest that covers its rows, or with
-    `impl.branchy` the largest for its inputs (extras, mask)."""
+    `impl.branchy` or extras the largest for its inputs (extras, mask)."""
     k = p = both = lp = extras = mask = False
     for s in scheduled:
         sp = s.req.params
@@ -135,7 +137,7 @@ def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl) -> SamplerVari
         lp |= sp.needs_logprobs
         extras |= _penalized(sp) or bool(sp.logit_bias) or sp.min_tokens > 0
         mask |= _mask_row(s) != 0
-    if impl.branchy:
+    if impl.branchy or extras:  # extras batches (scatters over [R, V] already) take the largest
         return SamplerVariant(2, True, extras, mask)
     return SamplerVariant(2 if both else 1 if (k or p) else 0, lp, extras, mask)
 
