@@ -279,9 +279,9 @@ def settle(llm, st: dict) -> None:
     st["warmup_wait_s"] = time.perf_counter() - t
 
 
-# W1 / B1 are greedy by definition; --temperature / --top-p / --top-k run the same workloads with
-# sampling (the general sampler program instead of the argmax-only one)
-_SAMPLING = dict(temperature=0.0, top_p=1.0, top_k=-1)
+# W1 / B1 are greedy by definition; --temperature / --top-p / --top-k / --min-p run the same
+# workloads with sampling (the general sampler program instead of the argmax-only one)
+_SAMPLING = dict(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0)
 
 
 def _sp(max_tokens: int):
@@ -504,7 +504,7 @@ def run_benchmark(name: str, a) -> dict:
     from jvllm.cli import engine_kwargs
 
     ekw = engine_kwargs(a)
-    _SAMPLING.update(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    _SAMPLING.update(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p)
     ekw = {k: v for k, v in ekw.items() if v is not None}
     ekw["use_tqdm_on_load"] = bool(getattr(a, "progress", False))
     workloads = ("throughput", "latency", "prefill") if name == "all" else (name,)
@@ -721,6 +721,7 @@ def _add_common(p, *, input_len_default, output_len_default, input_len_type=int)
     p.add_argument("--temperature", type=float, default=0.0, help="W1/B1 sampling (default greedy, as defined)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
     p.set_defaults(func=cmd_bench)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jvllm import SamplingParams
-from jvllm.sampling import SamplerImpl, SamplerVariant, SamplingBatch, SamplingExtras, apply_extras, sample
+from jvllm.sampling import SamplerImpl, SamplerVariant, SamplingBatch, SamplingExtras, VocabMask, apply_extras, sample
 
 V = 32
 
@@ -264,12 +264,13 @@ def _abstract_inputs(R, Vl, extras, L=16, B=4):
                        sds((R,), i32), sds((), jnp.bool_))
     ex = SamplingExtras(sds((R,), f32), sds((R,), f32), sds((R,), f32), sds((R, L), i32), sds((R, L), jnp.bool_),
                         sds((R, B), i32), sds((R, B), f32)) if extras else None
-    return sds((R, Vl), f32), sb, ex
+    mask = VocabMask(sds((R, -(-Vl // 32)), i32), sds((R,), jnp.bool_), sds((R,), jnp.bool_)) if extras else None
+    return sds((R, Vl), f32), sb, ex, mask
 
 
 @pytest.mark.parametrize("extras", [False, True])
 def test_general_sampler_has_no_data_dependent_control_flow(extras):
-    """XLA on GPUs runs a `conditional` (and a `while` of unknown trip count) by copying the
+    """(The largest variant, with extras and the vocabulary mask or without.) XLA on GPUs runs a `conditional` (and a `while` of unknown trip count) by copying the
     predicate to the host and blocking, which would serialize the async scheduler on every
     sampled step: the sampler must have neither."""
     args = _abstract_inputs(8, 3000, extras)
