@@ -128,9 +128,11 @@ def main(argv=None):
             row[f"new_{name}_same_ids_as_old"] = bool(np.array_equal(np.asarray(tok_new), np.asarray(tok_old)))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    out = dict(probe="sampler_speed", platform=platform, device=str(jax.devices()[0]), R=a.R, V=a.V, reps=a.reps,
-               scale=a.scale, base=a.old_file or a.base, impls={n: vars(i) for n, i in impls.items()}, cases=rows,
-               jax=jax.__version__)
+    from jvllm.bench import device_info, versions
+
+    out = dict(probe="sampler_speed", platform=platform, device=device_info(), versions=versions(), R=a.R, V=a.V,
+               reps=a.reps, scale=a.scale, base=a.old_file or a.base, impls={n: vars(i) for n, i in impls.items()},
+               cases=rows)
     text = json.dumps(out, indent=1)
     print(text)
     if a.out:

@@ -113,7 +113,7 @@ class ModelRunner:
         z = np.zeros(self.max_num_seqs, np.int32)
         self.no_prev = put(z, first.sharding()) if first.sharding() is not None else jnp.asarray(z)
         self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0,
-                           grammar_mask_s=0.0)  # grammar_mask_s: filling vocabulary masks (part of sample_inputs_s)
+                           grammar_mask_s=0.0)
         self.jit_cache: dict = {}
         self.executor = make_executor(self)
         self.programs = Programs(self)  # every kind registered by worker/programs.py and executors/
