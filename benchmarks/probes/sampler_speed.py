@@ -8,9 +8,11 @@ Cases: greedy (argmax, the reference cost), temperature 0.8 alone, + top_p 0.95,
 + min_p 0.05, + top_k 50 and top_p 0.95. Logits: N(0, --scale) per token (a random-weight model's
 flat rows by default; --scale 4 gives peaked rows). The old sampler runs as each platform ran it
 (`branchless`: True on GPUs, False elsewhere) and both ways with --both-old; the new one in its
-smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of
-gpu (radix 4, no conds) / cpu (radix 1, conds) / tpu (radix 4, conds). Times are medians of
---reps calls after one untimed call (compile), each ending with block_until_ready.
+smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of gpu
+(radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), cpu (radix 1, conds), tpu (radix 4,
+conds). Times are medians of --reps calls after one untimed call (compile), each ending with
+block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
+passes) would be faster there.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ CASES = {
     "min_p": dict(temperature=0.8, min_p=0.05),
     "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95),
 }
-IMPLS = {"gpu": (4, False), "cpu": (1, True), "tpu": (4, True)}
+IMPLS = {"gpu": (4, False), "gpu2": (2, False), "gpu1": (1, False), "cpu": (1, True), "tpu": (4, True)}
 
 
 def load_old(base: str | None, old_file: str | None):
@@ -81,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0, help="logits ~ N(0, scale)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {','.join(CASES)}")
-    ap.add_argument("--impls", default="", help="new-sampler impls besides this platform's: gpu,cpu,tpu")
+    ap.add_argument("--impls", default="", help="new-sampler impls besides this platform's: gpu,gpu2,gpu1,cpu,tpu")
     ap.add_argument("--both-old", action="store_true", help="the old sampler with branchless True and False")
     ap.add_argument("--base", default="e64adcb", help="git revision of the old jvllm/sampling.py")
     ap.add_argument("--old-file", default=None, help="the old jvllm/sampling.py as a file (no git)")

@@ -9,13 +9,15 @@
 #   BEFORE), MODEL (random:llama3-8b), LIMIT (seconds per run, default 140; the whole call must
 #   end within 600 s: a run takes about 60-90 s with a warm cache, the first of a build more while
 #   it compiles, so split CONFIGS over calls, e.g. "greedy top_p" then "top_k min_p"),
-#   BEFORE_COMMIT / AFTER_COMMIT (each build's commit for its JSON).
+#   BEFORE_COMMIT / AFTER_COMMIT (each build's commit for its JSON), PROBE=1 (first, with BEFORE:
+#   benchmarks/probes/sampler_speed.py at R=256, V=128256, old vs new per-call sampler time and
+#   radix 4 / 2 / 1 on this GPU -> $OUT/sampler_speed.json, about 2 minutes).
 # Writes $OUT/<build>_<config>.json (+ .log) and $OUT/sampled_vs_greedy.json: per build and config
 # W1 output tok/s, mean step ms, host sample_call ms per step, B1 tok/s and step ms, and each
 # sampled figure as a ratio of the same build's greedy one (target: >= 0.97).
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
-MODEL=${MODEL:-random:llama3-8b}
+MODEL=${MODEL:-random:llama3-8b}; ROOT=$PWD
 COMMON="--model $MODEL --dtype ${DTYPE:-bfloat16} --max-model-len ${MAXLEN:-4096} --no-xla-report ${EXTRA:-}"
 if [ -n "${BEFORE:-}" ]; then BUILDS=${BUILDS:-"before after"}; else BUILDS=${BUILDS:-after}; fi
 args_of() {
@@ -35,6 +37,15 @@ for b in $BUILDS; do
   src=$PWD; [ "$b" = before ] && src=$(realpath "$BEFORE")
   [ -d /tmp/site_$b ] || install "$src" /tmp/site_$b
 done
+if [ "${PROBE:-0}" = 1 ]; then
+  if [ -z "${BEFORE:-}" ]; then echo "PROBE needs BEFORE (the old jvllm/sampling.py)"; else
+    echo "[$(el)s] sampler_speed probe"
+    (cd /tmp && PYTHONPATH=/tmp/site_after${PYTHONPATH:+:$PYTHONPATH} timeout 240 python "$ROOT/benchmarks/probes/sampler_speed.py" \
+      --both-old --impls gpu2,gpu1 --old-file "$(realpath "$BEFORE")/jvllm/sampling.py" --out "$OUT/sampler_speed.json" \
+      > "$OUT/sampler_speed.log" 2>&1)
+    echo "rc=$?"; grep '"case"' "$OUT/sampler_speed.log" | cut -c1-400
+  fi
+fi
 for c in ${CONFIGS:-greedy top_p top_k min_p}; do
   sargs=$(args_of $c) || exit 2
   for b in $BUILDS; do
