@@ -10,8 +10,9 @@ Columns, in order (floats as their int32 bits):
                          history [L] (token id, + 2**30 for output tokens)
   mask                   the packed vocabulary mask [ceil(V / 32)] (bit j of word i = token 32 i + j)
 Only a row's used prefix of bias / history is written (n_bias, n_hist say how much), and only
-masked rows' mask words (flags say which): the rest of the array is left as np.empty gave it and
-is never read on the device, so a batch pays host work only for the rows that use a feature.
+masked rows' mask words (flags say which): the rest of the array is left as np.empty gave it, and
+the program selects it away (it never reaches a result), so a batch pays host work only for the
+rows that use a feature.
 
 Variant choice (`choose_variant`, per batch): exact (GPU programs: the smallest variant that covers
 the rows) or, with `SamplerImpl.branchy`, the largest for the batch's inputs (conds skip the rest).
