@@ -126,9 +126,9 @@ def _mask_row(s) -> int:
     return FLAG_MASK if s.req.params.needs_mask else 0
 
 
-def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl) -> SamplerVariant:
+def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = False) -> SamplerVariant:
     """The variant that serves `scheduled`: the smallest that covers its rows, or with
-    `impl.branchy` or extras the largest for its inputs (extras, mask)."""
+    `impl.branchy`, extras or `full` (batch-invariant mode) the largest for its inputs (extras, mask)."""
     k = p = both = lp = extras = mask = False
     for s in scheduled:
         sp = s.req.params
@@ -138,18 +138,20 @@ def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl) -> SamplerVari
         lp |= sp.needs_logprobs
         extras |= _penalized(sp) or bool(sp.logit_bias) or sp.min_tokens > 0
         mask |= _mask_row(s) != 0
-    if impl.branchy or extras:  # extras batches (scatters over [R, V] already) take the largest
+    if impl.branchy or extras or full:  # extras batches (scatters over [R, V] already) take the largest
         return SamplerVariant(2, True, extras, mask)
     return SamplerVariant(2 if both else 1 if (k or p) else 0, lp, extras, mask)
 
 
-def plan(scheduled, R: int, vocab_size: int, max_model_len: int, impl: SamplerImpl) -> SamplerPlan | None:
+def plan(scheduled, R: int, vocab_size: int, max_model_len: int, impl: SamplerImpl,
+         full: bool = False) -> SamplerPlan | None:
     """The sampler inputs of `scheduled` (rows padded to R), or None when every row is plain greedy
-    and unmasked (the argmax-only program serves the batch and needs no inputs)."""
-    if all(plain_greedy(s.req.params) for s in scheduled) and not any(_mask_row(s) for s in scheduled):
+    and unmasked (the argmax-only program serves the batch and needs no inputs). `full`: always
+    the largest variant, never None (batch-invariant mode: one sampler program for every batch)."""
+    if not full and all(plain_greedy(s.req.params) for s in scheduled) and not any(_mask_row(s) for s in scheduled):
         return None
     V, n = vocab_size, len(scheduled)
-    lay = RowLayout(R, V, max_model_len, choose_variant(scheduled, V, impl))
+    lay = RowLayout(R, V, max_model_len, choose_variant(scheduled, V, impl, full))
     rows = np.empty((R, lay.width), np.int32)
     f = np.zeros((R, 4), np.float32)                 # temperature, top_k (as int below), top_p, min_p
     f[:, 2] = 1.0
