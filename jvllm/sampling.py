@@ -1,20 +1,26 @@
 """On-device sampling: logits never leave the device; the host gets token ids (and logprobs when
-asked). One program per request-count bucket and per `extras` variant (penalties / logit bias /
-min_tokens need the token history, allowed_token_ids / bad_words a per-row vocabulary mask; plain
-sampling ships neither).
+asked).
 
-Per row: raw logits -> [repetition, presence, frequency penalties, logit bias, mask] -> greedy argmax,
-or temperature -> min_p -> top_k -> top_p -> Gumbel-max draw with the key
-fold_in(key(seed), output_index), so a request's draw depends only on its own seed and position,
-never on what else is in the batch. Logprobs are the model's raw log-softmax (vLLM's default).
+Per row: raw logits -> [vocabulary mask, penalties, logit bias] -> greedy argmax, or temperature ->
+min_p -> top_k -> top_p -> Gumbel-max draw with the key fold_in(key(seed), output_index), so a
+request's draw depends only on its own seed and position, never on what else is in the batch.
+Logprobs are the model's raw log-softmax (vLLM's default); rows constrained by a grammar see the
+grammar mask in their logprobs, rows masked by allowed_token_ids / bad_words do not (vLLM's order).
 
-`branchless=True` (the runner's choice on GPUs): the program has no data-dependent control flow
-(no `lax.cond`, no `while` of unknown trip count). XLA on GPUs runs those by copying the predicate
-to the host and waiting for it, which makes every sampled step block the dispatcher on the step
-before it.
-Greedy rows, logprobs and the exact top_k / top_p of rows the candidates cannot decide are then
-computed always and selected per row: about 65 extra passes over [R, V]. `branchless=False`
-(CPUs, TPUs: conds run on the device) skips that work with conds; both give the same ids.
+Truncation without a sort: the kept tokens are those whose value is >= a per-row threshold, and
+the threshold is found exactly by a radix search over the order-preserving uint32 key of the values
+(`_radix_search`: `radix_bits` bits per pass over [R, V], each pass one variadic reduction of
+2**radix_bits - 1 candidate sums, so 32 / radix_bits passes). Rows with top_k count tokens, rows
+with top_p sum probability mass, in the same passes; a second search runs only when some row has
+both (top_p applies to the top_k-filtered distribution). Tokens that tie with the threshold value
+are all kept (a full sort keeps only as many of them as it needs); the best token always is.
+
+What a program computes is a `SamplerVariant`, decided per batch on the host (no truncation, one
+or two searches, logprobs, extras, a vocabulary mask), so a batch pays only for what its rows use.
+`SamplerImpl.branchy` (CPUs, TPUs: `lax.cond` runs on the device) instead compiles the largest
+variant and skips unused parts with conds; on GPUs XLA runs a cond by copying its predicate to the
+host and waiting, which would block the dispatcher on every sampled step, so GPU programs have no
+data-dependent control flow at all. Both give the same ids.
 """
 from __future__ import annotations
 
@@ -48,19 +54,71 @@ class SamplingExtras:
     hist_is_out: jax.Array   # [R, L] bool
     bias_ids: jax.Array      # [R, B] i32, -1 pad
     bias_vals: jax.Array     # [R, B] f32
-    allow_bits: jax.Array    # [R, ceil(V / 32)] u32: bit v % 32 of word v // 32 set = token v may be sampled
 
 
-def unpack_mask(bits, V: int):
-    """[R, W] u32 packed bits (little-endian within each word) -> [R, V] bool."""
-    if bits.shape[1] * 32 < V:
-        raise ValueError(f"allow_bits has {bits.shape[1]} words, fewer than the {V} logits need")
-    v = jnp.arange(V, dtype=jnp.uint32)
-    return ((bits[:, v // 32] >> (v % 32)) & 1).astype(bool)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VocabMask:
+    """One packed vocabulary mask for structured outputs and allowed_token_ids / bad_words."""
+    words: jax.Array         # [R, ceil(V / 32)] i32: bit j of word i set = token 32 i + j may be sampled
+    rows: jax.Array          # [R] bool: the row is masked (other rows' words are not read: any bits)
+    before_logprobs: jax.Array  # [R] bool: the mask applies to the row's logprobs too (grammar rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerVariant:
+    """What one sampler program computes (part of its program key), decided per batch on the host.
+
+    search: 0 = no row truncates (top_k / top_p off everywhere), 1 = each row uses at most one of
+    top_k, top_p; 2 = some row uses both. logprobs: the logprob outputs. extras: penalties / logit
+    bias / min_tokens. mask: a `VocabMask` input."""
+    search: int = 2
+    logprobs: bool = True
+    extras: bool = False
+    mask: bool = False
+
+    def __post_init__(self):
+        if self.search not in (0, 1, 2):
+            raise ValueError(f"SamplerVariant.search must be 0, 1 or 2, got {self.search!r}")
+
+    def __repr__(self) -> str:
+        parts = [f"search={self.search}"] + [n for n in ("logprobs", "extras", "mask") if getattr(self, n)]
+        return f"SamplerVariant({','.join(parts)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerImpl:
+    """How the sampler runs on a platform, chosen once at construction. radix_bits: bits of the
+    threshold found per pass over [R, V] (1, 2 or 4; fewer passes with more candidate sums each:
+    4 where passes are memory-bound, 1 on CPUs where compares cost). branchy: `lax.cond` skips the
+    parts a batch does not use (only where conds do not block the host: not on GPUs)."""
+    radix_bits: int = 4
+    branchy: bool = False
+
+    def __post_init__(self):
+        if self.radix_bits not in (1, 2, 4):
+            raise ValueError(f"SamplerImpl.radix_bits must be 1, 2 or 4, got {self.radix_bits!r}")
+
+    @staticmethod
+    def for_platform(platform: str) -> "SamplerImpl":
+        return SamplerImpl(radix_bits=1 if platform == "cpu" else 4, branchy=platform != "gpu")
+
+
+def apply_token_mask(logits, words):
+    """logits [R, V] with the tokens whose bit is 0 in the packed mask (int32 [R, ceil(V / 32)],
+    bit j of word i = token 32 * i + j) set to -inf."""
+    return jnp.where(_allowed(words, logits.shape[1]), logits, -jnp.inf)
+
+
+def _allowed(words, V: int):
+    if words.shape[1] * 32 < V:
+        raise ValueError(f"the vocabulary mask has {words.shape[1]} words, fewer than the {V} logits need")
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    return bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
 
 
 def apply_extras(logits, ex: SamplingExtras):
-    """Penalties, logit bias, then the vocabulary mask (a masked token's logit is -inf)."""
+    """Penalties (repetition over prompt + output, presence / frequency over output), then logit bias."""
     R, V = logits.shape
     rows = jnp.arange(R)[:, None]
     hist = jnp.where(ex.hist_ids >= 0, ex.hist_ids, V)
@@ -70,11 +128,7 @@ def apply_extras(logits, ex: SamplingExtras):
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - ex.frequency[:, None] * out_counts - ex.presence[:, None] * (out_counts > 0)
     bias_ids = jnp.where(ex.bias_ids >= 0, ex.bias_ids, V)
-    logits = logits.at[rows, bias_ids].add(ex.bias_vals, mode="drop")
-    return jnp.where(unpack_mask(ex.allow_bits, V), logits, -jnp.inf)
-
-
-TOPK_CANDIDATES = 1024
+    return logits.at[rows, bias_ids].add(ex.bias_vals, mode="drop")
 
 
 def _gumbel(sb: SamplingBatch, n: int):
@@ -93,90 +147,63 @@ def _ukey(x):
     return jax.lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
-def _bisect(pred, R):
-    """The largest uint32 t with pred(t) true, for a predicate [R] -> [R] bool that is monotone
-    (true up to some t, false above) and true at 0: one bit per step from the top, 32 steps
-    unrolled in Python (no `while` in the program)."""
+def _radix_search(u, w, target, bits: int):
+    """Per row, the largest uint32 t with sum(w where u >= t) >= target, for w >= 0 and a target
+    the whole row's sum reaches (t = 0 qualifies). `bits` bits of t per pass, from the top: each
+    pass sums w above the 2**bits - 1 candidate prefixes in one variadic reduction over [R, V] and
+    keeps the number of candidates that reach the target (the sums fall as the candidate rises:
+    the same reduction with terms dropped). No data-dependent control flow."""
+    R = u.shape[0]
+    n = (1 << bits) - 1
     t = jnp.zeros((R,), jnp.uint32)
-    for b in range(31, -1, -1):
-        c = t | jnp.uint32(1 << b)
-        t = jnp.where(pred(c), c, t)
+    for shift in range(32 - bits, -1, -bits):
+        cands = [t | jnp.uint32(j << shift) for j in range(1, n + 1)]
+        ops = tuple(jnp.where(u >= c[:, None], w, 0.0) for c in cands)
+        sums = jax.lax.reduce(ops, (jnp.float32(0),) * n, lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
+        digit = sum((s >= target).astype(jnp.uint32) for s in sums)
+        t = t | (digit << shift)
     return t
 
 
-def _threshold_sample(x, sb: SamplingBatch, g):
-    """Exact top_k / top_p over the whole vocabulary without a sort or any data-dependent control
-    flow: each threshold is found by bisection over the order-preserving uint32 key of the values
-    (32 passes over [R, V] each, a count for top_k and a probability mass for top_p).
+def _maybe(impl: SamplerImpl, pred, fn, other):
+    """fn() where it is needed: under a cond when the platform allows (`other()` otherwise), else always."""
+    return jax.lax.cond(pred, fn, other) if impl.branchy else fn()
 
-    top_k keeps keys >= the k-th largest key; top_p (over the top_k-filtered distribution) keeps
-    keys >= the largest threshold whose mass reaches top_p * the filtered mass, i.e. the smallest
-    prefix by value whose mass reaches top_p (a full sort's nucleus). Tokens whose value ties with
-    a threshold value are all kept (a sort keeps only as many of them as it needs); the best token
-    is always kept. The draw is the Gumbel-max over the kept tokens with the noise `g` [R, V]."""
+
+def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
+    """Token ids [R] from processed logits x [R, V]: greedy rows argmax, the others temperature ->
+    min_p -> top_k -> top_p -> Gumbel-max over the kept tokens."""
     R, V = x.shape
+    greedy = sb.temperature <= 0.0
+    x = x / jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, 1e-5))[:, None]
+    mx = jnp.max(x, axis=-1)
+    e = jnp.exp(x - mx[:, None])
+    drop = e < sb.min_p[:, None]  # min_p: p < min_p * p_max
+    x = jnp.where(drop, -jnp.inf, x)
+    e = jnp.where(drop, 0.0, e)
     u = _ukey(x)
-    mx = jnp.max(x, axis=-1, keepdims=True)
-    umax = _ukey(mx[:, 0])
-    k = jnp.minimum(sb.top_k, V)
-    tk = _bisect(lambda c: jnp.sum(u >= c[:, None], axis=-1, dtype=jnp.int32) >= k, R)
-    tk = jnp.where(sb.top_k >= V, jnp.uint32(0), jnp.minimum(tk, umax))
-    e = jnp.exp(x - mx)
+    umax = _ukey(mx)
+    t = jnp.zeros((R,), jnp.uint32)
+    use_k, use_p = sb.top_k < V, sb.top_p < 1.0
+    zeros = lambda: jnp.zeros((R,), jnp.uint32)  # noqa: E731
+    if v.search >= 1:  # top_k rows count tokens, top_p rows sum mass (renormalized: target p * sum)
+        def first():
+            w = jnp.where(use_k[:, None], 1.0, e)
+            target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * jnp.sum(e, axis=-1))
+            return jnp.where(use_k | use_p, _radix_search(u, w, target, impl.radix_bits), 0)
 
-    def mass(c):
-        return jnp.sum(jnp.where(u >= c[:, None], e, 0.0), axis=-1)
+        t = _maybe(impl, jnp.any((use_k | use_p) & ~greedy), first, zeros)
+    if v.search == 2:  # top_p over the top_k-filtered distribution: lands at or above top_k's threshold
+        both = use_k & use_p
 
-    # mass(c) is monotone in c (the same reduction with terms dropped); below tk it only grows,
-    # so the search over all keys lands at or above tk.
-    want = sb.top_p * mass(tk)
-    tp = _bisect(lambda c: mass(c) >= want, R)
-    t = jnp.where(sb.top_p < 1.0, jnp.minimum(tp, umax), tk)
-    return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1)
+        def second():
+            kept_mass = jnp.sum(jnp.where(u >= t[:, None], e, 0.0), axis=-1)
+            return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits), 0)
 
-
-def _random_sample(x, sb: SamplingBatch, branchless: bool = True):
-    """temperature -> min_p -> top_k -> top_p -> Gumbel-max draw, exactly, with no data-dependent
-    control flow (XLA on GPUs runs `lax.cond` by copying the predicate to the host and waiting).
-
-    Rows with top_k/top_p that the `TOPK_CANDIDATES` best tokens (lax.top_k) decide -- top_k fits
-    and the top_p nucleus lies inside them -- draw among the candidates. Every other row (no
-    truncation, or a top_k / nucleus wider than the candidates) draws over the whole vocabulary
-    with thresholds found by bisection (`_threshold_sample`); both use the same Gumbel noise."""
-    V = x.shape[1]
-    x = x / jnp.maximum(sb.temperature, 1e-5)[:, None]
-    probs = jax.nn.softmax(x, axis=-1)
-    x = jnp.where(probs < sb.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
-    K = min(TOPK_CANDIDATES, V)
-    trunc = (sb.top_k < V) | (sb.top_p < 1.0)
-    cand, idx = jax.lax.top_k(x, K)
-    rank = jnp.arange(K, dtype=jnp.int32)[None, :]
-    cand = jnp.where(rank >= sb.top_k[:, None], -jnp.inf, cand)
-    # nucleus inside the candidates: mass relative to the full (top_k-filtered) distribution
-    lse_all = jnp.where((sb.top_k < V)[:, None], jax.nn.logsumexp(cand, axis=-1, keepdims=True),
-                        jax.nn.logsumexp(x, axis=-1, keepdims=True))
-    pc = jnp.exp(cand - lse_all)
-    cum = jnp.cumsum(pc, axis=-1)
-    before = cum - pc
-    cand = jnp.where((before >= sb.top_p[:, None]) & (sb.top_p[:, None] < 1.0) & (rank > 0), -jnp.inf, cand)
-    decided = ((sb.top_k <= K) | (sb.top_k >= V)) & ((sb.top_p >= 1.0) | (cum[:, -1] >= sb.top_p))
-    g = _gumbel(sb, V)
-    gi = jnp.take_along_axis(g, idx, axis=-1)
-    part = jnp.take_along_axis(idx, jnp.argmax(cand + gi, axis=-1)[:, None], axis=-1)[:, 0]
-    if branchless:
-        full = _threshold_sample(x, sb, g)
-    else:  # the exact path only when some truncating row needs it; else plain Gumbel-max
-        full = jax.lax.cond(jnp.any(trunc & ~decided), lambda: _threshold_sample(x, sb, g),
-                            lambda: jnp.argmax(x + g, axis=-1))
-    return jnp.where(trunc & decided, part, full).astype(jnp.int32)
-
-
-def apply_token_mask(logits, mask):
-    """Structured outputs: logits [R, V] with the tokens whose bit is 0 in the packed mask
-    (int32 [R, ceil(V / 32)], bit j of word i = token 32 * i + j) set to -inf."""
-    V = logits.shape[1]
-    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
-    allowed = bits.reshape(mask.shape[0], -1)[:, :V].astype(bool)
-    return jnp.where(allowed, logits, -jnp.inf)
+        t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
+    t = jnp.where(greedy, umax, jnp.minimum(t, umax))
+    g = jnp.where(greedy[:, None], 0.0, _gumbel(sb, V))
+    return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1).astype(jnp.int32)
 
 
 def logprob_outputs(logits, tokens):
@@ -188,24 +215,36 @@ def logprob_outputs(logits, tokens):
     return tok_lp, rank, top_ids.astype(jnp.int32), top_lp
 
 
-def sample(logits, sb: SamplingBatch, ex: SamplingExtras | None, branchless: bool = True):
-    """logits [R, V] float32 -> (token ids [R], (logprob, rank, top ids, top logprobs)).
-    `branchless`: no data-dependent control flow (see the module docstring); the ids are the same
-    either way, and the logprob arrays are zeros without branches only when no row wants them."""
+def sample(logits, sb: SamplingBatch, ex: SamplingExtras | None = None, mask: VocabMask | None = None,
+           variant: SamplerVariant | None = None, impl: SamplerImpl = SamplerImpl()):
+    """logits [R, V] float32 -> (token ids [R] int32, (logprob, rank, top ids, top logprobs) or None).
+
+    `variant` (default: the largest for the given inputs) must cover every row: search >= what
+    the rows' top_k / top_p need, logprobs when a row wants them, extras / mask exactly when `ex` /
+    `mask` are given (ValueError otherwise). Logprobs are None unless variant.logprobs; in a
+    branchy program they are zeros when `sb.want_logprobs` is false."""
+    v = variant or SamplerVariant(extras=ex is not None, mask=mask is not None)
+    if v.extras != (ex is not None) or v.mask != (mask is not None):
+        raise ValueError(f"{v} needs extras={v.extras} and mask={v.mask}; got extras={ex is not None}, "
+                         f"mask={mask is not None}")
     raw = logits
+    allowed = None
+    if mask is not None:
+        allowed = _allowed(mask.words, logits.shape[1]) | ~mask.rows[:, None]
+        raw = jnp.where(allowed | ~mask.before_logprobs[:, None], logits, -jnp.inf)
     if ex is not None:
         logits = apply_extras(logits, ex)
-    greedy_rows = sb.temperature <= 0.0
-    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if branchless:  # greedy rows and logprobs computed always, selected per row / read when asked
-        tok = jnp.where(greedy_rows, greedy_tok, _random_sample(logits, sb, True))
-        return tok, logprob_outputs(raw, tok)
-    tok = jax.lax.cond(jnp.all(greedy_rows), lambda: greedy_tok,
-                       lambda: jnp.where(greedy_rows, greedy_tok, _random_sample(logits, sb, False)))
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, -jnp.inf)
+    greedy_all = jnp.all(sb.temperature <= 0.0)
+    tok = _maybe(impl, ~greedy_all, lambda: _draw(logits, sb, v, impl),
+                 lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    if not v.logprobs:
+        return tok, None
     R = logits.shape[0]
 
     def no_lp():
         return (jnp.zeros((R,), jnp.float32), jnp.zeros((R,), jnp.int32),
                 jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32), jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
 
-    return tok, jax.lax.cond(sb.want_logprobs, lambda: logprob_outputs(raw, tok), no_lp)
+    return tok, _maybe(impl, sb.want_logprobs, lambda: logprob_outputs(raw, tok), no_lp)

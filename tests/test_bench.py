@@ -87,14 +87,14 @@ def test_throughput_cli(tmp_path, shared_engine):
     assert 0 < r["prefill_phase_s"] < r["elapsed_s"]
     assert abs(r["prefill_phase_s"] + r["decode_phase_s"] - r["elapsed_s"]) < 1e-9
     assert d["memory"]["weight_bytes"] > 0 and d["memory"]["kv_pool_bytes_global"] > 0
-    assert d["config"]["sampling"] == dict(temperature=0.0, top_p=1.0, top_k=-1)
+    assert d["config"]["sampling"] == dict(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0)
 
 
 def test_throughput_cli_sampled(tmp_path, shared_engine):
-    """--temperature / --top-p: the same workload through the general sampler."""
+    """--temperature / --top-p / --min-p: the same workload through the general sampler."""
     d = run_cli(tmp_path, "throughput", "--num-prompts", "4", "--input-len", "8,20", "--output-len", "4",
-                "--temperature", "0.8", "--top-p", "0.9")
-    assert d["config"]["sampling"] == dict(temperature=0.8, top_p=0.9, top_k=-1)
+                "--temperature", "0.8", "--top-p", "0.9", "--min-p", "0.05")
+    assert d["config"]["sampling"] == dict(temperature=0.8, top_p=0.9, top_k=-1, min_p=0.05)
     assert d["results"]["output_tokens"] == 16 and d["results"]["compiles_after_warmup"] == 0
     assert d["results"]["host_sample_call_ms_per_step"] > 0
 

@@ -1,4 +1,6 @@
 """Sampling: support sets, penalties against numpy, seeds, stop conditions, logprobs vs transformers."""
+import dataclasses
+import functools
 import re
 
 import jax
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 
 from jvllm import SamplingParams
-from jvllm.sampling import SamplingBatch, SamplingExtras, apply_extras, sample
+from jvllm.sampling import SamplerImpl, SamplerVariant, SamplingBatch, SamplingExtras, VocabMask, apply_extras, sample
 
 V = 32
 
@@ -90,8 +92,7 @@ def test_penalties_and_bias_match_numpy(rng):
     b_ids = np.full((R, 4), -1, np.int32)
     b_vals = np.zeros((R, 4), np.float32)
     b_ids[0, :2], b_vals[0, :2] = [3, 4], [5.0, -5.0]
-    bits = np.full((R, -(-V // 32)), 0xFFFFFFFF, np.uint32)
-    ex = SamplingExtras(*(jnp.asarray(a) for a in (rep, pres, freq, hist, is_out, b_ids, b_vals, bits)))
+    ex = SamplingExtras(*(jnp.asarray(a) for a in (rep, pres, freq, hist, is_out, b_ids, b_vals)))
     got = np.asarray(apply_extras(jnp.asarray(logits), ex))
     want = logits.copy()
     for r in range(R):
@@ -236,11 +237,10 @@ def test_chat(smollm2_llm):
     assert "<|im_start|>assistant" in out.prompt
 
 
-def test_large_vocab_candidates_and_fallback():
-    """Over TOPK_CANDIDATES tokens: top_k / a narrow nucleus use the candidate path; a nucleus
-    wider than the candidates takes the exact threshold path (draws beyond the candidates)."""
-    from jvllm.sampling import TOPK_CANDIDATES
-
+def test_large_vocab_top_k_and_wide_nucleus():
+    """A large vocabulary: top_k keeps exactly the k best; a nucleus of most of the vocabulary is
+    not cut to a candidate list (draws reach beyond the 1024 best tokens)."""
+    TOPK_CANDIDATES = 1024
     Vl, R = 3000, 4000
     rng = np.random.default_rng(1)
     peaked = rng.normal(0, 4, Vl).astype(np.float32)
@@ -263,13 +263,14 @@ def _abstract_inputs(R, Vl, extras, L=16, B=4):
     sb = SamplingBatch(sds((R,), f32), sds((R,), i32), sds((R,), f32), sds((R,), f32), sds((R, 2), jnp.uint32),
                        sds((R,), i32), sds((), jnp.bool_))
     ex = SamplingExtras(sds((R,), f32), sds((R,), f32), sds((R,), f32), sds((R, L), i32), sds((R, L), jnp.bool_),
-                        sds((R, B), i32), sds((R, B), f32), sds((R, -(-Vl // 32)), jnp.uint32)) if extras else None
-    return sds((R, Vl), f32), sb, ex
+                        sds((R, B), i32), sds((R, B), f32)) if extras else None
+    mask = VocabMask(sds((R, -(-Vl // 32)), i32), sds((R,), jnp.bool_), sds((R,), jnp.bool_)) if extras else None
+    return sds((R, Vl), f32), sb, ex, mask
 
 
 @pytest.mark.parametrize("extras", [False, True])
 def test_general_sampler_has_no_data_dependent_control_flow(extras):
-    """XLA on GPUs runs a `conditional` (and a `while` of unknown trip count) by copying the
+    """(The largest variant, with extras and the vocabulary mask or without.) XLA on GPUs runs a `conditional` (and a `while` of unknown trip count) by copying the
     predicate to the host and blocking, which would serialize the async scheduler on every
     sampled step: the sampler must have neither."""
     args = _abstract_inputs(8, 3000, extras)
@@ -309,24 +310,6 @@ def _sorted_oracle(logits, sb):
     return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0], xs, idx
 
 
-@jax.jit
-def _candidate_ref(logits, sb):
-    """The candidate draw (what rows decided by the TOPK_CANDIDATES best tokens always got)."""
-    from jvllm.sampling import TOPK_CANDIDATES, _gumbel
-
-    x = _prep(logits, sb)
-    cand, idx = jax.lax.top_k(x, TOPK_CANDIDATES)
-    rank = jnp.arange(TOPK_CANDIDATES, dtype=jnp.int32)[None, :]
-    cand = jnp.where(rank >= sb.top_k[:, None], -jnp.inf, cand)
-    # nucleus mass relative to the whole (top_k-filtered) distribution
-    top_k_on = (sb.top_k < x.shape[1])[:, None]
-    ps = jnp.exp(cand - jnp.where(top_k_on, jax.nn.logsumexp(cand, -1, keepdims=True), jax.nn.logsumexp(x, -1, keepdims=True)))
-    before = jnp.cumsum(ps, axis=-1) - ps
-    cand = jnp.where((before >= sb.top_p[:, None]) & (sb.top_p[:, None] < 1.0) & (rank > 0), -jnp.inf, cand)
-    gi = jnp.take_along_axis(_gumbel(sb, x.shape[1]), idx, axis=-1)
-    return jnp.take_along_axis(idx, jnp.argmax(cand + gi, axis=-1)[:, None], axis=-1)[:, 0]
-
-
 def _mixed_batch(R, Vl, seed):
     """Rows of all kinds: scales from flat to peaked, top_k below / inside / beyond the
     candidates or off, top_p from narrow to almost 1, min_p and temperatures."""
@@ -341,26 +324,33 @@ def _mixed_batch(R, Vl, seed):
     return jnp.asarray(logits), sb
 
 
-def test_threshold_path_matches_full_sort():
-    """Every row -- rows the candidates decide and rows they cannot (top_k beyond them, a nucleus
-    wider than them, both) -- draws the token a full sort draws with the same noise."""
-    from jvllm.sampling import TOPK_CANDIDATES
+IMPLS = {"gpu": SamplerImpl(4, False), "cpu": SamplerImpl(1, True), "tpu": SamplerImpl(4, True),
+         "radix2": SamplerImpl(2, False)}
 
+
+def _jit_sample(impl, variant=None):
+    return jax.jit(functools.partial(sample, impl=impl, variant=variant))
+
+
+@pytest.mark.parametrize("impl", ["gpu", "cpu", "tpu"])
+def test_threshold_path_matches_full_sort(impl):
+    """Every row -- top_k of any size, a nucleus from narrow to nearly the whole vocabulary, both,
+    min_p, temperatures -- draws the token a full sort draws with the same noise."""
     R, Vl = 1024, 3000
-    undecided = 0
-    for seed in range(3):
+    wide = 0
+    fn = _jit_sample(IMPLS[impl])
+    for seed in range(2):
         logits, sb = _mixed_batch(R, Vl, seed)
-        tok, _ = _sample(logits, sb, None)
+        tok, _ = fn(logits, sb, None)
         want, xs, _ = _sorted_oracle(logits, sb)
         np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
-        kept = np.asarray(jnp.sum(xs > -jnp.inf, axis=-1))
-        undecided += int(np.sum(kept > TOPK_CANDIDATES))
-    assert undecided > 300  # plenty of rows the candidates could not decide
+        wide += int(np.sum(np.asarray(jnp.sum(xs > -jnp.inf, axis=-1)) > 1024))
+    assert wide > 200  # plenty of rows keep more than 1024 tokens
 
 
 @pytest.mark.parametrize("case", ["top_k", "flat_top_p", "top_k_and_top_p", "min_p_temperature"])
-def test_threshold_path_beyond_candidates(case):
-    """Rows the candidates can never decide, many keys each: the same tokens as the full sort."""
+def test_wide_truncation_matches_full_sort(case):
+    """Rows that keep thousands of tokens: the same tokens as the full sort."""
     R, Vl = 512, 4096
     rng = np.random.default_rng(7)
     scale = {"top_k": 3.0, "min_p_temperature": 1.5}.get(case, 0.2)
@@ -379,23 +369,41 @@ def test_threshold_path_beyond_candidates(case):
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
     kept = np.asarray(jnp.sum(xs > -jnp.inf, axis=-1))
     assert kept.min() > 1024
-    # the draws reach beyond the 1024 best tokens
     ranks = np.argmax(np.asarray(idx) == np.asarray(tok)[:, None], axis=-1)
-    assert ranks.max() >= 1024
+    assert ranks.max() >= 1024  # the draws reach beyond the 1024 best tokens
 
 
-def test_decided_rows_unchanged_and_independent_of_the_batch():
-    """Rows the candidates decide draw exactly as the candidate path always did, whether or not
-    the batch also holds rows that need the threshold path (the full sort used to take over the
-    whole batch then), and a row's draw does not depend on its neighbours."""
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_radix_search_finds_the_largest_threshold(bits):
+    """_radix_search against a brute force over every distinct key of the row (and one above)."""
+    from jvllm.sampling import _radix_search, _ukey
+
+    rng = np.random.default_rng(bits)
+    R, Vl = 16, 200
+    x = rng.normal(0, 2, (R, Vl)).astype(np.float32)
+    x[:, :5] = x[:, 5:10]  # ties
+    x[0, :50] = -np.inf
+    x[1] = -0.0
+    w = np.where(rng.random((R, Vl)) < 0.5, 1.0, rng.random((R, Vl))).astype(np.float32)
+    u = np.asarray(_ukey(jnp.asarray(x)))
+    target = (rng.random(R) * w.sum(1)).astype(np.float32)
+    got = np.asarray(jax.jit(_radix_search, static_argnums=3)(jnp.asarray(u), jnp.asarray(w), jnp.asarray(target), bits))
+    for r in range(R):
+        ok = [c for c in np.unique(u[r]).tolist() + [0] if w[r][u[r] >= c].sum() >= target[r]]
+        assert got[r] == max(ok), r
+        assert w[r][u[r] >= got[r]].sum() >= target[r] and (got[r] == 2**32 - 1 or w[r][u[r] > got[r]].sum() < target[r])
+
+
+def test_rows_are_independent_of_the_batch():
+    """A row's draw does not depend on its neighbours, whether they keep 5 or thousands of tokens."""
     R, Vl = 256, 3000
     rng = np.random.default_rng(3)
     peaked = jnp.asarray(rng.normal(0, 4, (R, Vl)).astype(np.float32))
     flat = jnp.asarray(rng.normal(0, 0.1, (R, Vl)).astype(np.float32))
     ks = rng.integers(1, 1025, R).astype(np.int32)
-    ks[::4] = Vl  # top_p only: a nucleus inside the candidates of peaked rows
+    ks[::4] = Vl
     ps = rng.choice([0.5, 0.9, 1.0], R).astype(np.float32)
-    sb = lambda top_k, top_p, seeds: SamplingBatch(
+    sb = lambda top_k, top_p, seeds: SamplingBatch(  # noqa: E731
         temperature=jnp.full((len(seeds),), 0.9, jnp.float32), top_k=jnp.asarray(top_k, jnp.int32),
         top_p=jnp.asarray(top_p, jnp.float32), min_p=jnp.zeros((len(seeds),), jnp.float32),
         key_data=jnp.asarray(np.stack([np.zeros(len(seeds)), seeds], 1), jnp.uint32),
@@ -403,8 +411,7 @@ def test_decided_rows_unchanged_and_independent_of_the_batch():
     seeds = np.arange(R)
     dec = sb(ks, ps, seeds)
     alone, _ = _sample(peaked, dec, None)
-    np.testing.assert_array_equal(np.asarray(alone), np.asarray(_candidate_ref(peaked, dec)))
-    # interleave undecided rows (flat logits, nucleus of ~2700 tokens) with the same decided rows
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(_sorted_oracle(peaked, dec)[0]))
     mixed_logits = jnp.stack([peaked, flat], 1).reshape(2 * R, Vl)
     mixed = sb(np.stack([ks, np.full(R, Vl)], 1).reshape(-1), np.stack([ps, np.full(R, 0.95)], 1).reshape(-1),
                np.stack([seeds, seeds + 10_000], 1).reshape(-1))
@@ -428,15 +435,81 @@ def test_greedy_rows_and_logprobs_without_branches(row):
     assert np.asarray(rank)[[0, 2]].tolist() == [1, 1] and np.asarray(top_ids)[0, 0] == np.argmax(row)
 
 
-@pytest.mark.parametrize("want_lp", [False, True])
-def test_branching_sampler_draws_the_same_ids(want_lp):
-    """`branchless=False` (CPUs/TPUs: conds skip work) and the GPU's branch-free program give the
-    same ids on a batch with greedy, untruncated, candidate-decided and undecided (flat, nucleus
-    beyond the candidates) rows, all-greedy batches too; logprobs equal when asked."""
-    import dataclasses
-    import functools
+def _variant_for(sb, Vl, want_lp=False):
+    """The smallest variant that covers the batch (what the host picks)."""
+    k, p = np.asarray(sb.top_k) < Vl, np.asarray(sb.top_p) < 1.0
+    return SamplerVariant(search=2 if (k & p).any() else 1 if (k | p).any() else 0, logprobs=want_lp)
 
-    branchy = jax.jit(functools.partial(sample, branchless=False))
+
+@pytest.mark.parametrize("kind", ["none", "top_k_only", "top_p_only", "one_each", "both"])
+def test_smallest_variant_draws_the_largest_variants_ids(kind):
+    """The variant the host picks for a batch (no search, one, two) draws the ids of the largest."""
+    R, Vl = 256, 3000
+    logits, sb = _mixed_batch(R, Vl, 11)
+    rng = np.random.default_rng(5)
+    k = np.asarray(sb.top_k).copy()
+    p = np.asarray(sb.top_p).copy()
+    if kind in ("none", "top_p_only"):
+        k[:] = Vl
+    if kind in ("none", "top_k_only"):
+        p[:] = 1.0
+    if kind == "one_each":
+        p[rng.random(R) < 0.5] = 1.0
+        k[p < 1.0] = Vl
+    if kind == "both":
+        k[k >= Vl] = 40
+        p[p >= 1.0] = 0.9
+    sb = dataclasses.replace(sb, top_k=jnp.asarray(k), top_p=jnp.asarray(p))
+    v = _variant_for(sb, Vl)
+    assert v.search == {"none": 0, "both": 2}.get(kind, 1)
+    small, lp = _jit_sample(IMPLS["gpu"], v)(logits, sb, None)
+    big, _ = _sample(logits, sb, None)
+    assert lp is None
+    np.testing.assert_array_equal(np.asarray(small), np.asarray(big))
+    np.testing.assert_array_equal(np.asarray(small), np.asarray(_sorted_oracle(logits, sb)[0]))
+
+
+def test_variant_must_match_the_inputs(row):
+    ex = SamplingExtras(*(jnp.zeros((1,)),) * 3, jnp.full((1, 2), -1), jnp.zeros((1, 2), bool), jnp.full((1, 2), -1),
+                        jnp.zeros((1, 2)))
+    with pytest.raises(ValueError, match=r"needs extras=False and mask=False; got extras=True"):
+        sample(jnp.asarray(row[None]), _sb(1), ex, variant=SamplerVariant())
+    with pytest.raises(ValueError, match="search must be 0, 1 or 2, got 3"):
+        SamplerVariant(search=3)
+    with pytest.raises(ValueError, match="radix_bits must be 1, 2 or 4, got 3"):
+        SamplerImpl(radix_bits=3)
+
+
+def test_vocab_mask_rows_and_logprobs(row):
+    """Masked rows draw only allowed ids; unmasked rows ignore their (garbage) words; a grammar
+    row's logprobs see the mask, an allowed_token_ids row's do not."""
+    from jvllm.sampling import VocabMask
+
+    R = 3
+    logits = jnp.asarray(np.stack([row] * R))
+    allowed = np.zeros((R, V), bool)
+    allowed[:, [3, 9, 17]] = True
+    words = np.packbits(allowed, axis=1, bitorder="little").view("<u4").view(np.int32).copy()
+    words[2] = np.random.default_rng(0).integers(-2**31, 2**31 - 1, words.shape[1])  # not read: row 2 unmasked
+    m = VocabMask(jnp.asarray(words), jnp.asarray([True, True, False]), jnp.asarray([True, False, False]))
+    fn = _jit_sample(IMPLS["gpu"], SamplerVariant(mask=True))
+    tok, (lp, *_) = fn(logits, _sb(R, temperature=0.0, want_lp=True), None, m)
+    best_allowed = [3, 9, 17][int(np.argmax(row[[3, 9, 17]]))]
+    assert np.asarray(tok).tolist() == [best_allowed, best_allowed, int(np.argmax(row))]
+    full = np.asarray(jax.nn.log_softmax(logits[0]))
+    masked = np.asarray(jax.nn.log_softmax(jnp.where(jnp.asarray(allowed[0]), logits[0], -jnp.inf)))
+    np.testing.assert_allclose(np.asarray(lp), [masked[best_allowed], full[best_allowed], full.max()], rtol=1e-5)
+    for seed in range(20):
+        t, _ = fn(logits, _sb(R, seeds=[seed] * R), None, m)
+        assert int(t[0]) in (3, 9, 17) and int(t[1]) in (3, 9, 17)
+
+
+@pytest.mark.parametrize("want_lp", [False, True])
+def test_branchy_sampler_draws_the_same_ids(want_lp):
+    """The branchy program (CPUs/TPUs: conds skip work) and the GPU's branch-free one give the same
+    ids on a batch with greedy, untruncated, narrow and wide (flat, most of the vocabulary) rows,
+    all-greedy batches too; logprobs equal when asked."""
+    branchy = _jit_sample(IMPLS["cpu"])
     rng = np.random.default_rng(7)
     Vl, R = 3000, 16
     peaked = rng.normal(0, 6, (R, Vl)).astype(np.float32)

@@ -122,7 +122,8 @@ def test_pydantic_schema_and_unconstrained_batches_have_no_mask(smollm2_llm):
 
     import pydantic
 
-    from jvllm.worker.sampler import grammar_mask
+    from jvllm.sampling import SamplerImpl
+    from jvllm.worker.sampler import FLAG_MASK, FLAG_MASK_LOGPROBS, RowLayout, plan
 
     class Item(pydantic.BaseModel):
         name: str
@@ -134,11 +135,16 @@ def test_pydantic_schema_and_unconstrained_batches_have_no_mask(smollm2_llm):
     g = eng.inputs._grammar(SamplingParams(structured_outputs=so))
     state = eng.inputs._structured.state(g)
     V = eng.model_config.vocab_size
-    plain = SimpleNamespace(samples=True, req=SimpleNamespace(grammar=None))
-    assert grammar_mask([plain, plain], 4, V) is None  # unconstrained: the plain sampler programs
-    m = grammar_mask([plain, SimpleNamespace(samples=True, req=SimpleNamespace(grammar=state))], 4, V)
-    assert m.shape == (4, (V + 31) // 32) and m.dtype == np.int32
-    assert (m[0] == -1).all() and (m[2:] == -1).all()
+    req = lambda g: SimpleNamespace(grammar=g, params=SamplingParams(temperature=0), seed=0,  # noqa: E731
+                                    num_output_tokens=0, num_pending=0)
+    plain = SimpleNamespace(samples=True, req=req(None))
+    assert plan([plain, plain], 4, V, 64, SamplerImpl()) is None  # unconstrained greedy: the argmax program
+    p = plan([plain, SimpleNamespace(samples=True, req=req(state))], 4, V, 64, SamplerImpl())
+    assert p.variant.mask and not p.variant.extras and p.rows.dtype == np.int32
+    lay = RowLayout(4, V, 64, p.variant)
+    assert p.rows.shape == (4, lay.width) and lay.width - lay.mask_at == (V + 31) // 32
+    assert p.rows[:, 7].tolist() == [0, FLAG_MASK | FLAG_MASK_LOGPROBS, 0, 0]  # only row 1 reads its words
+    m = p.rows[:, lay.mask_at:]
     tok = smollm2_llm.get_tokenizer()
     allowed = np.nonzero(np.unpackbits(m[1].view(np.uint8), bitorder="little")[:V])[0]
     texts = [tok.decode([int(i)]) for i in allowed]  # the forced start of '{"name":' (llguidance may force '{"')

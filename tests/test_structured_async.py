@@ -8,6 +8,8 @@
   nothing afterwards."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 
@@ -117,8 +119,8 @@ def test_masked_variants_warmed_and_preemption_keeps_grammar(small_pool_llm):
     llm = small_pool_llm
     e = llm.llm_engine
     compiled = e.worker.compiled_programs()
-    samples = [k for (kind, k) in compiled if kind == "sample" and not k[1]]  # without extras
-    assert samples and all(("sample_masked", k) in compiled for k in samples)
+    samples = [k for (kind, k) in compiled if kind == "sample" and not k[1].mask]  # unmasked variants
+    assert samples and all(("sample", (R, dataclasses.replace(v, mask=True))) in compiled for R, v in samples)
     prompts = ["Record one:", "Record two:", "Numbers:", "Record three:"]
     params = [SamplingParams(max_tokens=56, temperature=0.8, seed=11 + i,
                              structured_outputs=_so(regex=REGEX) if i == 2 else _so(json=SCHEMA))

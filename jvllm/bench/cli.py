@@ -48,7 +48,7 @@ def run_benchmark(name: str, a) -> dict:
     With `all`, a workload that fails leaves its error in `errors` and the others' figures stand."""
     from jvllm.bench.env import device_info, versions
 
-    sampling = Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    sampling = Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p)
     ekw = _engine_kwargs(name, a)
     workloads = tuple(w.name for w in WORKLOADS) if name == "all" else (name,)
     result = dict(benchmark=name, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"), versions=versions(),
@@ -147,6 +147,7 @@ def _add_common(p, *, input_len_default, output_len_default, input_len_type=int)
     p.add_argument("--temperature", type=float, default=0.0, help="W1/B1 sampling (default greedy, as defined)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
     p.set_defaults(func=cmd_bench)
 
 

@@ -40,8 +40,8 @@ def kv_bytes_per_token(llm) -> int:
 
 def prog_name(kind, key) -> str:
     """A program's readable name in the JSON, e.g. `step[T=64]`, `sample[R=8,greedy]`."""
-    if kind == "sample" and isinstance(key, tuple) and len(key) == 2:
-        return f"sample[R={key[0]}{',extras' if key[1] else ''}]"
+    if kind in ("sample", "sample_procs") and isinstance(key, tuple) and len(key) == 2:  # (R, SamplerVariant)
+        return f"{kind}[R={key[0]},{key[1]!r}]"
     if kind == "greedy":
         return f"sample[R={key},greedy]"
     if kind == "step" and isinstance(key, tuple) and len(key) == 3:  # (pipeline stage, T, decode-only)

@@ -36,11 +36,12 @@ WORKLOADS = (
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """The sampling every request of a run uses. W1 / B1 are greedy by definition; --temperature /
-    --top-p / --top-k run the same workloads through the general sampler program instead of the
+    --top-p / --top-k / --min-p run the same workloads through the general sampler program instead of the
     argmax-only one. EOS is always ignored, so every request produces exactly max_tokens."""
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
 
     def params(self, max_tokens: int):
         from jvllm import SamplingParams

@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvllm import structured
 from jvllm.compilation.registry import Programs
 from jvllm.config import ModelConfig, cdiv
 from jvllm.memory import kv_cache
-from jvllm.sampling import NUM_TOP_LOGPROBS
+from jvllm.sampling import NUM_TOP_LOGPROBS, SamplerImpl, SamplerVariant
 from jvllm.worker import logits_processors, microbatches, programs, sampler
 from jvllm.worker.attention_modes import attention_modes
 from jvllm.worker.batch_invariant import StepVariants
@@ -93,8 +92,10 @@ class ModelRunner:
                  num_blocks: int, max_model_len: int, max_num_seqs: int, token_buckets: tuple[int, ...],
                  query_tile: int = 8, kv_chunk_blocks: int = 16, stages: list[Stage] | None = None,
                  num_microbatches: int | None = None, attention_backend: str = "auto",
-                 logits_processors: tuple = (), batch_invariant: bool = False, kv_dtype=None):
-        """`kv_dtype`: the KV pages' dtype (`kv_cache.resolve_dtype`; None: the model's `dtype`)."""
+                 logits_processors: tuple = (), batch_invariant: bool = False, kv_dtype=None,
+                 sampler_impl: SamplerImpl | None = None):
+        """`kv_dtype`: the KV pages' dtype (`kv_cache.resolve_dtype`; None: the model's `dtype`).
+        `sampler_impl`: `jvllm.sampling.SamplerImpl` (None: the platform's)."""
         self.cfg = cfg
         self.stages = stages or [Stage(graphdef, state)]
         self.head_w = head_w
@@ -112,6 +113,8 @@ class ModelRunner:
                                   cdiv(max_blocks, self.kv_chunk_blocks) * self.kv_chunk_blocks,
                                   decode_variants=self.variants.decode_variants)
         self.platform = jax.default_backend()
+        # GPUs: exact sampler variants without conds (a cond blocks the dispatcher); elsewhere conds
+        self.sampler_impl = sampler_impl or SamplerImpl.for_platform(self.platform)
         # stages over several processes: each process launches only its own stages
         self.pid = jax.process_index()
         self.multiprocess = jax.process_count() > 1 and len(self.stages) > 1
@@ -165,18 +168,17 @@ class ModelRunner:
         step and greedy sampler from the smallest bucket up, then the rest), this process's only.
         A request whose program is not compiled yet compiles it on demand (or waits for the
         warm-up thread if that is compiling it). Batch-invariant mode: the first are its one step
-        program and its sampler, and the argmax-only samplers (never used there) are left out. Where
-        the grammar engine is installed, the masked twin (`sample_masked`, same key) of every
-        `sample` variant comes last."""
+        program and its sampler, and the argmax-only samplers (never used there) are left out. The
+        masked twin (mask=True) of every `sample` variant comes last."""
         keys = self.programs.keys()
-        if structured.available():
-            keys += [("sample_masked", key) for kind, key in keys if kind == "sample"]
+        # the masked twin of every sampler variant (grammars, allowed_token_ids, bad_words)
+        keys += [("sample", (key[0], dataclasses.replace(key[1], mask=True))) for kind, key in keys if kind == "sample"]
         b = self.layout.token_buckets
         if not self.variants.greedy_program:
             keys = [k for k in keys if k[0] != "greedy"]
         t_dec = min((T for T in b if self.layout.has_decode_variant(T)), default=b[0])
         sampler0 = ("greedy", self.layout.seq_bucket(t_dec)) if self.variants.greedy_program else \
-            ("sample", (self.layout.seq_bucket(t_dec), False))
+            ("sample", (self.layout.seq_bucket(t_dec), SamplerVariant(2, True)))
         first = [k for k in keys if (k[0] == "step" and k[1][1:] == (t_dec, self.layout.has_decode_variant(t_dec)))
                  or k == sampler0]
 
@@ -257,22 +259,16 @@ class ModelRunner:
         self.timers["late_sampling_s"] += time.perf_counter() - t0
 
     def _sampling_inputs(self, w: Work):
-        """Fill `w`'s sampler inputs (greedy or not, SamplingBatch / extras, grammar mask, logits
-        processors' inputs) from its requests' host state."""
+        """Fill `w`'s sampler inputs (`sampler.plan`: the variant and the one packed per-row array,
+        masks included; logits processors' inputs) from its requests' host state."""
         tm, sched = self.timers, w.sched
         t1 = time.perf_counter()
-        w.mask = mask = sampler.grammar_mask(sched, w.R, self.cfg.vocab_size)  # None: no constrained row
-        tm["grammar_mask_s"] += time.perf_counter() - t1
-        greedy_ok = self.variants.greedy_program  # off in batch-invariant mode
-        if greedy_ok and mask is None and all(sampler.plain_greedy(s.req.params) for s in sched):
-            w.sb, w.ex, w.want_lp, w.greedy = None, None, False, True  # argmax needs no inputs
-        else:
-            w.sb, w.ex, w.want_lp = sampler.sampling_inputs(sched, w.R, self.cfg.vocab_size, self.max_model_len)
-            w.greedy = (greedy_ok and mask is None and w.ex is None and not w.want_lp
-                        and not np.any(w.sb.temperature[:len(sched)] > 0))
+        # batch-invariant mode: one full sampler variant for every batch (no argmax-only program)
+        w.plan = sampler.plan(sched, w.R, self.cfg.vocab_size, self.max_model_len, self.sampler_impl,
+                              full=not self.variants.greedy_program)
+        tm["grammar_mask_s"] += w.plan.mask_fill_s if w.plan is not None else 0.0
         w.procs_in = None
         if logits_processors.uses_processors(sched):
-            w.greedy = False
             w.procs_in = logits_processors.host_inputs(sched, w.R, tuple(n for n, _ in self.logits_processors),
                                                        self.max_model_len)
         tm["sample_inputs_s"] += time.perf_counter() - t1

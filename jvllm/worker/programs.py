@@ -6,10 +6,12 @@
                       `InputLayout.pack` vector; the first stage takes prev_tok [max_num_seqs] (token
                       t is prev_tok[src[t]] where src[t] >= 0: the id sampled on the device by the
                       step before, async scheduling), later stages the previous stage's hidden states
-  sample[R, extras]   (head_w, last_hidden[R], SamplingBatch, SamplingExtras|None) -> ids, logprobs, ids padded
-  sample_masked[R, extras]  sample's arguments + the packed token mask int32 [R, ceil(V/32)]
-                      (structured outputs; compiled on the first constrained batch, not at warm-up,
-                      so engines that never see one pay nothing)
+  sample[R, variant]  (head_w, last_hidden[R], rows) -> ids, logprobs | None, ids padded; `rows` is the
+                      batch's packed sampler inputs (`sampler.RowLayout` of the `SamplerVariant`
+                      the host chose for the batch: truncation searches, logprobs, extras, the one
+                      vocabulary mask of structured outputs / allowed_token_ids / bad_words).
+                      Warm-up compiles the unmasked variants (`sample_variants`); masked ones
+                      compile on the first batch that needs one
   greedy[R]           (head_w, last_hidden[R]) -> ids, ids padded: argmax only (no lax.cond: on GPUs
                       XLA runs a cond by copying its predicate to the host and blocking on it)
   prompt_lp[T]        (head_w, hidden[T], targets[T]) -> prompt logprobs (only when a request asks)
@@ -33,7 +35,7 @@ from flax import nnx
 from jvllm.compilation.registry import ProgramKind, Signature, register
 from jvllm.models.layers import lm_logits
 from jvllm.ops.attention import tensor_parallel_mesh
-from jvllm.sampling import apply_token_mask, logprob_outputs, sample
+from jvllm.sampling import SamplerVariant, logprob_outputs, sample
 from jvllm.worker import sampler
 
 
@@ -65,24 +67,18 @@ def step_body(layout, graphdef, treedef, first, last, attention, mesh, decode, k
     return out + (jnp.stack(tap.values),) if capture else out
 
 
-def sample_body(w, h, sb, ex, *, tied, softcap, branchless, max_num_seqs):
-    tok, lp = sample(logits(w, h, tied, softcap), sb, ex, branchless=branchless)
+def sample_body(w, h, rows, *, layout, impl, tied, softcap, max_num_seqs):
+    sb, ex, mask = layout.unpack(rows)
+    tok, lp = sample(logits(w, h, tied, softcap), sb, ex, mask, layout.variant, impl)
     return tok, lp, _pad_tok(tok, max_num_seqs)
 
 
-def sample_masked_body(w, h, sb, ex, mask, *, tied, softcap, branchless, max_num_seqs):
-    tok, lp = sample(apply_token_mask(logits(w, h, tied, softcap), mask), sb, ex, branchless=branchless)
-    return tok, lp, _pad_tok(tok, max_num_seqs)
-
-
-def sample_procs_body(w, h, sb, ex, pi, mask, *, procs, tied, softcap, branchless, max_num_seqs):
-    """User logits processors, then the grammar mask when `mask` is not None (structured rows)."""
+def sample_procs_body(w, h, rows, pi, *, layout, procs, impl, tied, softcap, max_num_seqs):
+    """User logits processors first (`jvllm.worker.logits_processors`), then the sampler."""
     from jvllm.worker.logits_processors import apply
 
-    z = apply(procs, logits(w, h, tied, softcap), pi)
-    if mask is not None:
-        z = apply_token_mask(z, mask)
-    tok, lp = sample(z, sb, ex, branchless=branchless)
+    sb, ex, mask = layout.unpack(rows)
+    tok, lp = sample(apply(procs, logits(w, h, tied, softcap), pi), sb, ex, mask, layout.variant, impl)
     return tok, lp, _pad_tok(tok, max_num_seqs)
 
 
@@ -187,30 +183,29 @@ def _last_owned(ctx, key) -> bool:
 
 
 def _sample_signature(ctx, key) -> Signature:
-    R, extras = key
+    R, variant = key
     last = ctx.stages[-1]
     shard = last.sharding()
-    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, ctx.cfg.vocab_size, extras, shard)
-    # GPUs: no lax.cond in the sampler (a cond's predicate goes to the host and blocks the
-    # dispatcher); elsewhere conds skip the unneeded work
+    layout = sampler.RowLayout(R, ctx.cfg.vocab_size, ctx.max_model_len, variant)
     fn = cached(ctx, "sample", lambda: jax.jit(functools.partial(
-        sample_body, tied=ctx.cfg.tie_word_embeddings, softcap=ctx.cfg.final_logit_softcap, branchless=ctx.platform == "gpu", max_num_seqs=ctx.max_num_seqs)))
-    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb, ex),
-                     tuple(last.devices()))
+        sample_body, impl=ctx.sampler_impl, tied=ctx.cfg.tie_word_embeddings, softcap=ctx.cfg.final_logit_softcap,
+        max_num_seqs=ctx.max_num_seqs), static_argnames=("layout",)))
+    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), layout.abstract(shard)),
+                     tuple(last.devices()), dict(layout=layout))
 
 
-def _sample_masked_signature(ctx, key) -> Signature:
-    R, extras = key
-    last = ctx.stages[-1]
-    shard = last.sharding()
-    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, ctx.cfg.vocab_size, extras, shard)
-    fn = cached(ctx, "sample_masked", lambda: jax.jit(functools.partial(
-        sample_masked_body, tied=ctx.cfg.tie_word_embeddings, softcap=ctx.cfg.final_logit_softcap,
-        branchless=ctx.platform == "gpu",
-        max_num_seqs=ctx.max_num_seqs)))
-    mask = _sds((R, (ctx.cfg.vocab_size + 31) // 32), jnp.int32, shard)
-    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb, ex, mask),
-                     tuple(last.devices()))
+def sample_variants(impl) -> list[SamplerVariant]:
+    """The unmasked variants a runner compiles before serving (`sampler.choose_variant` picks no
+    other): where programs are exact (GPUs) every search level with and without logprobs, and the
+    largest with extras; elsewhere the largest with and without extras."""
+    if impl.branchy:
+        return [SamplerVariant(2, True, ex) for ex in (False, True)]
+    return [SamplerVariant(s, lp) for s in (1, 0, 2) for lp in (False, True)] + [SamplerVariant(2, True, True)]
+
+
+def largest_sample_key(ctx, R: int):
+    """The sampler program with the most work at R (its temporary memory bounds the others')."""
+    return (R, SamplerVariant(2, True, True))
 
 
 def _greedy_signature(ctx, R) -> Signature:
@@ -230,26 +225,25 @@ def _prompt_lp_signature(ctx, T) -> Signature:
                                                 _sds((T,), jnp.int32, shard)), tuple(last.devices()))
 
 
-register(ProgramKind("sample", _sample_signature, lambda ctx: [(R, ex) for R in _request_buckets(ctx) for ex in (False, True)],
+register(ProgramKind("sample", _sample_signature,
+                     lambda ctx: [(R, v) for R in _request_buckets(ctx) for v in sample_variants(ctx.sampler_impl)],
                      owned=_last_owned))
-register(ProgramKind("sample_masked", _sample_masked_signature, lambda ctx: [], owned=_last_owned))
 register(ProgramKind("greedy", _greedy_signature, _request_buckets, owned=_last_owned))
 
 
 def _sample_procs_signature(ctx, key) -> Signature:
     from jvllm.worker import logits_processors
 
-    R, extras, masked = key
+    R, variant = key
     last = ctx.stages[-1]
     shard = last.sharding()
-    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, ctx.cfg.vocab_size, extras, shard)
+    layout = sampler.RowLayout(R, ctx.cfg.vocab_size, ctx.max_model_len, variant)
     pi = logits_processors.abstract_inputs(R, len(ctx.logits_processors), ctx.max_model_len, shard)
-    mask = _sds((R, (ctx.cfg.vocab_size + 31) // 32), jnp.int32, shard) if masked else None
     fn = cached(ctx, "sample_procs", lambda: jax.jit(functools.partial(
-        sample_procs_body, procs=ctx.logits_processors, tied=ctx.cfg.tie_word_embeddings,
-        softcap=ctx.cfg.final_logit_softcap, branchless=ctx.platform == "gpu", max_num_seqs=ctx.max_num_seqs)))
-    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb, ex, pi, mask),
-                     tuple(last.devices()))
+        sample_procs_body, procs=ctx.logits_processors, impl=ctx.sampler_impl, tied=ctx.cfg.tie_word_embeddings,
+        softcap=ctx.cfg.final_logit_softcap, max_num_seqs=ctx.max_num_seqs), static_argnames=("layout",)))
+    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), layout.abstract(shard), pi),
+                     tuple(last.devices()), dict(layout=layout))
 
 
 # user logits processors: compiled with the registry, per request bucket, on first use only

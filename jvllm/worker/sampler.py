@@ -1,15 +1,40 @@
-"""Host side of on-device sampling: per-request parameters -> `SamplingBatch` / `SamplingExtras`
-numpy arrays. The field layouts (`batch_layout`, `extras_layout`) are defined once here and used
-both for the host arrays and for the sampler programs' abstract signature.
+"""Host side of on-device sampling: a batch's scheduled requests -> a `SamplerPlan`: the
+`SamplerVariant` its sampler program computes and ONE int32 array [R, width] holding every per-row
+input (one host-to-device transfer), laid out by `RowLayout`, which also unpacks it inside the
+program (static slices, float fields bit-cast).
+
+Columns, in order (floats as their int32 bits):
+  base (every variant)   temperature, top_k, top_p, min_p, key (2 words), counter, flags,
+                         n_bias, n_hist
+  extras                 repetition, presence, frequency, bias ids [B], bias values [B],
+                         history [L] (token id, + 2**30 for output tokens)
+  mask                   the packed vocabulary mask [ceil(V / 32)] (bit j of word i = token 32 i + j)
+Only a row's used prefix of bias / history is written (n_bias, n_hist say how much), and only
+masked rows' mask words (flags say which): the rest of the array is left as np.empty gave it, and
+the program selects it away (it never reaches a result), so a batch pays host work only for the
+rows that use a feature.
+
+Variant choice (`choose_variant`, per batch): exact (GPU programs: the smallest variant that covers
+the rows) or, with `SamplerImpl.branchy`, the largest for the batch's inputs (conds skip the rest).
+Batches with extras always take the largest (they pay [R, V] scatters anyway), which keeps the
+variants to compile at 7 per request bucket.
 """
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import numpy as np
 
-from jvllm.sampling import SamplingBatch, SamplingExtras
+from jvllm.sampling import SamplerImpl, SamplerVariant, SamplingBatch, SamplingExtras, VocabMask
 from jvllm.sampling_params import MAX_LOGIT_BIAS, bad_word_bans
 
 BIAS_SLOTS = MAX_LOGIT_BIAS + 8  # logit_bias entries + min_tokens' forbidden EOS / stop ids
+BASE_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "key_hi", "key_lo", "counter", "flags", "n_bias", "n_hist")
+FLAG_MASK = 1          # the row reads its mask words
+FLAG_MASK_LOGPROBS = 2  # ... and its logprobs see the mask (grammar rows)
+FLAG_LOGPROBS = 4      # the row wants logprobs
+OUTPUT_TOKEN = 1 << 30  # history entry of an output token (prompt tokens are the plain id)
 
 
 def key_data(seed: int) -> tuple[int, int]:
@@ -17,33 +42,70 @@ def key_data(seed: int) -> tuple[int, int]:
     return (s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF
 
 
-def batch_layout(R: int) -> dict[str, tuple[tuple[int, ...], type]]:
-    return dict(temperature=((R,), np.float32), top_k=((R,), np.int32), top_p=((R,), np.float32),
-                min_p=((R,), np.float32), key_data=((R, 2), np.uint32), counter=((R,), np.int32),
-                want_logprobs=((), np.bool_))
-
-
 def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def extras_layout(R: int, max_model_len: int, vocab_size: int) -> dict[str, tuple[tuple[int, ...], type]]:
-    L, B = max_model_len, BIAS_SLOTS
-    return dict(repetition=((R,), np.float32), presence=((R,), np.float32), frequency=((R,), np.float32),
-                hist_ids=((R, L), np.int32), hist_is_out=((R, L), np.bool_),
-                bias_ids=((R, B), np.int32), bias_vals=((R, B), np.float32),
-                allow_bits=((R, mask_words(vocab_size)), np.uint32))
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """The columns of one variant's packed per-row array."""
+    R: int
+    vocab_size: int
+    max_model_len: int
+    variant: SamplerVariant
+
+    @property
+    def extras_at(self) -> int:
+        return len(BASE_COLUMNS)
+
+    @property
+    def mask_at(self) -> int:
+        return self.extras_at + (3 + 2 * BIAS_SLOTS + self.max_model_len if self.variant.extras else 0)
+
+    @property
+    def width(self) -> int:
+        return self.mask_at + (mask_words(self.vocab_size) if self.variant.mask else 0)
+
+    def abstract(self, sharding=None):
+        import jax
+
+        return jax.ShapeDtypeStruct((self.R, self.width), np.int32, sharding=sharding)
+
+    def unpack(self, rows):
+        """(SamplingBatch, SamplingExtras | None, VocabMask | None) from the packed array, inside
+        a program (jnp; static slices)."""
+        import jax
+        import jax.numpy as jnp
+
+        if rows.shape != (self.R, self.width):
+            raise ValueError(f"sampler rows of shape {rows.shape}; {self.variant} at R={self.R} needs {(self.R, self.width)}")
+        f32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.float32)  # noqa: E731
+        col = {n: rows[:, i] for i, n in enumerate(BASE_COLUMNS)}
+        flags = col["flags"]
+        sb = SamplingBatch(f32(col["temperature"]), col["top_k"], f32(col["top_p"]), f32(col["min_p"]),
+                           jax.lax.bitcast_convert_type(rows[:, 4:6], jnp.uint32), col["counter"],
+                           jnp.any(flags & FLAG_LOGPROBS != 0))
+        ex = mask = None
+        if self.variant.extras:
+            B, L, o = BIAS_SLOTS, self.max_model_len, self.extras_at
+            b_ok = jnp.arange(B)[None, :] < col["n_bias"][:, None]
+            h_ok = jnp.arange(L)[None, :] < col["n_hist"][:, None]
+            hist = rows[:, o + 3 + 2 * B:o + 3 + 2 * B + L]
+            ex = SamplingExtras(f32(rows[:, o]), f32(rows[:, o + 1]), f32(rows[:, o + 2]),
+                                jnp.where(h_ok, hist & (OUTPUT_TOKEN - 1), -1), h_ok & (hist & OUTPUT_TOKEN != 0),
+                                jnp.where(b_ok, rows[:, o + 3:o + 3 + B], -1),
+                                jnp.where(b_ok, f32(rows[:, o + 3 + B:o + 3 + 2 * B]), 0.0))
+        if self.variant.mask:
+            mask = VocabMask(rows[:, self.mask_at:], flags & FLAG_MASK != 0, flags & FLAG_MASK_LOGPROBS != 0)
+        return sb, ex, mask
 
 
-def abstract_inputs(R: int, max_model_len: int, vocab_size: int, extras: bool, sharding=None):
-    """(SamplingBatch, SamplingExtras | None) of ShapeDtypeStructs for the sampler programs."""
-    import jax
-
-    def tree(cls, layout):
-        return cls(**{k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, (shape, dt) in layout.items()})
-
-    return tree(SamplingBatch, batch_layout(R)), (tree(SamplingExtras, extras_layout(R, max_model_len, vocab_size))
-                                           if extras else None)
+@dataclasses.dataclass(frozen=True)
+class SamplerPlan:
+    variant: SamplerVariant
+    rows: np.ndarray        # [R, RowLayout.width] int32
+    want_lp: bool           # some row wants logprobs (the host reads them only then)
+    mask_fill_s: float = 0.0  # host seconds spent filling vocabulary masks
 
 
 def plain_greedy(p) -> bool:
@@ -51,48 +113,81 @@ def plain_greedy(p) -> bool:
     return p.greedy and p.logprobs is None and not p.needs_extras and not p.logits_processors
 
 
-def sampling_inputs(scheduled, R: int, vocab_size: int, max_model_len: int):
-    """(SamplingBatch, SamplingExtras | None, any row wants logprobs) as numpy arrays for the rows of
-    `scheduled` (padded to R). Extras are built only when some request needs them (penalties,
-    logit bias, min_tokens, allowed_token_ids, bad_words)."""
-    V = vocab_size
-    temp = np.zeros(R, np.float32)
-    top_k = np.full(R, V, np.int32)
-    top_p = np.ones(R, np.float32)
-    min_p = np.zeros(R, np.float32)
-    keys = np.zeros((R, 2), np.uint32)
-    counter = np.zeros(R, np.int32)
-    want_lp = False
-    extras = False
+def _penalized(p) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _mask_row(s) -> int:
+    """FLAG bits of a row's vocabulary mask (0: none)."""
+    if not getattr(s, "samples", True):
+        return 0
+    if s.req.grammar is not None:
+        return FLAG_MASK | FLAG_MASK_LOGPROBS
+    return FLAG_MASK if s.req.params.needs_mask else 0
+
+
+def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = False) -> SamplerVariant:
+    """The variant that serves `scheduled`: the smallest that covers its rows, or with
+    `impl.branchy`, extras or `full` (batch-invariant mode) the largest for its inputs (extras, mask)."""
+    k = p = both = lp = extras = mask = False
+    for s in scheduled:
+        sp = s.req.params
+        if not sp.greedy:
+            rk, rp = 0 < sp.top_k < vocab_size, sp.top_p < 1.0
+            k, p, both = k or rk, p or rp, both or (rk and rp)
+        lp |= sp.needs_logprobs
+        extras |= _penalized(sp) or bool(sp.logit_bias) or sp.min_tokens > 0
+        mask |= _mask_row(s) != 0
+    if impl.branchy or extras or full:  # extras batches (scatters over [R, V] already) take the largest
+        return SamplerVariant(2, True, extras, mask)
+    return SamplerVariant(2 if both else 1 if (k or p) else 0, lp, extras, mask)
+
+
+def plan(scheduled, R: int, vocab_size: int, max_model_len: int, impl: SamplerImpl,
+         full: bool = False) -> SamplerPlan | None:
+    """The sampler inputs of `scheduled` (rows padded to R), or None when every row is plain greedy
+    and unmasked (the argmax-only program serves the batch and needs no inputs). `full`: always
+    the largest variant, never None (batch-invariant mode: one sampler program for every batch)."""
+    if not full and all(plain_greedy(s.req.params) for s in scheduled) and not any(_mask_row(s) for s in scheduled):
+        return None
+    V, n = vocab_size, len(scheduled)
+    lay = RowLayout(R, V, max_model_len, choose_variant(scheduled, V, impl, full))
+    rows = np.empty((R, lay.width), np.int32)
+    f = np.zeros((R, 4), np.float32)                 # temperature, top_k (as int below), top_p, min_p
+    f[:, 2] = 1.0
+    ints = np.zeros((R, len(BASE_COLUMNS)), np.int64)
+    ints[:, 1] = V
     for r, s in enumerate(scheduled):
-        p = s.req.params
-        temp[r] = 0.0 if p.greedy else p.temperature
-        top_k[r] = V if p.top_k <= 0 else min(p.top_k, V)
-        top_p[r], min_p[r] = p.top_p, p.min_p
-        keys[r] = key_data(s.req.seed)
-        counter[r] = s.req.num_output_tokens + s.req.num_pending  # index of the token drawn now
-        want_lp |= p.needs_logprobs
-        extras |= p.needs_extras
-    sb = SamplingBatch(temp, top_k, top_p, min_p, keys, counter, np.bool_(want_lp))
-    return sb, (_extras(scheduled, R, V, max_model_len) if extras else None), want_lp
+        sp, req = s.req.params, s.req
+        f[r, 0] = 0.0 if sp.greedy else sp.temperature
+        f[r, 2], f[r, 3] = sp.top_p, sp.min_p
+        ints[r, 1] = V if sp.top_k <= 0 else min(sp.top_k, V)
+        ints[r, 4:6] = key_data(req.seed)
+        ints[r, 6] = req.num_output_tokens + req.num_pending  # index of the token drawn now
+        ints[r, 7] = _mask_row(s) | (FLAG_LOGPROBS if sp.needs_logprobs else 0)
+    rows[:, :len(BASE_COLUMNS)] = ints.astype(np.uint32).view(np.int32)
+    fb = f.view(np.int32)
+    rows[:, 0], rows[:, 2], rows[:, 3] = fb[:, 0], fb[:, 2], fb[:, 3]
+    if lay.variant.extras:
+        _fill_extras(rows, lay, scheduled)
+    t = time.perf_counter()
+    if lay.variant.mask:
+        _fill_masks(rows[:n, lay.mask_at:], scheduled, V)
+    return SamplerPlan(lay.variant, rows, any(s.req.params.needs_logprobs for s in scheduled), time.perf_counter() - t)
 
 
-def _extras(scheduled, R: int, V: int, max_model_len: int) -> SamplingExtras:
-    lay = extras_layout(R, max_model_len, V)
-    a = {k: np.zeros(shape, dt) for k, (shape, dt) in lay.items()}
-    a["repetition"][:] = 1.0
-    a["hist_ids"][:] = -1
-    a["bias_ids"][:] = -1
-    a["allow_bits"][:] = 0xFFFFFFFF
-    L, B = lay["hist_ids"][0][1], lay["bias_ids"][0][1]
+def _fill_extras(rows: np.ndarray, lay: RowLayout, scheduled):
+    o, B, L, V = lay.extras_at, BIAS_SLOTS, lay.max_model_len, lay.vocab_size
+    pen = np.zeros((rows.shape[0], 3), np.float32)
+    pen[:, 0] = 1.0
     for r, s in enumerate(scheduled):
         req, p = s.req, s.req.params
-        if not p.needs_extras:
-            continue
-        a["repetition"][r], a["presence"][r], a["frequency"][r] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        toks = req.all_token_ids[:L]
-        a["hist_ids"][r, :len(toks)] = toks
-        a["hist_is_out"][r, req.num_prompt_tokens:len(toks)] = True
+        pen[r] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        if _penalized(p):
+            toks = np.asarray(req.all_token_ids[:L], np.int32)
+            toks[req.num_prompt_tokens:] |= OUTPUT_TOKEN
+            rows[r, o + 3 + 2 * B:o + 3 + 2 * B + len(toks)] = toks
+            rows[r, 9] = len(toks)
         bias = dict(p.logit_bias or {})
         if req.num_output_tokens < p.min_tokens:  # min_tokens: forbid EOS / stop ids
             for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)):
@@ -100,34 +195,31 @@ def _extras(scheduled, R: int, V: int, max_model_len: int) -> SamplingExtras:
                     bias[t] = -np.inf
         items = list(bias.items())[:B]
         if items:
-            a["bias_ids"][r, :len(items)] = [k for k, _ in items]
-            a["bias_vals"][r, :len(items)] = [v for _, v in items]
-        if p.needs_mask:
-            a["allow_bits"][r] = allow_bits(req, V)
-    return SamplingExtras(**a)
+            rows[r, o + 3:o + 3 + len(items)] = [k for k, _ in items]
+            rows[r, o + 3 + B:o + 3 + B + len(items)] = np.asarray([v for _, v in items], np.float32).view(np.int32)
+            rows[r, 8] = len(items)
+    rows[:, o:o + 3] = pen.view(np.int32)
 
 
-# ---------------------------------------------------------------------------- structured outputs
-def grammar_mask(scheduled, R: int, vocab_size: int) -> np.ndarray | None:
-    """The packed token bitmask int32 [R, ceil(V / 32)] of a batch with constrained rows (each
-    constrained request's `GrammarState` fills its row; other rows and padding allow every token),
-    or None when no row is constrained (the unmasked programs serve the batch)."""
-    rows = [(r, s.req.grammar) for r, s in enumerate(scheduled) if s.samples and s.req.grammar is not None]
-    if not rows:
-        return None
-    from jvllm.structured import mask_words
-
-    mask = np.full((R, mask_words(vocab_size)), -1, np.int32)
-    for r, g in rows:
-        mask[r] = 0
-        g.fill(mask[r])
-    return mask
+def _fill_masks(words: np.ndarray, scheduled, V: int):
+    """Each masked row's words: its grammar's allowed tokens, AND its allowed_token_ids /
+    bad_words mask (a row with both gets the intersection)."""
+    for r, s in enumerate(scheduled):
+        flags = _mask_row(s)
+        if not flags:
+            continue
+        if s.req.grammar is not None:
+            words[r] = 0
+            s.req.grammar.fill(words[r])
+            if s.req.params.needs_mask:
+                words[r] &= allow_bits(s.req, V).view(np.int32)
+        else:
+            words[r] = allow_bits(s.req, V).view(np.int32)
 
 
 def allow_bits(req, V: int) -> np.ndarray:
-    """The row's packed vocabulary mask ([ceil(V / 32)] u32, `SamplingExtras.allow_bits`): the
-    request's allowed_token_ids (all when None) minus the bad-word tokens banned after its output
-    so far."""
+    """The row's packed allowed_token_ids / bad_words mask ([ceil(V / 32)] u32): the request's
+    allowed_token_ids (all when None) minus the bad-word tokens banned after its output so far."""
     p = req.params
     ok = np.zeros(mask_words(V) * 32, np.bool_)
     ok[p.allowed_token_ids if p.allowed_token_ids is not None else slice(0, V)] = True
@@ -136,3 +228,26 @@ def allow_bits(req, V: int) -> np.ndarray:
         if bans:
             ok[list(bans)] = False
     return np.packbits(ok, bitorder="little").view("<u4")
+
+
+# ---------------------------------------------------------------------------- unpacked trees
+def batch_layout(R: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    return dict(temperature=((R,), np.float32), top_k=((R,), np.int32), top_p=((R,), np.float32),
+                min_p=((R,), np.float32), key_data=((R, 2), np.uint32), counter=((R,), np.int32),
+                want_logprobs=((), np.bool_))
+
+
+def abstract_inputs(R: int, max_model_len: int, vocab_size: int, extras: bool, sharding=None):
+    """(SamplingBatch, SamplingExtras | None) of ShapeDtypeStructs: the unpacked trees, for programs
+    that take them as separate arrays (speculative decoding's verify program)."""
+    import jax
+
+    L, B = max_model_len, BIAS_SLOTS
+    ex_layout = dict(repetition=((R,), np.float32), presence=((R,), np.float32), frequency=((R,), np.float32),
+                     hist_ids=((R, L), np.int32), hist_is_out=((R, L), np.bool_),
+                     bias_ids=((R, B), np.int32), bias_vals=((R, B), np.float32))
+
+    def tree(cls, layout):
+        return cls(**{k: jax.ShapeDtypeStruct(shape, dt, sharding=sharding) for k, (shape, dt) in layout.items()})
+
+    return tree(SamplingBatch, batch_layout(R)), (tree(SamplingExtras, ex_layout) if extras else None)

@@ -205,7 +205,10 @@ class Worker:
         executable cache the figures are read from its entries: nothing is traced or compiled."""
         probe = self._make_runner(2, sc, buckets)
         T = probe.token_buckets[-1]
-        keys = [("step", (s, T, False)) for s in range(len(probe.stages))] + [("sample", (probe.layout.seq_bucket(T), True))]
+        from jvllm.worker.programs import largest_sample_key
+
+        keys = [("step", (s, T, False)) for s in range(len(probe.stages))] + [
+            ("sample", largest_sample_key(probe, probe.layout.seq_bucket(T)))]
         owned = set(probe.programs.keys())  # this process's programs (stages over processes)
         temps = [probe.programs.temp_bytes(*k) for k in keys if k in owned]
         for st in probe.stages:

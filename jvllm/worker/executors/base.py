@@ -30,11 +30,7 @@ class Work:
     decode: bool
     packed: np.ndarray         # InputLayout.pack
     tok_in: object             # prev_tok for the first stage (a device array, or a Pending: multiprocess)
-    sb: object = None          # SamplingBatch (numpy) unless greedy
-    ex: object = None          # SamplingExtras (numpy) or None
-    want_lp: bool = False
-    greedy: bool = True        # the argmax-only program serves every row
-    mask: np.ndarray | None = None  # structured outputs' packed token mask [R, ceil(V/32)], or None
+    plan: object = None        # sampler.SamplerPlan, or None: the argmax-only program serves every row
     x: object = None           # the last launched stage's output hidden states
     capture: bool = False      # some row wants its hidden states: the step_hidden variant (one stage)
     captured: object = None    # [num_layers + 1, T, hidden] on device, when `capture`
@@ -121,28 +117,23 @@ class Executor:
         r = self.r
         t3 = time.perf_counter()
         _, last_h, all_h = out
-        if w.greedy:
+        plan = w.plan
+        if plan is None:
             tok, tok_pad = r.programs.get("greedy", w.R)(r.head_w, last_h)
             lp = None
         else:
-            sb, ex = w.sb, w.ex
             shard = r.stages[-1].sharding()
-            import jax
+            rows = put(plan.rows, shard)  # every per-row sampler input: one transfer
+            if w.procs_in is not None:  # user logits processors
+                import jax
 
-            if shard is not None:
-                sb, ex = jax.tree_util.tree_map(lambda a: put(np.asarray(a), shard), (sb, ex))
-            if w.procs_in is not None:  # user logits processors (and the grammar mask, if any)
                 pi = w.procs_in if shard is None else jax.tree_util.tree_map(lambda a: put(a, shard), w.procs_in)
-                mask = None if w.mask is None else (put(w.mask, shard) if shard is not None else w.mask)
-                tok, lp, tok_pad = r.programs.get("sample_procs", (w.R, ex is not None, mask is not None))(
-                    r.head_w, last_h, sb, ex, pi, mask)
-            elif w.mask is not None:
-                mask = put(w.mask, shard) if shard is not None else w.mask
-                tok, lp, tok_pad = r.programs.get("sample_masked", (w.R, ex is not None))(r.head_w, last_h, sb, ex, mask)
+                tok, lp, tok_pad = r.programs.get("sample_procs", (w.R, plan.variant))(r.head_w, last_h, rows, pi)
             else:
-                tok, lp, tok_pad = r.programs.get("sample", (w.R, ex is not None))(r.head_w, last_h, sb, ex)
+                tok, lp, tok_pad = r.programs.get("sample", (w.R, plan.variant))(r.head_w, last_h, rows)
         r.timers["sample_call_s"] += time.perf_counter() - t3
         plp = None
         if any(s.req.needs_prompt_logprobs for s in w.sched):
             plp = r.prompt_logprobs(w.sched, w.T, all_h)
-        return MicrobatchResult(w.group, tok, lp if w.want_lp else None, plp, tok_pad, w.captured)
+        return MicrobatchResult(w.group, tok, lp if plan is not None and plan.want_lp else None, plp, tok_pad,
+                                w.captured)
