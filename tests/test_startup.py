@@ -94,7 +94,10 @@ def test_fingerprint_changes_exactly_when_the_lowered_module_does(ckpt_dir):
         _runner(ck, kv_chunk_blocks=1),
         _runner(ck, query_tile=4),
     ]
-    keys = [("step", (0, 8, False)), ("greedy", 2), ("sample", (2, True))]
+    from jvllm.sampling import SamplerVariant
+
+    keys = [("step", (0, 8, False)), ("greedy", 2), ("sample", (2, SamplerVariant(2, True, extras=True))),
+            ("sample", (2, SamplerVariant(1, False, mask=True)))]
     for name, key in keys:
         fps = [r.programs.fingerprint(name, key) for r in variants]
         low = [r.programs.cache_key(name, key) for r in variants]

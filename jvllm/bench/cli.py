@@ -11,6 +11,8 @@ bench_<workload>_<model>.json.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import sys
 import time
@@ -52,8 +54,7 @@ def run_benchmark(name: str, a) -> dict:
     ekw = _engine_kwargs(name, a)
     workloads = tuple(w.name for w in WORKLOADS) if name == "all" else (name,)
     result = dict(benchmark=name, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"), versions=versions(),
-                  config=dict(model=a.model, engine=ekw, sampling=dict(temperature=sampling.temperature,
-                                                                          top_p=sampling.top_p, top_k=sampling.top_k),
+                  config=dict(model=a.model, engine=ekw, sampling=dataclasses.asdict(sampling),
                               argv=sys.argv[1:]))
     if a.cold_start:  # before this process touches the accelerator
         result["cold_start"] = coldstart.run_cold_start(a.model, ekw)
