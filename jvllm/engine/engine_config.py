@@ -52,3 +52,7 @@ class EngineConfig:
     # (LLMEngine.wait_for_warmup waits for them); False compiles everything before returning.
     # Multi-process runs always compile in the foreground.
     background_compile: bool = True
+    # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT, "num_speculative_tokens": k}
+    # (jvllm.spec_decode.config states every key); None: off
+    speculative_config: dict | None = None

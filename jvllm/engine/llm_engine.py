@@ -46,6 +46,14 @@ def check_options(config: EngineConfig, model_config, data_parallel_replica: boo
                          f"({mc.max_position_embeddings})")
 
 
+def check_speculation(config: EngineConfig):
+    """Engine options speculative decoding does not run with: a clear error naming them (pipeline
+    stages, which stages over processes need too)."""
+    if config.pipeline_parallel_size > 1:
+        raise ValueError(f"speculative_config needs pipeline_parallel_size 1 (got {config.pipeline_parallel_size}): "
+                         f"the verifier reads the step's hidden states on one stage")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, devices=None):
         """`devices`: the devices of this engine (a data-parallel replica gets a slice); default all."""
@@ -81,6 +89,13 @@ class LLMEngine:
                                         gpu_memory_utilization=config.gpu_memory_utilization,
                                         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                         enable_prefix_caching=config.enable_prefix_caching)
+        self.speculator = None
+        spec_cfg = None
+        if config.speculative_config is not None:
+            from jvllm.spec_decode.config import SpeculativeConfig
+
+            spec_cfg = SpeculativeConfig.from_dict(config.speculative_config)
+            check_speculation(config)
         num_blocks = worker.build_runner(self.sched_config, self.cache_config, buckets)
         self.runner = worker.runner
         self.init_parts = worker.init_parts
@@ -88,6 +103,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.init_parts["block_pool_s"] = time.perf_counter() - t
         self.scheduler = Scheduler(self.sched_config, self.kv_manager)
+        if spec_cfg is not None:
+            self.speculator = self._build_speculator(spec_cfg)
         refused = None
         if worker.multiprocess:
             refused = (f"logprobs are not available with pipeline stages over {worker.process_count} processes "
@@ -108,6 +125,20 @@ class LLMEngine:
         self.warmup_seconds, self._warmup = worker.warm_up(config.background_compile, use_tqdm=config.use_tqdm_on_load)
         self.compiles_after_warmup_base = (self._warmup.compile_count_at_end if self._warmup.done() else None)
         self.init_seconds = time.perf_counter() - t0
+
+    def _build_speculator(self, cfg):
+        from jvllm.spec_decode.speculator import Speculator
+
+        if cfg.uses_draft_model:
+            from jvllm.spec_decode.draft import DraftProposer
+
+            proposer = DraftProposer(cfg, self, self.kv_manager.pool.num_blocks)
+        else:
+            from jvllm.spec_decode.ngram import NgramProposer
+
+            proposer = NgramProposer(cfg.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.runner.spec = (cfg.k, cfg.uses_draft_model)
+        return Speculator(cfg, proposer)
 
     # ------------------------------------------------------------------ warm-up
     def wait_for_warmup(self, timeout: float | None = None) -> float:
@@ -174,6 +205,9 @@ class LLMEngine:
         Requests whose pending token is their last (max_tokens, max_model_len) are left out; one
         that stops on EOS / a stop string costs one wasted row, discarded when its results come.
         Never preempts (the step ends where blocks run out)."""
+        if self.speculator is not None and (self.speculator.active(self.scheduler)
+                                            or any(s.spec_token_ids for s in prev.sched.scheduled)):
+            return None  # speculating steps run synchronously (drafts and acceptance live on the host)
         last = set()
         for s in prev.sched.scheduled:
             r = s.req
@@ -191,9 +225,9 @@ class LLMEngine:
             return None
         return self._launch(sched, prev.run)
 
-    def _launch(self, sched, prev_run=None) -> StepHandle:
+    def _launch(self, sched, prev_run=None, spec_q=None) -> StepHandle:
         try:
-            run = self.runner.dispatch(sched.scheduled, prev=prev_run)
+            run = self.runner.dispatch(sched.scheduled, prev=prev_run, spec_q=spec_q)
         except Exception as e:
             return StepHandle(sched, error=e)
         for s in sched.scheduled:  # the engine alone writes num_pending (read by scheduler and runner)
@@ -211,6 +245,9 @@ class LLMEngine:
             self.stats["host_seconds"] += time.perf_counter() - t0
 
     def dispatch(self, only=None, allow_preempt=True) -> StepHandle:
+        spec_q = None
+        if self.speculator is not None:  # drafts for the decoding requests (only here: the sync path)
+            spec_q = self.speculator.propose(self.scheduler)
         sched = self.scheduler.schedule(allow_preempt=allow_preempt, only=only)
         if sched.empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -220,7 +257,7 @@ class LLMEngine:
                 self.scheduler.finish(req, Status.FINISHED_ERROR)
                 return StepHandle(outputs=self.output.outputs(self.groups, {req.group_id}))
             return StepHandle()
-        return self._launch(sched)
+        return self._launch(sched, spec_q=spec_q)
 
     def step_collect(self, handle: StepHandle) -> list[RequestOutput]:
         if handle.sched is None:
@@ -262,30 +299,51 @@ class LLMEngine:
             req.num_pending = max(0, req.num_pending - 1)
             if req.is_finished:  # stopped (or aborted) while this step was in flight: a wasted row
                 continue
-            tok = int(res.token_ids[r])
-            entry, lp = None, None
-            if res.logprobs is not None:
-                lp = float(res.logprobs[0][r])
-                if req.params.logprobs is not None:
-                    entry = op.logprob_entry(tok, lp, int(res.logprobs[1][r]), res.logprobs[2][r],
-                                             res.logprobs[3][r], req.params.logprobs, req.params.detokenize)
-            if req.grammar is not None:  # only kept tokens reach the grammar (wasted rows returned above)
-                err = req.grammar.accept(tok)
-                if err is not None:
-                    req.error = f"structured output: {err}"
-                    self.scheduler.finish(req, Status.FINISHED_ERROR)
-                    continue
-            req.append_token(tok, entry, lp)
-            self.stats["num_generation_tokens"] += 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            if req.is_finished:
-                req.metrics.finished_time = now
-                self.scheduler.finish(req, req.status)
+            if s.spec_token_ids:
+                self._append_verified(s, res.spec[r], now)
+                continue
+            lp = None if res.logprobs is None else tuple(a[r] for a in res.logprobs)
+            self._append(req, int(res.token_ids[r]), lp, now)
         outs = op.outputs(self.groups, touched)
         self.stats["host_seconds"] += time.perf_counter() - t1
         return outs
+
+    def _append(self, req, tok: int, lps, now: float) -> bool:
+        """Record one new token of `req` (`lps`: (logprob, rank, top ids, top logprobs) or None);
+        False when the request finished (stopped, length, error)."""
+        entry, lp = None, None
+        if lps is not None:
+            lp = float(lps[0])
+            if req.params.logprobs is not None:
+                entry = self.output.logprob_entry(tok, lp, int(lps[1]), lps[2], lps[3], req.params.logprobs,
+                                                  req.params.detokenize)
+        if req.grammar is not None:  # only kept tokens reach the grammar (wasted rows returned above)
+            err = req.grammar.accept(tok)
+            if err is not None:
+                req.error = f"structured output: {err}"
+                self.scheduler.finish(req, Status.FINISHED_ERROR)
+                return False
+        req.append_token(tok, entry, lp)
+        self.stats["num_generation_tokens"] += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        if req.is_finished:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req, req.status)
+            return False
+        return True
+
+    def _append_verified(self, s, res, now: float):
+        """A verified row: its accepted drafts and the target's token, one by one through the stop
+        conditions (a stop ends the row there), then the rejected drafts' KV slots rolled back."""
+        toks = self.speculator.emitted(s, res)
+        self.speculator.stats.record(len(s.spec_token_ids), len(toks) - 1)
+        for j, tok in enumerate(toks):
+            lps = None if res.logprobs is None else tuple(a[j] for a in res.logprobs)
+            if not self._append(s.req, tok, lps, now):
+                return
+        self.scheduler.accept_speculated(s, len(toks) - 1)
 
     def update_weights(self, weights) -> list[RequestOutput]:
         """Swap in new weights (`jvllm.worker.weights` states the accepted forms and checks).
@@ -350,6 +408,7 @@ class LLMEngine:
             prefix_cache_hit_rate=self.kv_manager.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
             compiles_after_warmup=self.worker.compile_count() - base if base is not None else 0,
             warmup_pending=base is None,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
             **self.stats, **(self.runner.timers if self.runner is not None else {}))
 
     def shutdown(self):

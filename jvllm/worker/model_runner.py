@@ -41,6 +41,7 @@ class StepResult:
     logprobs: tuple | None                # (tok_lp [R], rank [R], top_ids [R,N], top_lp [R,N]) or None
     prompt_logprobs: dict                 # row -> (positions, tok_lp, rank, top_ids, top_lp)
     hidden_states: dict = dataclasses.field(default_factory=dict)  # row -> (start, [L+1, n, hidden] numpy)
+    spec: dict = dataclasses.field(default_factory=dict)  # row -> spec_decode.inputs.SpecRowResult (rows with drafts)
 
 
 @dataclasses.dataclass
@@ -48,6 +49,7 @@ class DispatchedStep:
     """A dispatched step: its number of rows and one Pending per micro-batch."""
     num_rows: int
     pending: list[Pending]
+    spec: list = dataclasses.field(default_factory=list)  # [(step rows, draft counts, tokens, num_accepted, logprobs)] on device
 
 
 def _split_hidden(hs: np.ndarray, sched, rows) -> dict:
@@ -113,6 +115,7 @@ class ModelRunner:
         self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0,
                            grammar_mask_s=0.0)
         self.jit_cache: dict = {}
+        self.spec: tuple[int, bool] | None = None  # speculative decoding: (k, draft probs?), set by the engine before warm-up
         self.executor = make_executor(self)
         self.programs = Programs(self)  # every kind registered by worker/programs.py and executors/
 
@@ -179,12 +182,15 @@ class ModelRunner:
         self.executor.release()
 
     # ------------------------------------------------------------------ execute
-    def dispatch(self, scheduled, prev: DispatchedStep | None = None) -> DispatchedStep:
+    def dispatch(self, scheduled, prev: DispatchedStep | None = None, spec_q=None) -> DispatchedStep:
         """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`.
         `prev`: the handle of the step still in flight whose sampled ids some of these requests
         need as input (async scheduling), else None. Each micro-batch takes its pending tokens from
         the one micro-batch of `prev` its requests were in; the ids move to the first stage's
-        devices on the device, never through the host."""
+        devices on the device, never through the host.
+        Rows with draft tokens (`ScheduledRequest.spec_token_ids`) are verified by the spec_verify
+        program after the step (single stage only); `spec_q`: the draft model's (probabilities
+        [max_num_seqs, k, V] on device, {request_id: row}) or None (one-hot drafts)."""
         tm = self.timers
         prev_groups = prev.pending if prev is not None else None
         work = []  # host-side inputs of every micro-batch first, then the launches
@@ -219,7 +225,32 @@ class ModelRunner:
                              capture=any(s.req.params.return_hidden_states for s in sched), procs_in=procs_in,
                              steer=_steer_inputs(sched, ps.T, ps.R, self.cfg, self.dtype)))
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
-        return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
+        pending, spec = [], []
+        for w in work:
+            pending.append(self.executor.launch(w))
+            if any(s.spec_token_ids for s in w.sched):
+                spec.append(self._launch_verify(w, spec_q))
+        return DispatchedStep(len(scheduled), pending, spec)
+
+    def _launch_verify(self, w, spec_q):
+        """Enqueue spec_verify on the step's hidden states (`w.x`: the last stage's output)."""
+        from jvllm.spec_decode.inputs import verify_inputs
+
+        if self.spec is None or len(self.stages) != 1:
+            raise RuntimeError("draft tokens reached a runner without speculative decoding (single stage) set up")
+        k, probs = self.spec
+        vi = verify_inputs(w.sched, w.R, k, self.cfg.vocab_size, spec_q[1] if spec_q is not None else None)
+        if probs != (spec_q is not None):
+            raise RuntimeError(f"spec_verify set up {'with' if probs else 'without'} draft probabilities, "
+                               f"got {'some' if spec_q is not None else 'none'}")
+        shard = self.stages[-1].sharding()
+        args = (vi.idx, vi.draft, vi.num_draft, vi.sb) + ((vi.q_rows,) if probs else ())
+        if shard is not None:
+            args = jax.tree_util.tree_map(lambda a: put(np.asarray(a), shard), args)
+        q = (spec_q[0], args[4]) if probs else (None, None)
+        tok, acc, lp = self.programs.get("spec_verify", (w.T, k, probs, vi.want_lp))(
+            self.head_w, w.x, *args[:4], *q)
+        return [i for i, _ in w.group], vi.num_draft, tok, acc, lp
 
     def collect(self, handle: DispatchedStep) -> StepResult:
         """Wait for a dispatched step and bring its sampled ids (and logprobs) to the host."""
@@ -244,7 +275,17 @@ class ModelRunner:
                     plp_all[rows[local]] = (pos, *(a[o:o + len(pos)] for a in host))
             if res.hidden_states is not None:
                 hs_all.update(_split_hidden(to_host(res.hidden_states), [s for _, s in res.group], rows))
-        return StepResult(token_ids, lps, plp_all, hs_all)
+        from jvllm.spec_decode.inputs import SpecRowResult
+
+        spec = {}
+        for rows, nd, tok, acc, lp in handle.spec:
+            tok, acc = to_host(tok), to_host(acc)
+            lp = None if lp is None else [to_host(a) for a in lp]
+            for local, row in enumerate(rows):
+                if nd[local]:
+                    spec[row] = SpecRowResult(tok[local], int(acc[local]),
+                                              None if lp is None else tuple(a[local] for a in lp))
+        return StepResult(token_ids, lps, plp_all, hs_all, spec)
 
     def execute(self, scheduled) -> StepResult:
         return self.collect(self.dispatch(scheduled))

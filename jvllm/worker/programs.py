@@ -257,3 +257,40 @@ register(ProgramKind("sample_procs", _sample_procs_signature, lambda ctx: [], ow
 # prompt logprobs are refused with stages over processes (only the sampled ids cross)
 register(ProgramKind("prompt_lp", _prompt_lp_signature,
                      lambda ctx: [] if ctx.multiprocess else list(ctx.layout.token_buckets), owned=_last_owned))
+
+
+# ---------------------------------------------------------------------------- speculative decoding
+def _spec_verify_signature(ctx, key) -> Signature:
+    """spec_verify[T, k, draft_probs, want_lp] (head_w, hidden[T], idx[R, k+1], draft[R, k],
+    num_draft[R], SamplingBatch[R], draft probs [max_num_seqs, k, V] | None, q_rows[R] | None) ->
+    (tokens[R, k+1], num_accepted[R], logprobs | None): `jvllm.spec_decode.rejection.verify_body`."""
+    from jvllm.spec_decode.rejection import verify_body
+
+    T, k, probs, want_lp = key
+    R = ctx.layout.seq_bucket(T)
+    last = ctx.stages[-1]
+    shard = last.sharding()
+    V = ctx.cfg.vocab_size
+    sb, _ = sampler.abstract_inputs(R, ctx.max_model_len, V, False, shard)
+    fn = cached(ctx, ("spec_verify", want_lp), lambda: jax.jit(functools.partial(
+        verify_body, logits_fn=functools.partial(logits, tied=ctx.cfg.tie_word_embeddings,
+                                                 softcap=ctx.cfg.final_logit_softcap), want_lp=want_lp)))
+    i32 = jnp.int32
+    q = _sds((ctx.max_num_seqs, k, V), jnp.float32, shard) if probs else None
+    q_rows = _sds((R,), i32, shard) if probs else None
+    return Signature(fn, (_like(ctx.head_w), _sds((T, ctx.cfg.hidden_size), ctx.dtype, shard),
+                          _sds((R, k + 1), i32, shard), _sds((R, k), i32, shard), _sds((R,), i32, shard), sb, q, q_rows),
+                     tuple(last.devices()))
+
+
+def _spec_verify_keys(ctx) -> list:
+    """With speculation on (`ctx.spec`: (k, draft probs)), every token bucket that fits a
+    speculating row, without logprobs (the logprobs variants compile on first use)."""
+    spec = getattr(ctx, "spec", None)
+    if spec is None:
+        return []
+    k, probs = spec
+    return [(T, k, probs, False) for T in ctx.layout.token_buckets if T >= k + 1]
+
+
+register(ProgramKind("spec_verify", _spec_verify_signature, _spec_verify_keys, owned=_last_owned))
