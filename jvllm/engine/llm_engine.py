@@ -90,13 +90,20 @@ class LLMEngine:
                                         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                         enable_prefix_caching=config.enable_prefix_caching)
         self.speculator = None
-        spec_cfg = None
+        spec_cfg = draft = None
         if config.speculative_config is not None:
             from jvllm.spec_decode.config import SpeculativeConfig
 
             spec_cfg = SpeculativeConfig.from_dict(config.speculative_config)
             check_speculation(config)
-        num_blocks = worker.build_runner(self.sched_config, self.cache_config, buckets)
+            if spec_cfg.uses_draft_model:  # its weights load before the target's pool is sized
+                from jvllm.spec_decode.draft import DraftProposer
+
+                draft = DraftProposer(spec_cfg, config, mc, self.tokenizer)
+        num_blocks = worker.build_runner(self.sched_config, self.cache_config, buckets,
+                                         extra_bytes_per_block=draft.kv_bytes_per_block() if draft else 0)
+        if draft is not None:
+            draft.build(self.sched_config, self.cache_config, buckets, num_blocks)
         self.runner = worker.runner
         self.init_parts = worker.init_parts
         t = time.perf_counter()
@@ -104,7 +111,7 @@ class LLMEngine:
         self.init_parts["block_pool_s"] = time.perf_counter() - t
         self.scheduler = Scheduler(self.sched_config, self.kv_manager)
         if spec_cfg is not None:
-            self.speculator = self._build_speculator(spec_cfg)
+            self.speculator = self._build_speculator(spec_cfg, draft)
         refused = None
         if worker.multiprocess:
             refused = (f"logprobs are not available with pipeline stages over {worker.process_count} processes "
@@ -126,13 +133,11 @@ class LLMEngine:
         self.compiles_after_warmup_base = (self._warmup.compile_count_at_end if self._warmup.done() else None)
         self.init_seconds = time.perf_counter() - t0
 
-    def _build_speculator(self, cfg):
+    def _build_speculator(self, cfg, draft):
         from jvllm.spec_decode.speculator import Speculator
 
         if cfg.uses_draft_model:
-            from jvllm.spec_decode.draft import DraftProposer
-
-            proposer = DraftProposer(cfg, self, self.kv_manager.pool.num_blocks)
+            proposer = draft
         else:
             from jvllm.spec_decode.ngram import NgramProposer
 
@@ -426,6 +431,9 @@ class LLMEngine:
             pass
         for g in list(self.groups):
             self.abort_request(g)
+        spec = getattr(self, "speculator", None)
+        if spec is not None and hasattr(spec.proposer, "release"):
+            spec.proposer.release()
         if getattr(self, "worker", None) is not None:
             self.worker.release()
         self.runner = None

@@ -115,3 +115,29 @@ def verify_body(w, h, idx, draft, num_draft, sb, draft_probs, q_rows, *, logits_
     if want_lp:
         lp = tuple(x.reshape((R, K1) + x.shape[1:]) for x in logprob_outputs(z, tokens.reshape(-1)))
     return tokens, a, lp
+
+
+def draft_sample_body(w, h, sb, dst, j, acc_p, acc_i, *, logits_fn):
+    """The draft_sample program (draft model, one proposal round j): logits of h [R, hidden] ->
+    each row's draft token (greedy rows: argmax; sampled rows: a draw from the draft's processed
+    distribution q, key fold_in(fold_in(key(seed), counter + j), 3)), written with q into the
+    accumulators acc_p [S, k, V] / acc_i [S, k] at row dst[r] (-1: not kept), column j.
+    Returns (acc_p, acc_i, ids padded [S]: the next round's prev_tok). acc_* are donated."""
+    z = logits_fn(w, h)
+    R, V = z.shape
+    S = acc_p.shape[0]
+    p = processed_probs(z, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
+
+    def noise(kd, c):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(kd, impl="threefry2x32"), c + j), 3)
+        return jax.random.gumbel(key, (V,), jnp.float32)
+
+    g = jax.vmap(noise)(sb.key_data, sb.counter)
+    greedy = (sb.temperature <= 0.0)[:, None]
+    drawn = jnp.argmax(jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)) + g, -jnp.inf), axis=-1)
+    tok = jnp.where(greedy[:, 0], jnp.argmax(z, axis=-1), drawn).astype(jnp.int32)
+    q = jnp.where(greedy, jax.nn.one_hot(tok, V, dtype=jnp.float32), p)
+    rows = jnp.where(dst >= 0, dst, S)
+    acc_p = acc_p.at[rows, j].set(q, mode="drop")
+    acc_i = acc_i.at[rows, j].set(tok, mode="drop")
+    return acc_p, acc_i, jnp.zeros((S,), jnp.int32).at[:R].set(tok)

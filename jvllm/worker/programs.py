@@ -294,3 +294,26 @@ def _spec_verify_keys(ctx) -> list:
 
 
 register(ProgramKind("spec_verify", _spec_verify_signature, _spec_verify_keys, owned=_last_owned))
+
+
+def _draft_sample_signature(ctx, R) -> Signature:
+    """draft_sample[R] on a draft model's runner (`ctx.draft_k` set): (head_w, last_hidden[R],
+    SamplingBatch[R], dst[R], round j [], acc_p [max_num_seqs, k, V], acc_i [max_num_seqs, k]) ->
+    (acc_p, acc_i, ids padded): `jvllm.spec_decode.rejection.draft_sample_body`, accumulators donated."""
+    from jvllm.spec_decode.rejection import draft_sample_body
+
+    last = ctx.stages[-1]
+    shard = last.sharding()
+    V, S, k = ctx.cfg.vocab_size, ctx.max_num_seqs, ctx.draft_k
+    sb, _ = sampler.abstract_inputs(R, ctx.max_model_len, V, False, shard)
+    fn = cached(ctx, "draft_sample", lambda: jax.jit(functools.partial(
+        draft_sample_body, logits_fn=functools.partial(logits, tied=ctx.cfg.tie_word_embeddings,
+                                                       softcap=ctx.cfg.final_logit_softcap)), donate_argnums=(5, 6)))
+    i32 = jnp.int32
+    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb,
+                          _sds((R,), i32, shard), _sds((), i32, shard), _sds((S, k, V), jnp.float32, shard),
+                          _sds((S, k), i32, shard)), tuple(last.devices()))
+
+
+register(ProgramKind("draft_sample", _draft_sample_signature,
+                     lambda ctx: _request_buckets(ctx) if getattr(ctx, "draft_k", None) else [], owned=_last_owned))
