@@ -156,3 +156,13 @@ def test_drafted_steps_compile_nothing_after_warmup(ngram):
     base = ngram.llm_engine.get_stats()["compiles_after_warmup"]
     _ids(ngram, [PROMPTS[1], list(np.arange(50, 60))])
     assert ngram.llm_engine.get_stats()["compiles_after_warmup"] == base
+
+
+def test_bench_latency_reports_acceptance(ngram):
+    from jvllm.bench import run_latency
+
+    out = run_latency(ngram, input_len=12, output_len=16, num_iters=1, num_iters_warmup=0)
+    assert {"spec_acceptance_rate", "spec_mean_accepted_length", "spec_num_draft_tokens"} <= set(out)
+    it = out["iterations"][0]
+    # decode tokens per second count tokens, not steps (a verified step emits several)
+    assert it["decode_tok_s"] == pytest.approx((it["output_tokens"] - 1) / it["decode_s"])
