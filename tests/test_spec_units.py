@@ -247,6 +247,10 @@ def test_rejection_sampler_with_drafts_drawn_from_q_matches_p():
 
 
 def test_rejection_sampler_greedy_keeps_the_longest_matching_prefix():
+    import jax.numpy as jnp
+
+    from jvllm.spec_decode.rejection import verify_greedy
+
     rng = np.random.default_rng(3)
     V, k = 16, 4
     logits = rng.normal(0, 1, (k + 1, V)).astype(np.float32)
@@ -258,5 +262,8 @@ def test_rejection_sampler_greedy_keeps_the_longest_matching_prefix():
         tok, a = _run_verify(logits, draft.astype(np.int32), k, 0.0, 0, 1.0, 0.0, n=2)
         assert a[0] == n_ok
         assert list(tok[0, :n_ok + 1]) == list(best[:n_ok + 1])  # accepted drafts, then the correction / bonus
+        g_tok, g_a = verify_greedy(jnp.asarray(logits)[None], jnp.asarray(draft, jnp.int32)[None],
+                                   jnp.asarray([k], jnp.int32))  # the all-greedy variant agrees
+        assert int(g_a[0]) == n_ok and list(np.asarray(g_tok)[0]) == list(tok[0])
     tok, a = _run_verify(logits, best[:k].astype(np.int32), 2, 0.0, 0, 1.0, 0.0, n=1)  # only 2 drafts valid
     assert a[0] == 2 and list(tok[0, :3]) == list(best[:3])

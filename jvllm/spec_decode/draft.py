@@ -165,7 +165,8 @@ class DraftProposer:
         out = r.programs.get("step", (0, ps.T, ps.decode))(st.leaves, st.kv, packed, tok_in)
         st.kv = out[0]
         sb, d = self._sampling(rows, reqs, ps.R, j, dst)
-        self.acc_p, self.acc_i, tok_pad = r.programs.get("draft_sample", ps.R)(
+        greedy = bool(not np.any(sb.temperature > 0))
+        self.acc_p, self.acc_i, tok_pad = r.programs.get("draft_sample", (ps.R, greedy))(
             r.head_w, out[1], sb, d, np.int32(j), self.acc_p, self.acc_i)
         return tok_pad
 

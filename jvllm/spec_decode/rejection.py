@@ -65,6 +65,22 @@ def _draw(keys, w):
     return jnp.argmax(jnp.where(w > 0, jnp.log(jnp.maximum(w, 1e-38)) + g, -jnp.inf), axis=-1).astype(jnp.int32)
 
 
+def _emit(draft, accept, final):
+    """(tokens [R, K1]: the accepted prefix of the drafts then final[a], num_accepted a [R])."""
+    R, K1 = final.shape
+    a = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+    jj = jnp.arange(K1)[None, :]
+    dpad = jnp.concatenate([draft, jnp.zeros((R, 1), jnp.int32)], axis=1)
+    return jnp.where(jj < a[:, None], dpad, jnp.where(jj == a[:, None], final, 0)).astype(jnp.int32), a
+
+
+def verify_greedy(logits, draft, num_draft):
+    """Every row greedy (a static variant: no probabilities, no sort, no randomness)."""
+    K = draft.shape[1]
+    t = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _emit(draft, (draft == t[:, :K]) & (jnp.arange(K)[None, :] < num_draft[:, None]), t)
+
+
 def verify(logits, draft, num_draft, temperature, top_k, top_p, min_p, key_data, counter, draft_probs=None):
     """logits [R, K1, V] f32, draft [R, K] i32, num_draft [R] i32, sampling fields [R] (SamplingBatch
     layout), draft_probs [R, K, V] f32 or None (one-hot drafts) -> (tokens [R, K1], num_accepted [R]).
@@ -88,19 +104,15 @@ def verify(logits, draft, num_draft, temperature, top_k, top_p, min_p, key_data,
     u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (), jnp.float32)))(keys)[:, :K]
     greedy = (temperature <= 0.0)[:, None]
     accept = jnp.where(greedy, dj == greedy_tok[:, :K], u * q_d < p_d) & valid
-    a = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)  # [R]
     resid = jnp.maximum(p[:, :K] - q, 0.0)
     resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p[:, :K])  # p == q: never rejected
     w = jnp.concatenate([resid, p[:, K:]], axis=1)                     # [R, K1, V]
     w = jnp.where(jnp.arange(K1)[None, :, None] < num_draft[:, None, None], w, p)  # past the drafts: bonus from p
     final = jnp.where(greedy, greedy_tok, _draw(keys, w))              # [R, K1]
-    jj = jnp.arange(K1)[None, :]
-    dpad = jnp.concatenate([draft, jnp.zeros((R, 1), jnp.int32)], axis=1)
-    tokens = jnp.where(jj < a[:, None], dpad, jnp.where(jj == a[:, None], final, 0)).astype(jnp.int32)
-    return tokens, a
+    return _emit(draft, accept, final)
 
 
-def verify_body(w, h, idx, draft, num_draft, sb, draft_probs, q_rows, *, logits_fn, want_lp):
+def verify_body(w, h, idx, draft, num_draft, sb, draft_probs, q_rows, *, logits_fn, want_lp, all_greedy=False):
     """The spec_verify program: hidden states h [T, hidden] of the step, idx [R, K1] the flat
     positions verified per row -> (tokens [R, K1], num_accepted [R], logprobs of the emitted
     tokens (tok_lp, rank, top ids, top lp) each [R, K1, ...] or None). `draft_probs`
@@ -108,16 +120,19 @@ def verify_body(w, h, idx, draft, num_draft, sb, draft_probs, q_rows, *, logits_
     R, K1 = idx.shape
     z = logits_fn(w, h[idx.reshape(-1)])                               # [R*K1, V] f32
     V = z.shape[-1]
-    q = None if draft_probs is None else draft_probs[jnp.maximum(q_rows, 0)]
-    tokens, a = verify(z.reshape(R, K1, V), draft, num_draft, sb.temperature, sb.top_k, sb.top_p, sb.min_p,
-                       sb.key_data, sb.counter, q)
+    if all_greedy:  # the variant for batches whose speculating rows are all greedy
+        tokens, a = verify_greedy(z.reshape(R, K1, V), draft, num_draft)
+    else:
+        q = None if draft_probs is None else draft_probs[jnp.maximum(q_rows, 0)]
+        tokens, a = verify(z.reshape(R, K1, V), draft, num_draft, sb.temperature, sb.top_k, sb.top_p, sb.min_p,
+                           sb.key_data, sb.counter, q)
     lp = None
     if want_lp:
         lp = tuple(x.reshape((R, K1) + x.shape[1:]) for x in logprob_outputs(z, tokens.reshape(-1)))
     return tokens, a, lp
 
 
-def draft_sample_body(w, h, sb, dst, j, acc_p, acc_i, *, logits_fn):
+def draft_sample_body(w, h, sb, dst, j, acc_p, acc_i, *, logits_fn, all_greedy=False):
     """The draft_sample program (draft model, one proposal round j): logits of h [R, hidden] ->
     each row's draft token (greedy rows: argmax; sampled rows: a draw from the draft's processed
     distribution q, key fold_in(fold_in(key(seed), counter + j), 3)), written with q into the
@@ -126,6 +141,12 @@ def draft_sample_body(w, h, sb, dst, j, acc_p, acc_i, *, logits_fn):
     z = logits_fn(w, h)
     R, V = z.shape
     S = acc_p.shape[0]
+    rows = jnp.where(dst >= 0, dst, S)
+    if all_greedy:  # every row greedy: argmax, one-hot q, no sort
+        tok = jnp.argmax(z, axis=-1).astype(jnp.int32)
+        acc_p = acc_p.at[rows, j].set(jax.nn.one_hot(tok, V, dtype=jnp.float32), mode="drop")
+        acc_i = acc_i.at[rows, j].set(tok, mode="drop")
+        return acc_p, acc_i, jnp.zeros((S,), jnp.int32).at[:R].set(tok)
     p = processed_probs(z, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
 
     def noise(kd, c):
@@ -137,7 +158,6 @@ def draft_sample_body(w, h, sb, dst, j, acc_p, acc_i, *, logits_fn):
     drawn = jnp.argmax(jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)) + g, -jnp.inf), axis=-1)
     tok = jnp.where(greedy[:, 0], jnp.argmax(z, axis=-1), drawn).astype(jnp.int32)
     q = jnp.where(greedy, jax.nn.one_hot(tok, V, dtype=jnp.float32), p)
-    rows = jnp.where(dst >= 0, dst, S)
     acc_p = acc_p.at[rows, j].set(q, mode="drop")
     acc_i = acc_i.at[rows, j].set(tok, mode="drop")
     return acc_p, acc_i, jnp.zeros((S,), jnp.int32).at[:R].set(tok)

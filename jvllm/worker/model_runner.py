@@ -248,7 +248,8 @@ class ModelRunner:
         if shard is not None:
             args = jax.tree_util.tree_map(lambda a: put(np.asarray(a), shard), args)
         q = (spec_q[0], args[4]) if probs else (None, None)
-        tok, acc, lp = self.programs.get("spec_verify", (w.T, k, probs, vi.want_lp))(
+        greedy = not np.any(vi.sb.temperature > 0)
+        tok, acc, lp = self.programs.get("spec_verify", (w.T, k, probs, vi.want_lp, bool(greedy)))(
             self.head_w, w.x, *args[:4], *q)
         return [i for i, _ in w.group], vi.num_draft, tok, acc, lp
 
