@@ -46,12 +46,16 @@ def check_options(config: EngineConfig, model_config, data_parallel_replica: boo
                          f"({mc.max_position_embeddings})")
 
 
-def check_speculation(config: EngineConfig):
+def check_speculation(config: EngineConfig, spec):
     """Engine options speculative decoding does not run with: a clear error naming them (pipeline
-    stages, which stages over processes need too)."""
+    stages, which stages over processes need too; sleep mode with a draft model, whose weights and
+    pool sleep mode does not manage)."""
     if config.pipeline_parallel_size > 1:
         raise ValueError(f"speculative_config needs pipeline_parallel_size 1 (got {config.pipeline_parallel_size}): "
                          f"the verifier reads the step's hidden states on one stage")
+    if config.enable_sleep_mode and spec.uses_draft_model:
+        raise ValueError("enable_sleep_mode=True with a speculative draft model is not implemented (sleep would "
+                         "not free the draft's weights and KV pool); use method 'ngram' or no sleep mode")
 
 
 class LLMEngine:
@@ -95,7 +99,7 @@ class LLMEngine:
             from jvllm.spec_decode.config import SpeculativeConfig
 
             spec_cfg = SpeculativeConfig.from_dict(config.speculative_config)
-            check_speculation(config)
+            check_speculation(config, spec_cfg)
             if spec_cfg.uses_draft_model:  # its weights load before the target's pool is sized
                 from jvllm.spec_decode.draft import DraftProposer
 
