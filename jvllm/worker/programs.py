@@ -286,12 +286,13 @@ def _spec_verify_signature(ctx, key) -> Signature:
 
 def _spec_verify_keys(ctx) -> list:
     """With speculation on (`ctx.spec`: (k, draft probs)), every token bucket that fits a
-    speculating row, greedy and sampled, without logprobs (the logprobs variants compile on first use)."""
+    speculating row: all-greedy and sampled, without and with logprobs (plain ones first)."""
     spec = getattr(ctx, "spec", None)
     if spec is None:
         return []
     k, probs = spec
-    return [(T, k, probs, False, g) for T in ctx.layout.token_buckets if T >= k + 1 for g in (True, False)]
+    return [(T, k, probs, lp, g) for lp in (False, True) for T in ctx.layout.token_buckets if T >= k + 1
+            for g in (True, False)]
 
 
 register(ProgramKind("spec_verify", _spec_verify_signature, _spec_verify_keys, owned=_last_owned))
