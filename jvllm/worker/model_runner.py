@@ -228,7 +228,7 @@ class ModelRunner:
         pending, spec = [], []
         for w in work:
             pending.append(self.executor.launch(w))
-            if any(s.spec_token_ids for s in w.sched):
+            if any(getattr(s, "spec_token_ids", None) for s in w.sched):
                 spec.append(self._launch_verify(w, spec_q))
         return DispatchedStep(len(scheduled), pending, spec)
 
