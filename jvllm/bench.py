@@ -210,8 +210,8 @@ def param_stats(llm) -> dict:
 def kv_bytes_per_token(llm) -> int:
     from jvllm.memory.kv_cache import bytes_per_block
 
-    e = llm.llm_engine
-    return bytes_per_block(e.model_config, e.dtype, 1)  # every layer, every KV head
+    e = getattr(llm.llm_engine, "replicas", [llm.llm_engine])[0]
+    return bytes_per_block(e.model_config, e.worker.kv_dtype, 1)  # every layer, every KV head
 
 
 def _prog_name(kind, key) -> str:
@@ -637,7 +637,8 @@ def memory_report(llm) -> dict:
                 bytes_limit=stats.get("bytes_limit"), pool_bytes=stats.get("pool_bytes"),
                 allocator_fraction_set_by_jvllm=claimed_fraction(), per_device=per_device,
                 weight_bytes=param_stats(llm)["weight_bytes"], kv_pool_bytes_global=kv,
-                kv_blocks=eng.runner.num_blocks, block_size=eng.runner.block_size)
+                kv_blocks=eng.runner.num_blocks, block_size=eng.runner.block_size,
+                kv_cache_dtype=str(eng.runner.kv_dtype), kv_tokens=(eng.runner.num_blocks - 1) * eng.runner.block_size)
 
 
 def _parts(v: dict) -> str:
@@ -676,7 +677,8 @@ def summary_lines(result: dict) -> list[str]:
     mem = result.get("memory") or {}
     if mem.get("peak_bytes_in_use"):
         lines.append(f"  memory: peak {mem['peak_bytes_in_use'] / 2**30:.1f} GiB of {mem['bytes_limit'] / 2**30:.1f} GiB "
-                     f"(weights {mem['weight_bytes'] / 2**30:.1f} GiB, KV pool {mem['kv_pool_bytes_global'] / 2**30:.1f} GiB, "
+                     f"(weights {mem['weight_bytes'] / 2**30:.1f} GiB, KV pool {mem['kv_pool_bytes_global'] / 2**30:.1f} GiB "
+                     f"= {mem.get('kv_tokens')} tokens of {mem.get('kv_cache_dtype')}, "
                      f"all devices together); per device peak: "
                      + ", ".join(f"{d['peak_bytes_in_use'] / 2**30:.1f}" for d in mem.get("per_device", [])
                                  if d.get("peak_bytes_in_use")) + " GiB")

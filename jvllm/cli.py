@@ -37,6 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV blocks (None: sized from memory)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool bytes (None: sized from memory)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV pages: auto (the model dtype) | fp8 | fp8_e4m3")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (None: engine default)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in one step (None: engine default)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -54,13 +55,16 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile what a first request needs at start-up and the other programs in a background "
                         "thread (--no-background-compile: every program before serving)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logprobs bit-identical whatever else is in its batch (one token "
+                        "bucket, no decode-only program: small steps cost a full max-num-batched-tokens step)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices per tensor-parallel group")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture of experts: shard the experts over the tensor-parallel devices")
-    p.add_argument("--moe-backend", default="auto", choices=("auto", "xla", "tokamax"),
-                   help="mixture of experts: grouped-matmul backend (auto: tokamax on GPUs when installed)")
+    p.add_argument("--moe-backend", default="auto", choices=("auto", "xla", "pallas", "tokamax"),
+                   help="mixture of experts: grouped-matmul backend (auto: pallas on GPUs, xla elsewhere)")
     p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='speculative decoding, a JSON object of vLLM\'s keys: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or '
@@ -81,11 +85,12 @@ def engine_kwargs(a) -> dict:
                 data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
                 moe_backend=a.moe_backend, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                 block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
-                kv_cache_memory_bytes=a.kv_cache_memory_bytes, max_num_batched_tokens=a.max_num_batched_tokens,
+                kv_cache_memory_bytes=a.kv_cache_memory_bytes, kv_cache_dtype=a.kv_cache_dtype,
+                max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
                 skip_tokenizer_init=a.skip_tokenizer_init, token_buckets=a.token_buckets,
                 compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile,
-                speculative_config=a.speculative_config)
+                batch_invariant=a.batch_invariant, speculative_config=a.speculative_config)
 
 
 def add_sampling_args(p, max_tokens: int):

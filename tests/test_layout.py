@@ -101,7 +101,8 @@ def test_background_warmup_compiles_the_first_request_programs_first(ckpt_dir):
         # max_num_seqs 8: every bucket's greedy sampler is greedy[8], already in `first`
         assert rest[:3] == [("step", (0, 8, False)), ("step", (0, 16, False)), ("step", (0, 32, False))], rest
         eng.wait_for_warmup()
-        assert set(eng.worker.compiled_programs()) == set(first) | set(rest) == set(eng.runner.programs.keys())
+        # every registered program, plus the masked sampler twins where llguidance is installed
+        assert set(eng.worker.compiled_programs()) == set(first) | set(rest) >= set(eng.runner.programs.keys())
         st0 = llm.get_stats()
         assert not st0["warmup_pending"] and st0["compiles_after_warmup"] == 0
         llm.generate([{"prompt_token_ids": list(range(3, 3 + n))} for n in (3, 20)],

@@ -134,7 +134,7 @@ def test_executable_cache_warm_start(ckpt_dir, tmp_path):
             s0 = jc.executable_cache_stats()
             llm = LLM(path, **kw)
             llm.llm_engine.wait_for_warmup()
-            n_programs = len(llm.llm_engine.runner.programs.keys())
+            n_programs = sum(map(len, llm.llm_engine.runner.warmup_keys()))
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
             llm.shutdown()
             s1 = jc.executable_cache_stats()

@@ -223,7 +223,7 @@ def test_moe_errors(ckpt_dir, tmp_path):
         _llm(ckpt_dir("llama"), tensor_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="tensor_parallel_size 8 does not fit.*num_experts 4"):
         _llm(ckpt_dir("qwen2_moe"), tensor_parallel_size=8, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="moe_backend must be one of auto, xla, tokamax; got 'cutlass'"):
+    with pytest.raises(ValueError, match="moe_backend must be one of auto, xla, pallas, tokamax; got 'cutlass'"):
         _llm(ckpt_dir("qwen2_moe"), moe_backend="cutlass")
     with pytest.raises(ValueError, match="moe_backend='xla' needs a mixture-of-experts model"):
         _llm(ckpt_dir("llama"), moe_backend="xla")

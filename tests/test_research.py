@@ -354,3 +354,12 @@ def test_update_weights_tensor_and_pipeline_parallel(ckpt_dir):
     llm.update_weights(host)
     assert _greedy(llm, PROMPTS[:2], 4) == base
     llm.shutdown()
+
+
+def test_logits_processors_with_penalties(proc_llm):
+    """A processor row next to a penalty row: the processors' sampler with its extras inputs."""
+    ban = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logits_processors=["ban"],
+                         extra_args={"ban": [0, 200]}, repetition_penalty=1.3)
+    outs = proc_llm.generate([{"prompt_token_ids": PROMPTS[0]}], [ban], use_tqdm=False)
+    toks = outs[0].outputs[0].token_ids
+    assert len(toks) == 4 and all(t >= 200 for t in toks), outs[0].outputs[0].finish_reason

@@ -447,7 +447,7 @@ def test_executable_cache_on_meshes(base, kw, tmp_path):
             s0 = jc.executable_cache_stats()
             llm = _llm(path, compilation_cache_dir=str(tmp_path / "xla"), **kw)
             llm.llm_engine.wait_for_warmup()
-            n = len(llm.llm_engine.runner.programs.keys())
+            n = sum(map(len, llm.llm_engine.runner.warmup_keys()))
             try:
                 outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP, use_tqdm=False)
             finally:

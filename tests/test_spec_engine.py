@@ -148,6 +148,8 @@ def test_speculation_option_errors(target):
         LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "x"}, **KW)
     with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
         LLM(target, speculative_config=NGRAM, pipeline_parallel_size=2, **KW)
+    with pytest.raises(ValueError, match="batch_invariant=True is not implemented"):
+        LLM(target, speculative_config=NGRAM, batch_invariant=True, **dict(KW, token_buckets=(32,)))
     with pytest.raises(ValueError, match="enable_sleep_mode=True with a speculative draft model"):
         LLM(target, speculative_config={"model": target, "num_speculative_tokens": 2}, enable_sleep_mode=True, **KW)
 

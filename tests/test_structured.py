@@ -143,3 +143,13 @@ def test_pydantic_schema_and_unconstrained_batches_have_no_mask(smollm2_llm):
     allowed = np.nonzero(np.unpackbits(m[1].view(np.uint8), bitorder="little")[:V])[0]
     texts = [tok.decode([int(i)]) for i in allowed]  # the forced start of '{"name":' (llguidance may force '{"')
     assert texts and all(t.startswith("{") and '{"name":'.startswith(t) for t in texts), texts
+
+
+def test_constrained_row_with_penalties(smollm2_llm):
+    """Structured outputs and a penalty in one batch: the masked sampler with its extras inputs."""
+    outs = smollm2_llm.generate(
+        ["Is the sky blue?", "The capital of France is"],
+        [SamplingParams(max_tokens=5, temperature=0.0, repetition_penalty=1.2,
+                        structured_outputs=_so(choice=["yes", "no"])),
+         SamplingParams(max_tokens=5, temperature=0.0, presence_penalty=0.5)], use_tqdm=False)
+    assert outs[0].outputs[0].text in ("yes", "no") and len(outs[1].outputs[0].token_ids) == 5

@@ -1,7 +1,7 @@
 """Structured outputs and tool calling through the server, with the real SmolLM2 and the official
 `openai` client: response_format json_schema / json_object, vLLM's structured_outputs and legacy
-guided_* fields, tool_choice "required" and a named function (streamed and not), and the
-tool-call parsers on their own."""
+guided_* fields, tool_choice "required" and a named function (streamed and not), auto tool calls streamed
+incrementally, and the tool-call parsers on their own."""
 from __future__ import annotations
 
 import json
@@ -79,6 +79,36 @@ def test_tool_choice_required_and_named(client):
                                                         tool_choice="required", max_tokens=80, temperature=0,
                                                         stream=True, parallel_tool_calls=False))
     assert fr == "tool_calls" and len(calls) == 1 and isinstance(json.loads(calls[0]["arguments"]), dict)
+
+
+def test_auto_tool_calls_stream_incrementally(client):
+    """tool_choice auto with the hermes parser, streamed: the call's id and name come first, then
+    its arguments in several chunks as they are generated, and the result equals the non-streamed
+    answer. (A regex makes the 135M model write a call: the parser, not the grammar, reads it.)"""
+    c, _ = client
+    force = {"structured_outputs": {"regex": r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+                                             r'\{"city": "[A-Z][a-z]{2,8}", "unit": "(c|f)"\}\}\n</tool_call>'}}
+    kw = dict(model="tiny", messages=MSG, tools=TOOLS, max_tokens=60, temperature=0, extra_body=force)
+    whole = c.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    tc = whole.message.tool_calls[0]
+    assert tc.function.name == "get_weather"
+    jsonschema.validate(json.loads(tc.function.arguments), WEATHER)
+    events, content, fr = [], "", None
+    for ch in c.chat.completions.create(stream=True, **kw):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        fr = ch.choices[0].finish_reason or fr
+        for t in d.tool_calls or []:
+            events.append((t.index, t.id, t.function.name, t.function.arguments))
+    assert fr == "tool_calls" and content.strip() == "Checking."
+    assert events[0][1] and events[0][2] == "get_weather" and not events[0][3]  # id and name first
+    arg_chunks = [a for i, _, _, a in events[1:] if a]
+    assert all(i == 0 and tid is None and name is None for i, tid, name, _ in events[1:])
+    assert len(arg_chunks) >= 4, events  # incremental, not one piece at the end
+    assert json.loads("".join(arg_chunks)) == json.loads(tc.function.arguments)
 
 
 def test_history_with_tool_calls_and_auto(client):

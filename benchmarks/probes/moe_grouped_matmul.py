@@ -1,7 +1,7 @@
 """The MoE expert FFN (jvllm.ops.grouped_matmul) alone, per backend and token count, on one
 device and, with --devices N, expert parallel (gather + psum) against tensor parallel over N.
 
-    python benchmarks/probes/moe_grouped_matmul.py [--tokens 1,8,64,256,2048] [--backends xla,tokamax]
+    python benchmarks/probes/moe_grouped_matmul.py [--tokens 1,8,64,256,2048] [--backends xla,pallas,tokamax]
         [--devices 8] [--tiny] [--out $OUT/moe_gmm.json]
 
 Shape: one Qwen3-30B-A3B layer (128 experts, top-8, hidden 2048, expert size 768, bfloat16), or
@@ -37,10 +37,13 @@ def _time(fn, args, iters: int) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,64,256,2048")
-    ap.add_argument("--backends", default="xla,tokamax")
+    ap.add_argument("--backends", default="xla,pallas")
     ap.add_argument("--devices", type=int, default=1, help="also EP and TP over this many devices (> 1)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--sweep", default="",
+                    help="pallas launch configs to time on the three grouped matmuls alone, e.g. "
+                         "'16x128x64x3x4,64x128x64x3x4' (bm x bn x bk x stages x warps)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_gmm.json"))
     a = ap.parse_args(argv)
 
@@ -93,6 +96,27 @@ def main(argv=None):
                 rows.append(r)
                 print(f"T={T:5d} {b:8s} {mode:16s} {ms:9.3f} ms  experts {touched:3d}  "
                       f"{r['touched_weight_gb_s']:8.1f} GB/s of touched weights", flush=True)
+        if a.sweep:
+            from jvllm.ops.pallas_grouped_matmul import grouped_matmul
+
+            order, sizes = gm.sort_by_expert(idx, E)
+            xs = x[order // k]
+            hs = jnp.zeros((xs.shape[0], I), dtype)
+            for cfg in a.sweep.split(","):
+                bm, bn, bk, st, nw = (int(v) for v in cfg.split("x"))
+                f = jax.jit(lambda xs, hs, sz, bm=bm, bn=bn, bk=bk, st=st, nw=nw: (
+                    grouped_matmul(xs, ws[0], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw),
+                    grouped_matmul(xs, ws[1], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw),
+                    grouped_matmul(hs, ws[2], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw)))
+                try:
+                    ms = _time(f, (xs, hs, sizes), a.iters)
+                except Exception as e:
+                    rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg,
+                                     error=f"{type(e).__name__}: {e}"[:400]))
+                    continue
+                rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg, ms=ms,
+                                 touched_weight_gb_s=need / (ms / 1e3) / 1e9))
+                print(f"T={T:5d} pallas {cfg:16s} {ms:9.3f} ms  {need / (ms / 1e3) / 1e9:8.1f} GB/s", flush=True)
     res = dict(shape=dict(experts=E, top_k=k, hidden=D, expert_size=I, dtype=str(jnp.dtype(dtype))),
                devices=a.devices, platform=jax.devices()[0].platform, device_kind=jax.devices()[0].device_kind,
                jax=jax.__version__, rows=rows)

@@ -4,20 +4,23 @@
 # the expert FFN per grouped-matmul backend, and the profile's share of grouped matmuls / routing.
 # STAGES (default "smoke gmm moe dense") run in order; about 600 s of device time per call, so
 # put "share" (and "moe_xla") in a second call.
-#   smoke    tokamax importable; the expert FFN on tokamax equal to XLA's at a decode shape -> moe_smoke.log
+#   smoke    the expert FFN on $MOE_BACKEND (auto = pallas) equal to XLA's at a decode shape -> moe_smoke.log
 #   gmm      benchmarks/probes/moe_grouped_matmul.py: one layer's expert FFN, backends xla and
-#            tokamax, 1..2048 tokens -> moe_gmm.json
+#            pallas, 1..2048 tokens -> moe_gmm.json
 #   moe      `jvllm bench all` (W1, B1, P1) on random:qwen3-30b-a3b bf16, --moe-backend $MOE_BACKEND -> moe_all.json
 #   moe_xla  the same with --moe-backend xla (jax.lax.ragged_dot) -> moe_all_xla.json
 #   dense    `jvllm bench all` on random:llama3-8b bf16 (the dense figures of the same call) -> dense_all.json
+#   gemma3_4b  `jvllm bench latency` (B1 and its bandwidth roofline share) on random:gemma3-4b bf16 -> gemma3_4b_b1.json
 #   share    benchmarks/probes/moe_profile_share.py, B1 and W1: device time in grouped matmuls and
 #            routing (CUPTI trace attributed through the HLO op names) -> moe_share_b1.json, moe_share_w1.json
-# tokamax is not in the device image: carry its wheels in .whl/ (device_env.sh installs them), e.g.
-#   pip download --no-deps -d .whl tokamax==0.0.12 qwix==0.1.8 einshape==1.0 jaxtyping==0.3.11 \
-#       wadler-lindig==0.1.8 immutabledict==4.3.1 typeguard==2.13.3 tensorboardx==2.6.5
-# Without it MOE_BACKEND=auto runs XLA's ragged_dot, which upstream XLA expands densely on CUDA.
-# Env: MOE_BACKEND (auto | xla | tokamax, default auto), BACKEND (attention backend, default auto),
-# END_S (590: every stage's limit ends by then).
+# MOE_BACKEND=auto takes jvllm's Pallas kernel on the GPU. tokamax (MOE_BACKEND=tokamax) is not in the
+# device image, and 0.0.12's kernels fail on jax 0.11.2; to try it, carry its wheels in .whl/ (device_env.sh installs them), e.g.
+#   pip download --no-deps -d .whl tokamax==0.0.12 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 \
+#       typeguard==2.13.3 tensorboardx==2.6.5 pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 \
+#       typing-inspection==0.4.2  (the image has jaxtyping and wadler-lindig, not pydantic)
+# MOE_BACKEND=xla runs XLA's ragged_dot, which upstream XLA expands densely on CUDA.
+# Env: MOE_BACKEND (auto | xla | tokamax | pallas, default auto), BACKEND (attention backend, default auto),
+# END_S (590: every stage's limit ends by then), GMM_SWEEP (the gmm stage's --sweep of Pallas launch configs).
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
 BACKEND=${BACKEND:-auto}
@@ -27,19 +30,19 @@ left() { local l=$(( END_S - $(el) )); [ "$1" -lt "$l" ] && l=$1; echo $l; }  # 
 MOE="--model random:qwen3-30b-a3b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND"
 
 smoke() {
-  python - > "$OUT/moe_smoke.log" 2>&1 <<'PY'
-import jax, jax.numpy as jnp, numpy as np
+  SMOKE_BACKEND=${MOE_BACKEND/auto/pallas} python - > "$OUT/moe_smoke.log" 2>&1 <<'PY'
+import os, jax, jax.numpy as jnp, numpy as np
 from jvllm.ops.grouped_matmul import moe_ffn, ragged_dot_fn
-ragged_dot_fn("tokamax")  # ImportError naming the package when the wheels were not carried
+B = os.environ["SMOKE_BACKEND"]; ragged_dot_fn(B)  # ImportError naming the package when the wheels were not carried
 E, k, D, I, T = 128, 8, 2048, 768, 8
 key = jax.random.split(jax.random.key(0), 4)
 ws = [(jax.random.normal(kk, s) * 0.02).astype(jnp.bfloat16) for kk, s in zip(key, ((E, D, I), (E, D, I), (E, I, D)))]
 x = jax.random.normal(key[3], (T, D)).astype(jnp.bfloat16)
 idx = jnp.asarray(np.stack([np.random.default_rng(t).choice(E, k, replace=False) for t in range(T)]), jnp.int32)
 w = jnp.full((T, k), 1.0 / k, jnp.float32)
-a = jax.jit(lambda *z: moe_ffn(*z, backend="tokamax"))(x, idx, w, *ws)
+a = jax.jit(lambda *z: moe_ffn(*z, backend=B))(x, idx, w, *ws)
 b = jax.jit(lambda *z: moe_ffn(*z, backend="xla"))(x, idx, w, *ws)
-err = float(jnp.abs(a - b).max()); scale = float(jnp.abs(b).max()); print("smoke err", err, "scale", scale)
+err = float(jnp.abs(a - b).max()); scale = float(jnp.abs(b).max()); print("smoke", B, "err", err, "scale", scale)
 assert err <= 0.02 * scale + 1e-3
 PY
 }
@@ -50,7 +53,8 @@ run_stage() {
   echo "[$(el)s] $stage"
   case $stage in
     smoke) smoke; echo "rc=$?"; grep -E "smoke err|Error" "$OUT/moe_smoke.log" | tail -2 ;;
-    gmm) timeout $(left 150) python benchmarks/probes/moe_grouped_matmul.py --out "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1
+    gmm) timeout $(left 150) python benchmarks/probes/moe_grouped_matmul.py ${GMM_SWEEP:+--sweep $GMM_SWEEP} \
+           --out "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1
          echo "rc=$?"; grep -E "^T=|Error" "$OUT/moe_gmm.log" | tail -12 ;;
     moe) timeout $(left 330) python -m jvllm.cli bench all $MOE --moe-backend $MOE_BACKEND \
            --output-json "$OUT/moe_all.json" > "$OUT/moe_all.log" 2>&1
@@ -61,12 +65,16 @@ run_stage() {
     dense) timeout $(left 330) python -m jvllm.cli bench all --model random:llama3-8b --dtype bfloat16 --max-model-len 4096 \
              --attention-backend $BACKEND --no-xla-report --output-json "$OUT/dense_all.json" > "$OUT/dense_all.log" 2>&1
            echo "rc=$?"; tail -9 "$OUT/dense_all.log" ;;
+    gemma3_4b) timeout $(left 240) python -m jvllm.cli bench latency --model random:gemma3-4b --dtype bfloat16 \
+             --max-model-len 4096 --attention-backend $BACKEND --no-xla-report --output-json "$OUT/gemma3_4b_b1.json" \
+             > "$OUT/gemma3_4b_b1.log" 2>&1
+           echo "rc=$?"; tail -6 "$OUT/gemma3_4b_b1.log" ;;
     share) for w in b1 w1; do
              timeout $(left 240) python benchmarks/probes/moe_profile_share.py --workload $w $MOE --moe-backend $MOE_BACKEND \
                --token-buckets 16,64,128,256,1024,2048 --steps 20 --out "$OUT/moe_share_$w.json" > "$OUT/moe_share_$w.log" 2>&1
              echo "rc=$?"; grep -E "ms/step|Error" "$OUT/moe_share_$w.log" | tail -2
            done ;;
-    *) echo "unknown stage $stage (smoke gmm moe moe_xla dense share)"; return 2 ;;
+    *) echo "unknown stage $stage (smoke gmm moe moe_xla dense gemma3_4b share)"; return 2 ;;
   esac
 }
 

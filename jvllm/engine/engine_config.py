@@ -15,6 +15,8 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    # KV pages: auto (the model dtype) | fp8 / fp8_e4m3 (float8_e4m3fn, per-token scales: jvllm.ops.kv_quant)
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
@@ -52,7 +54,16 @@ class EngineConfig:
     # (LLMEngine.wait_for_warmup waits for them); False compiles everything before returning.
     # Multi-process runs always compile in the foreground.
     background_compile: bool = True
+    # a request's tokens and logprobs bit-identical whatever else is in its batch, however its
+    # prompt was chunked and whether its prefix was cached: one token bucket, no decode-only
+    # variant, one sampler program (jvllm.worker.batch_invariant states what holds where)
+    batch_invariant: bool = False
     # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT, "num_speculative_tokens": k}
     # (jvllm.spec_decode.config states every key); None: off
     speculative_config: dict | None = None
+
+    def __post_init__(self):
+        from jvllm.worker.batch_invariant import check_buckets  # host only, like this module
+
+        check_buckets(self.batch_invariant, self.token_buckets)

@@ -53,6 +53,9 @@ def check_speculation(config: EngineConfig, spec):
     if config.pipeline_parallel_size > 1:
         raise ValueError(f"speculative_config needs pipeline_parallel_size 1 (got {config.pipeline_parallel_size}): "
                          f"the verifier reads the step's hidden states on one stage")
+    if config.batch_invariant:
+        raise ValueError("speculative_config with batch_invariant=True is not implemented: a verified step computes "
+                         "several of a request's positions at once, which batch-invariant mode does not cover")
     if config.enable_sleep_mode and spec.uses_draft_model:
         raise ValueError("enable_sleep_mode=True with a speculative draft model is not implemented (sleep would "
                          "not free the draft's weights and KV pool); use method 'ngram' or no sleep mode")
@@ -130,9 +133,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.loop = make_loop(self, self.async_scheduling, n_mb)
         # host_seconds: scheduling, input building, dispatch and post-processing (the device idles
-        # through these unless a step is already queued); device_wait_seconds: blocked on results
+        # through these unless a step is already queued); device_wait_seconds: blocked on results;
+        # overlap_host_seconds: the part of host_seconds spent reading a step and building the next
+        # step's sampling inputs while that step's forward was already enqueued (num_late_steps)
         self.stats = dict(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0, num_requests=0,
-                          host_seconds=0.0, device_wait_seconds=0.0)
+                          host_seconds=0.0, device_wait_seconds=0.0, overlap_host_seconds=0.0, num_late_steps=0)
         self.warmup_seconds, self._warmup = worker.warm_up(config.background_compile, use_tqdm=config.use_tqdm_on_load)
         self.compiles_after_warmup_base = (self._warmup.compile_count_at_end if self._warmup.done() else None)
         self.init_seconds = time.perf_counter() - t0
@@ -208,22 +213,29 @@ class LLMEngine:
     def dispatch_ahead(self, prev: StepHandle, only=None) -> StepHandle | None:
         """Schedule and dispatch the step after `prev` while `prev` runs. Each request that samples
         in `prev` has one pending token: its id stays on the device and feeds this step's input.
-        Returns the new handle, or None to fall back to a synchronous step (a request needs its
-        tokens on the host: penalties, logit bias, min_tokens, a grammar's mask), or when nothing is
-        left to run.
+        Returns the new handle, or None when nothing is left to run, or to fall back to a
+        synchronous step (a request's sampling needs its tokens on the host: a grammar's mask,
+        penalties, logit bias, min_tokens, logits processors; and the runner launches whole steps
+        only).
+        With such a request and a runner that can (`executor.late_sampling`), only the forward is
+        enqueued now (its input ids are on the device): the handle is `late`, and the loop calls
+        `launch_late(handle)` once `prev` has been read, so the sampling inputs are built from the
+        kept tokens (a grammar advanced by `prev`'s) while the forward runs.
         Requests whose pending token is their last (max_tokens, max_model_len) are left out; one
         that stops on EOS / a stop string costs one wasted row, discarded when its results come.
         Never preempts (the step ends where blocks run out)."""
         if self.speculator is not None and (self.speculator.active(self.scheduler)
                                             or any(s.spec_token_ids for s in prev.sched.scheduled)):
             return None  # speculating steps run synchronously (drafts and acceptance live on the host)
-        last = set()
+        last, late = set(), False
         for s in prev.sched.scheduled:
             r = s.req
             if not s.samples or r.status is not Status.RUNNING:
                 continue
             if r.params.needs_extras or r.grammar is not None or r.params.logits_processors:  # mask / processors need the host tokens
-                return None
+                if not self.runner.executor.late_sampling:
+                    return None
+                late = True
             n_out = r.num_output_tokens + r.num_pending
             if n_out >= r.max_tokens or n_out >= r.length_cap:
                 last.add(r)
@@ -232,17 +244,41 @@ class LLMEngine:
         sched = self.scheduler.schedule(skip=frozenset(last), allow_preempt=False, only=only)
         if sched.empty:
             return None
-        return self._launch(sched, prev.run)
+        return self._launch(sched, prev.run, late=late)
 
-    def _launch(self, sched, prev_run=None, spec_q=None) -> StepHandle:
+    def launch_late(self, handle: StepHandle | None):
+        """Enqueue the samplers of a `late` handle (after the step before it was read); a launch
+        error becomes the handle's error, which its read reports. Other handles: no-op."""
+        if handle is None or not handle.late or handle.error is not None:
+            return
         try:
-            run = self.runner.dispatch(sched.scheduled, prev=prev_run, spec_q=spec_q)
+            self.runner.launch_sampling(handle.run)
+        except Exception as e:
+            handle.error = e
+        finally:
+            # only now (not at dispatch) this step's pending tokens count: the sampling inputs read
+            # num_output_tokens + num_pending as the index of the token being drawn (the sampler's
+            # counter), which must not include the token of this very step
+            self._count_pending(handle.sched)
+            handle.late = False
+
+    def _launch(self, sched, prev_run=None, late: bool = False, spec_q=None) -> StepHandle:
+        """`spec_q`: the draft model's probabilities for the verifier (never with `late`: speculating
+        steps are dispatched synchronously)."""
+        try:
+            run = (self.runner.dispatch(sched.scheduled, prev=prev_run, late_sampling=True) if late
+                   else self.runner.dispatch(sched.scheduled, prev=prev_run, spec_q=spec_q))
         except Exception as e:
             return StepHandle(sched, error=e)
+        if not late:  # a late step counts its pending tokens when its sampler is launched
+            self._count_pending(sched)
+        return StepHandle(sched, run, late=late)
+
+    @staticmethod
+    def _count_pending(sched):
         for s in sched.scheduled:  # the engine alone writes num_pending (read by scheduler and runner)
             if s.samples:
                 s.req.num_pending += 1
-        return StepHandle(sched, run)
 
     def step_dispatch(self) -> StepHandle:
         """Schedule a batch and enqueue it on the device(s) without waiting (data-parallel replicas

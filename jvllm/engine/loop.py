@@ -4,7 +4,11 @@
   SyncLoop       schedule -> run -> read, one step at a time
   AsyncLoop      dispatch step N+1 before reading step N, so the host's scheduling and input
                  building overlap the device's work (requests sampled in N have one pending token,
-                 whose id stays on the device and feeds N+1)
+                 whose id stays on the device and feeds N+1). When N+1 has a row whose sampling
+                 needs the host's tokens (a grammar's mask, penalties, logits processors), N+1 is
+                 dispatched `late`: its forward first, then N is read (grammars advance by N's
+                 kept tokens), then N+1's sampling inputs are built and its sampler enqueued, so
+                 that host work runs while N+1's forward does (`_read_then_sample`)
   PipelinedLoop  async with pipeline stages: one scheduler step per micro-batch, each micro-batch
                  with its own step in flight (vLLM's virtual engines, over one scheduler and one KV
                  pool), so the host's work on micro-batch a's results overlaps the stages' work on b
@@ -28,6 +32,7 @@ class StepHandle:
     run: object = None                # the runner's StepHandle while the step is in flight
     error: BaseException | None = None
     outputs: list = dataclasses.field(default_factory=list)
+    late: bool = False                # forward enqueued, sampler not yet (LLMEngine.launch_late)
 
     @property
     def launched(self) -> bool:
@@ -48,6 +53,24 @@ class SyncLoop:
         return 0
 
 
+def _read_then_sample(e, prev: StepHandle, nxt: StepHandle | None) -> list:
+    """Read `prev`, then enqueue the sampler of `nxt` if it is late (its forward is in flight):
+    the host time of both, less the wait for `prev`'s results, is `overlap_host_seconds`."""
+    if nxt is None or not nxt.late:
+        return e.step_collect(prev)
+    t0, w0 = time.perf_counter(), e.stats["device_wait_seconds"]
+    try:
+        outs = e.step_collect(prev)
+    finally:  # `nxt` must get its sampler whatever happened here (a later read or step waits on it)
+        t1 = time.perf_counter()
+        e.launch_late(nxt)
+    t2 = time.perf_counter()
+    e.stats["host_seconds"] += t2 - t1
+    e.stats["overlap_host_seconds"] += (t2 - t0) - (e.stats["device_wait_seconds"] - w0)
+    e.stats["num_late_steps"] += 1
+    return outs
+
+
 class AsyncLoop(SyncLoop):
     def __init__(self, engine):
         super().__init__(engine)
@@ -62,7 +85,7 @@ class AsyncLoop(SyncLoop):
             t0 = time.perf_counter()
             self._inflight = e.dispatch_ahead(prev)
             e.stats["host_seconds"] += time.perf_counter() - t0
-        return e.step_collect(prev)
+        return _read_then_sample(e, prev, self._inflight)
 
     def drain(self) -> list:
         prev, self._inflight = self._inflight, None
@@ -99,13 +122,14 @@ class PipelinedLoop(SyncLoop):
         if not q:
             return outs
         prev = q.popleft()
+        nxt = None
         if prev.launched:
             t0 = time.perf_counter()
             nxt = e.dispatch_ahead(prev, only=prev.sched.microbatch)
             if nxt is not None:
                 q.append(nxt)
             e.stats["host_seconds"] += time.perf_counter() - t0
-        return outs + e.step_collect(prev)
+        return outs + _read_then_sample(e, prev, nxt)
 
     def drain(self) -> list:
         outs = []

@@ -1,5 +1,7 @@
 """Device KV pages: per layer one (K, V) pair of arrays [kv_heads, num_blocks, block_size, head_dim],
-allocated once on a stage's devices and donated to every step (XLA updates them in place).
+allocated once on a stage's devices and donated to every step (XLA updates them in place). With
+`kv_cache_dtype="fp8"` each of K and V is a `kv_quant.QuantizedPages` instead: the pages in
+float8_e4m3fn plus a bfloat16 scale per (KV head, slot) (see jvllm/ops/kv_quant.py for why).
 
 `bytes_per_block` is THE formula for what a block costs: the engine sizes the pool with it, the
 runner allocates exactly that, and the benchmarks derive bytes per token from it.
@@ -13,6 +15,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.config import ModelConfig
+from jvllm.ops.kv_quant import FP8, SCALE_DTYPE, QuantizedPages
+
+# kv_cache_dtype (vLLM's option) -> the pages' dtype; None: the model's dtype
+KV_CACHE_DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
+
+
+def resolve_dtype(kv_cache_dtype: str, model_dtype):
+    """The KV pages' dtype for `kv_cache_dtype`: "auto" -> the model dtype, "fp8" / "fp8_e4m3" ->
+    float8_e4m3fn (with per-token scales). Raises ValueError naming the supported values."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+    dt = KV_CACHE_DTYPES[kv_cache_dtype]
+    return jnp.dtype(model_dtype if dt is None else dt)
+
+
+def is_quantized(dtype) -> bool:
+    """Whether pages of `dtype` are quantized (fp8 with scales) rather than plain arrays."""
+    return jnp.dtype(dtype) == FP8
 
 
 def kv_heads_per_device(cfg: ModelConfig, tensor_parallel_size: int = 1) -> int:
@@ -24,10 +44,14 @@ def kv_heads_per_device(cfg: ModelConfig, tensor_parallel_size: int = 1) -> int:
 def bytes_per_block(cfg: ModelConfig, dtype, block_size: int, *, num_layers: int | None = None,
                     tensor_parallel_size: int = 1) -> int:
     """Bytes one block of `block_size` tokens takes (K and V) over `num_layers` layers (default: all)
-    on one device at `tensor_parallel_size` (its share of KV heads)."""
+    on one device at `tensor_parallel_size` (its share of KV heads). `dtype`: the pages' dtype
+    (`resolve_dtype`); fp8 slots also carry one scale per KV head (head_dim + 2 bytes a slot)."""
     layers = cfg.num_layers if num_layers is None else num_layers
     heads = kv_heads_per_device(cfg, tensor_parallel_size)
-    return 2 * layers * block_size * heads * cfg.head_dim * np.dtype(jnp.dtype(dtype)).itemsize
+    slot = cfg.head_dim * np.dtype(jnp.dtype(dtype)).itemsize
+    if is_quantized(dtype):
+        slot += SCALE_DTYPE.itemsize
+    return 2 * layers * block_size * heads * slot
 
 
 def most_loaded_stage_layers(num_layers: int, pipeline_parallel_size: int) -> int:
@@ -40,9 +64,19 @@ def page_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int,
 
 
 def allocate(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, dtype, sharding=None) -> list:
-    """Zeroed KV pages for `num_layers` layers: [(K, V)] with `sharding` (None: the default device)."""
-    zeros = _zeros_program(page_shape(cfg, num_blocks, block_size), jnp.dtype(dtype), sharding)
-    return [(zeros(), zeros()) for _ in range(num_layers)]
+    """Zeroed KV pages for `num_layers` layers: [(K, V)] with `sharding` (None: the default device)
+    of the pages; K and V are arrays of `dtype`, or `QuantizedPages` for fp8 (their scales take the
+    pages' sharding of the first three axes: split by KV head as the pages are)."""
+    shape = page_shape(cfg, num_blocks, block_size)
+    zeros = _zeros_program(shape, jnp.dtype(dtype), sharding)
+    if not is_quantized(dtype):
+        return [(zeros(), zeros()) for _ in range(num_layers)]
+    scale_sharding = None
+    if sharding is not None:
+        spec = tuple(sharding.spec)[:3]
+        scale_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    scales = _zeros_program(shape[:3], SCALE_DTYPE, scale_sharding)
+    return [(QuantizedPages(zeros(), scales()), QuantizedPages(zeros(), scales())) for _ in range(num_layers)]
 
 
 @functools.lru_cache(maxsize=None)

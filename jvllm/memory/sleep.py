@@ -66,5 +66,5 @@ def wake_up(runner, asleep: Asleep):
     for i, st in enumerate(runner.stages):
         if runner.local(i):
             st.kv = kv_cache.allocate(runner.cfg, st.num_layers(), runner.num_blocks, runner.block_size,
-                                      runner.dtype, st.sharding(st.kv_spec))
+                                      runner.kv_dtype, st.sharding(st.kv_spec))
 

@@ -32,8 +32,8 @@ from jvllm.ops.attention import _TP_MESH
 
 def configure_moe(cfg: ModelConfig, expert_parallel: bool = False, backend: str = "auto") -> ModelConfig:
     """`cfg` with the engine's choices for its experts: `expert_parallel` (enable_expert_parallel)
-    and the grouped-matmul `backend` (moe_backend: "auto" = "tokamax" on GPUs when the package is
-    installed, else "xla"; see jvllm.ops.grouped_matmul). A dense model is returned unchanged with
+    and the grouped-matmul `backend` (moe_backend: "auto" = jvllm's Pallas kernel on GPUs, else "xla"; see
+    jvllm.ops.grouped_matmul). A dense model is returned unchanged with
     the defaults and refused, naming the option, otherwise."""
     if backend not in ("auto", *gm.BACKENDS):
         raise ValueError(f"moe_backend must be one of auto, {', '.join(gm.BACKENDS)}; got {backend!r}")
@@ -44,9 +44,7 @@ def configure_moe(cfg: ModelConfig, expert_parallel: bool = False, backend: str 
             raise ValueError(f"moe_backend={backend!r} needs a mixture-of-experts model; {cfg.architecture} has no experts")
         return cfg
     if backend == "auto":
-        import importlib.util
-
-        backend = "tokamax" if jax.default_backend() == "gpu" and importlib.util.find_spec("tokamax") else "xla"
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
     gm.ragged_dot_fn(backend)  # unknown name / missing package: fail now, not at the first trace
     return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=bool(expert_parallel),
                                                             grouped_matmul=backend))

@@ -4,7 +4,8 @@ The batch is flat: T scheduled tokens from R requests, each token with its posit
 sequence. KV lives in per-layer page pools `[kv_heads, num_blocks, block_size, head_dim]` (KV-head
 major: the layout of JAX's Pallas paged-attention kernels, and the dimension TP shards); block 0
 is the null block (never handed to a request; padded writes land there and are never read
-unmasked).
+unmasked). An fp8 cache (`kv_cache_dtype="fp8"`) holds `kv_quant.QuantizedPages` instead of arrays:
+the same pages in float8_e4m3fn plus per-(KV head, slot) scales; every reader takes either.
 
 Queries are grouped into *query tiles*: every tile holds up to `Qt` consecutive tokens of one
 request (`tile_token_idx [NT, Qt]`, padded with T, which points at a zero row). A tile reads its
@@ -24,6 +25,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from jvllm.ops import kv_quant
+from jvllm.ops.kv_quant import QuantizedPages
 
 # The device mesh ("tensor" axis) of the stage being traced; set by the runner around the model call.
 _TP_MESH = contextvars.ContextVar("jvllm_tensor_parallel_mesh", default=None)
@@ -84,8 +88,8 @@ def shard_local(attend, q, k, v, k_pages, v_pages, md):
 
         def body(q, k, v, kp, vp, md):
             first = jax.lax.axis_index("tensor") * Hl // G
-            return write_and_attend(q, k, v, kp, vp, md,
-                                    kv_heads=lambda a: jax.lax.dynamic_slice_in_dim(a, first, n_kv, axis=0))
+            return write_and_attend(q, k, v, kp, vp, md, kv_heads=lambda pages: jax.tree_util.tree_map(
+                lambda a: jax.lax.dynamic_slice_in_dim(a, first, n_kv, axis=0), pages))
 
         kv_in, kv_io = P(), P()
     mapped = jax.shard_map(body, mesh=_TP_MESH.get(), in_specs=(heads, kv_in, kv_in, kv_io, kv_io, P()),
@@ -106,10 +110,14 @@ class AttentionMetadata:
     logits_indices: jax.Array   # [R] int32 token whose hidden state feeds sampling
 
 
-def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+def write_kv(pages, new: jax.Array, slot_mapping: jax.Array):
     """Scatter new K or V rows [T, kv_heads, head_dim] into `pages` at `slot_mapping` (in place
-    when `pages` is donated). Out-of-range slots (padding) are dropped. (One Pallas kernel writing
-    K and V together did not beat these two scatters: benchmarks/README.md, Negative results.)"""
+    when `pages` is donated). Out-of-range slots (padding) are dropped. `pages` is an array (rows
+    cast to its dtype) or `kv_quant.QuantizedPages` (rows quantized to fp8 with their scales).
+    (One Pallas kernel writing K and V together did not beat these two scatters:
+    benchmarks/README.md, Negative results.)"""
+    if isinstance(pages, QuantizedPages):
+        return kv_quant.write(pages, new, slot_mapping)
     kh, nb, bs, d = pages.shape
     flat = pages.reshape(kh, nb * bs, d)
     flat = flat.at[:, slot_mapping].set(new.astype(pages.dtype).transpose(1, 0, 2), mode="drop")
@@ -118,15 +126,21 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
 
 def pallas_decode_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float, interpret: bool = False):
     """Decode-only steps (one query per request, row r = request r) through JAX's Pallas GPU
-    paged-attention kernel (reads each request's pages once, split over the sequence)."""
+    paged-attention kernel (reads each request's pages once, split over the sequence). fp8 pages
+    (`QuantizedPages`) go in as the kernel's fp8 pages with per-token scales."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_pa
 
     R = md.block_tables.shape[0]
     W = md.block_tables.shape[1]
     lengths = jnp.maximum(md.positions[:R] + 1, 1).astype(jnp.int32)
     k_splits = next(k for k in (16, 8, 4, 2, 1) if W % k == 0)
+    scales = {}
+    if isinstance(k_pages, QuantizedPages):
+        scales = dict(k_scales_pages=k_pages.scale, v_scales_pages=v_pages.scale)
+        k_pages, v_pages = k_pages.data, v_pages.data
     out = pallas_pa((q[:R] * scale).astype(q.dtype), k_pages, v_pages, md.block_tables, lengths,
-                    k_splits=k_splits, pages_per_compute_block=min(8, W // k_splits), interpret=interpret)
+                    k_splits=k_splits, pages_per_compute_block=min(8, W // k_splits), interpret=interpret,
+                    **scales)
     return jnp.zeros_like(q).at[:R].set(out.astype(q.dtype))
 
 
@@ -135,10 +149,12 @@ def pallas_decode_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale
 @functools.partial(jax.jit, static_argnames=("scale", "window", "softcap", "kv_chunk_blocks"))
 def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
                     window: int | None = None, softcap: float | None = None, kv_chunk_blocks: int = 16):
-    """q [T, H, D] -> [T, H, D]. Reads K/V (including this step's tokens) from the pages.
+    """q [T, H, D] -> [T, H, D]. Reads K/V (including this step's tokens) from the pages (arrays,
+    or fp8 `QuantizedPages`: their scales multiply the scores and the probabilities, see kv_quant).
     `softcap`: scores s = scale * q.k become softcap * tanh(s / softcap) before masking (Gemma 2)."""
     T, H, D = q.shape
     KH, _, bs, _ = k_pages.shape
+    quantized = isinstance(k_pages, QuantizedPages)
     G = H // KH
     NT, Qt = md.tile_token_idx.shape
     W = md.block_tables.shape[1]
@@ -163,9 +179,17 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
     def body(c, carry):
         m, l, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(bt, c * cb, cb, axis=1)  # [NT, cb]
-        kc = k_pages[:, blocks].reshape(KH, NT, chunk, D)
-        vc = v_pages[:, blocks].reshape(KH, NT, chunk, D)
+        if quantized:  # fp8 rows widen exactly to q's dtype; scales [KH, NT, chunk] -> [NT, KH, 1, 1, chunk]
+            (kc, ks), (vc, vs) = k_pages.block_rows(blocks), v_pages.block_rows(blocks)
+            kc, vc = kc.reshape(KH, NT, chunk, D).astype(q.dtype), vc.reshape(KH, NT, chunk, D).astype(q.dtype)
+            ks, vs = (a.reshape(KH, NT, chunk).transpose(1, 0, 2)[:, :, None, None, :].astype(jnp.float32)
+                      for a in (ks, vs))
+        else:
+            kc = k_pages[:, blocks].reshape(KH, NT, chunk, D)
+            vc = v_pages[:, blocks].reshape(KH, NT, chunk, D)
         s = jnp.einsum("nqhgd,hnkd->nhgqk", qt, kc, preferred_element_type=jnp.float32) * scale
+        if quantized:
+            s = s * ks
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -178,7 +202,8 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, scale: float,
         p = jnp.exp(s - m_safe[..., None])
         corr = jnp.exp(m - m_safe)
         l = l * corr + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("nhgqk,hnkd->nhgqd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("nhgqk,hnkd->nhgqd", (p * vs if quantized else p).astype(vc.dtype), vc,
+                        preferred_element_type=jnp.float32)
         acc = acc * corr[..., None] + pv
         return m_new, l, acc
 

@@ -16,12 +16,13 @@ all-reduce every tensor-parallel device already holds all T tokens, so no token 
 the psum replaces the all-reduce a tensor-parallel MLP needs anyway. (An all-to-all pays off when
 tokens are sharded over the devices, i.e. data-parallel attention, which jvllm does not run.)
 
-Backends (`backend=`, fixed at model construction): "xla" is `jax.lax.ragged_dot`; "tokamax" is
-`tokamax.ragged_dot` (same signature; Pallas kernels: Mosaic GPU on Hopper, Triton elsewhere on
-GPUs, falling back to XLA). Hazard: upstream XLA lowers ragged_dot on CUDA GPUs by expanding it to a
-zero-padded dense product over every group (its own PRs say so), i.e. a dense all-experts product
-in disguise that reads every expert's weights each step; on GPUs use "tokamax" unless a
-measurement says otherwise. On CPU both compute the same thing.
+Backends (`backend=`, fixed at model construction): "xla" is `jax.lax.ragged_dot`; "pallas" is
+jvllm's own Pallas kernel (`jvllm.ops.pallas_grouped_matmul`: Triton on GPUs, the interpreter
+elsewhere, so on CPU it is for tests only); "tokamax" is `tokamax.ragged_dot` (same signature; its
+Pallas kernels need the Pallas API of the jax it was released with). Hazard: upstream XLA lowers
+ragged_dot on CUDA GPUs by expanding it to a zero-padded dense product over every group (its own
+PRs say so), i.e. a dense all-experts product in disguise that reads every expert's weights each
+step; "auto" therefore takes "pallas" on GPUs. All compute the same thing.
 
 Hazards: a step's padding tokens must be passed as `valid=False`, else they are routed like real
 ones (at batch 1 in a bucket of 8 they would double the experts read). Rows past the sum of the
@@ -49,7 +50,7 @@ def sort_by_expert(top_idx: jax.Array, num_experts: int, valid: jax.Array | None
     return order, sizes
 
 
-BACKENDS = ("xla", "tokamax")
+BACKENDS = ("xla", "pallas", "tokamax")
 
 
 def ragged_dot_fn(backend: str):
@@ -57,6 +58,10 @@ def ragged_dot_fn(backend: str):
     ValueError naming it when unknown, ImportError naming the package when tokamax is absent."""
     if backend == "xla":
         return jax.lax.ragged_dot
+    if backend == "pallas":
+        from jvllm.ops.pallas_grouped_matmul import grouped_matmul
+
+        return grouped_matmul
     if backend == "tokamax":
         try:
             import tokamax

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jvllm.ops.kv_quant import QuantizedPages
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -37,11 +39,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_block: int, scale: float,
-            window: int | None, num_splits: int, prefetch_ids: bool = False, softcap: float | None = None):
+def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, *refs, pages_per_block: int, scale: float,
+            window: int | None, num_splits: int, prefetch_ids: bool = False, softcap: float | None = None,
+            quantized: bool = False):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    # fp8 pages: their scales [pages, block_size] come before the outputs
+    ks_ref, vs_ref, o_ref, *split_refs = refs if quantized else (None, None, *refs)
     M, D = q_ref.shape
     bs = k_ref.shape[-2]
     P = pages_per_block
@@ -78,7 +83,11 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_
             ids = bt_ref[pl.ds(c * P, P)]
         k = k_ref[ids].reshape(chunk, D)
         v = v_ref[ids].reshape(chunk, D)
+        if quantized:  # fp8 rows widen exactly to q's dtype; the scales multiply scores and probabilities
+            k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
         s = plgpu.dot(q_ref[...] if q is None else q, k.T)
+        if quantized:
+            s = s * ks_ref[ids].reshape((1, chunk)).astype(jnp.float32)
         if softcap is None:
             s = s * qk_scale                                     # [M, chunk] f32, base-2 logits
         else:                                                    # soft-capped natural logits, then base 2
@@ -92,6 +101,8 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *split_refs, pages_per_
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l = l * corr + jnp.sum(p, axis=-1)
+        if quantized:
+            p = p * vs_ref[ids].reshape((1, chunk)).astype(jnp.float32)
         o = o * corr[:, None] + plgpu.dot(p.astype(v.dtype), v)
         return (o, m_new, l, nxt) if prefetch_ids else (o, m_new, l)
 
@@ -154,6 +165,9 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     - one-query tiles with fewer than 512 programs (small decode batches, B1) keep the 64-key,
       2-stage launch but are split-K (`decode_splits`): unsplit, so few programs leave the GPU idle.
     `softcap` soft-caps the scores as the reference does (cap * tanh(scale * q.k / cap)).
+    `k_pages` / `v_pages` may be fp8 `kv_quant.QuantizedPages`: the kernel then also reads their
+    per-token scales (a [pages, block_size] block per inner step) and widens the fp8 rows to q's
+    dtype before its dots.
     `prefetch_ids` loads the next inner step's page ids one iteration ahead (experimental; it
     did not beat the defaults in that sweep).
 
@@ -168,6 +182,8 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     T, H, D = q.shape
     KH, NB, bs, _ = k_pages.shape
     G = H // KH
+    quantized = isinstance(k_pages, QuantizedPages)
+    pages_in = (k_pages.data, v_pages.data, k_pages.scale, v_pages.scale) if quantized else (k_pages, v_pages)
     NT, Qt = md.tile_token_idx.shape
     W = md.block_tables.shape[1]
     d_pages, d_stages, d_splits = launch_defaults(NT, KH, Qt, bs)
@@ -200,7 +216,7 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
         num_splits = decode_splits(NT, KH) if Qt == 1 else 1
     S = int(num_splits)
     kernel = functools.partial(_kernel, pages_per_block=P, scale=scale, window=window, num_splits=S,
-                               prefetch_ids=prefetch_ids, softcap=softcap)
+                               prefetch_ids=prefetch_ids, softcap=softcap, quantized=quantized)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if S == 1:
         grid = (NT, KH)
@@ -225,14 +241,14 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
             pl.BlockSpec((None, W), idx(lambda n, h: (n, 0))),
             pl.BlockSpec((None, NB, bs, D), idx(lambda n, h: (h, 0, 0, 0))),
             pl.BlockSpec((None, NB, bs, D), idx(lambda n, h: (h, 0, 0, 0))),
-        ],
+        ] + [pl.BlockSpec((None, NB, bs), idx(lambda n, h: (h, 0, 0)))] * (2 if quantized else 0),
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=params,
         name=f"jvllm_ragged_paged_attention_M{Mp}_P{P}_S{S}{'_pf' if prefetch_ids else ''}"
-             f"{'_cap' if softcap is not None else ''}",
-    )(qt, qpos.astype(jnp.int32), bt, k_pages, v_pages)
+             f"{'_cap' if softcap is not None else ''}{'_fp8' if quantized else ''}",
+    )(qt, qpos.astype(jnp.int32), bt, *pages_in)
     if S > 1 and one_query and _pow2(S) and _pow2(G) and _pow2(D):  # Triton blocks: powers of 2
         # one program per (tile, KV head) merges the splits and writes its G heads straight
         # into the [tiles, H, D] output (one launch instead of XLA's five fusions + a copy)

@@ -121,6 +121,15 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # research hooks (jvllm's SamplingParams fields of the same names; the engine checks the layer
+    # range and the vector size). Layers in transformers' output_hidden_states numbering.
+    return_hidden_states: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        None, min_length=1, description="layers (0 = embeddings, num_layers = after the final norm): each choice "
+        "gets hidden_states {layer: one [hidden] list per token}, prompt and generated tokens (the last sampled "
+        "token has none: it was never fed to the model)")
+    steering: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
+                   Annotated[list[float], Field(min_length=1)]] | None = Field(None, min_length=1, description="{layer (0 = embeddings, i = after decoder layer i-1): "
+                       "vector [hidden]} added to the residual stream of this request's tokens only")
 
 
 class CompletionRequest(_SamplingFields):

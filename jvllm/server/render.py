@@ -207,7 +207,9 @@ class Renderer:
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 best_of=req.best_of, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
-                output_kind=RequestOutputKind.DELTA, structured_outputs=structured)
+                output_kind=RequestOutputKind.DELTA, structured_outputs=structured,
+                return_hidden_states=req.return_hidden_states,
+                steering={int(k): v for k, v in req.steering.items()} if req.steering else None)
         except (ValueError, TypeError) as e:
             msg = str(e)
             raise APIError(msg, param=msg.split(" ", 1)[0].rstrip(":")) from None

@@ -15,11 +15,14 @@ Contracts:
   requests at once, which frees their KV blocks before the engine's next step.
 - Chat with tools (`tool_mode`, tools.py): the finished text is parsed into `message.tool_calls`
   (content: the text before the calls, or null) with finish_reason "tool_calls"; streamed, content
-  flows until a call may begin, the rest is held and sent at the end as `delta.tool_calls`.
+  flows until a call may begin, then `delta.tool_calls` chunks carry each call's name and then its
+  arguments as they are generated (tool_stream.py).
 - Logprobs of -inf are clamped to -9999.0 (JSON has no infinities).
 - /v1/completions with echo and logprobs: the prompt's tokens lead `logprobs` (the first with
   null logprob and null top_logprobs, as in vLLM), then the generated ones; text_offset counts
   from the start of the echoed text. Streamed, the echo chunk waits for the prompt logprobs.
+- `return_hidden_states` (research hooks): each choice carries `hidden_states` {"layer": one
+  [hidden] list per token}, in the body or on the choice's last streamed chunk.
 - An unexpected exception under a request is logged with a request id; the client gets a generic
   500 naming that id, never the exception text.
 """
@@ -54,6 +57,25 @@ def _lp(x: float | None) -> float | None:
     return max(x, -9999.0) if x == x else -9999.0
 
 
+def hidden_states_json(hs: dict) -> dict:
+    """{"layer": one [hidden] list of floats per token, or None when no token was computed};
+    non-finite values (a float16 overflow) become null (JSON has no NaN / Infinity)."""
+    import math
+
+    import numpy as np
+
+    def rows(a):
+        if a is None:
+            return None
+        a = np.asarray(a, np.float32)
+        out = a.tolist()
+        if not np.isfinite(a).all():
+            out = [[x if math.isfinite(x) else None for x in r] for r in out]
+        return out
+
+    return {str(k): rows(v) for k, v in hs.items()}
+
+
 def _tok(lp, tid: int) -> str:
     s = getattr(lp, "decoded_token", None)
     return s if s is not None else f"token_id:{tid}"
@@ -63,7 +85,7 @@ class ChoiceState:
     """What has been generated for one choice (accumulated over DELTA outputs)."""
 
     __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "started",
-                 "finish_sent", "sent_len")
+                 "finish_sent", "sent_len", "hidden_states")
 
     def __init__(self, index: int):
         self.index = index
@@ -73,6 +95,7 @@ class ChoiceState:
         self.finish_reason = self.stop_reason = None
         self.started = self.finish_sent = False
         self.sent_len = 0  # characters of content streamed (chat with tools holds a possible call back)
+        self.hidden_states = None  # {layer: [n, hidden]} so far (return_hidden_states; every output has all)
 
 
 class Collector:
@@ -99,6 +122,8 @@ class Collector:
                 continue
             ch.text.append(c.text)
             ch.token_ids.extend(c.token_ids)
+            if c.hidden_states is not None:
+                ch.hidden_states = c.hidden_states
             if c.logprobs:
                 ch.logprobs.extend(c.logprobs)
             self.completion_tokens += len(c.token_ids)
@@ -226,6 +251,7 @@ class CompletionServer:
         self.decode = decode  # token ids -> text (the first echoed token has no prompt logprob entry)
         self.col = Collector(num_prompts, n)
         self.tool_mode = tool_mode  # tools.ToolMode of a chat request whose output may be tool calls
+        self._tool_streams: dict = {}  # choice index -> tool_stream.ToolCallStream (streamed chat with tools)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -269,6 +295,8 @@ class CompletionServer:
                 c = {"index": ch.index, "text": prefix + text, "logprobs": lp,
                      "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
                      "prompt_logprobs": prompt_logprobs_json(self.col.prompt_logprobs[pidx])}
+            if ch.hidden_states is not None:
+                c["hidden_states"] = hidden_states_json(ch.hidden_states)
             choices.append(c)
         body = self._head("chat.completion" if self.chat else "text_completion")
         body["choices"] = choices
@@ -326,24 +354,16 @@ class CompletionServer:
         return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
 
     def _tool_delta(self, ch: ChoiceState, finished_now: bool, fr):
-        """(delta, finish_reason) of a chat choice with tools: the content not held back, and at the
-        end the parsed calls as `tool_calls` (finish_reason "tool_calls")."""
-        full = "".join(ch.text)
-        if not finished_now:
-            hold = self.tool_mode.hold_from(full)
-            end = len(full) if hold is None else max(hold, ch.sent_len)
-            delta = {"content": full[ch.sent_len:end]}
-            ch.sent_len = end
-            return delta, fr
-        content, calls = self.tool_mode.parse(full)
-        if not calls:
-            delta = {"content": full[ch.sent_len:]}
-            ch.sent_len = len(full)
-            return delta, fr
-        delta = {"content": None, "tool_calls": [t.as_openai(i) for i, t in enumerate(calls)]}
-        if content and len(content) > ch.sent_len:  # content before the calls that was held
-            delta["content"] = content[ch.sent_len:]
-        return delta, ("tool_calls" if fr in ("stop", "length") else fr)
+        """(delta, finish_reason) of a chat choice with tools (`tool_stream.ToolCallStream`):
+        content until a call may begin, then each call's name and argument chunks as they come;
+        finish_reason "tool_calls" when the finished output parses into calls."""
+        from jvllm.server.tool_stream import ToolCallStream
+
+        st = self._tool_streams.get(ch.index)
+        if st is None:
+            st = self._tool_streams[ch.index] = ToolCallStream(self.tool_mode)
+        delta, called = st.feed("".join(ch.text), finished_now)
+        return delta, ("tool_calls" if called and fr in ("stop", "length") else fr)
 
     def _first_chunks(self, pidx: int) -> list[str]:
         """The role chunk (chat) or the echo chunk (completions) of each choice not started yet. With
@@ -378,6 +398,8 @@ class CompletionServer:
                     plp = self.col.prompt_logprobs[pidx]
                     for d in deltas:
                         c = self._choice_delta(*d)
+                        if d[-1] and d[0].hidden_states is not None:  # the choice's last chunk
+                            c["hidden_states"] = hidden_states_json(d[0].hidden_states)
                         if plp is not None and not self.chat and not self.col.prompt_logprobs_sent[pidx]:
                             self.col.prompt_logprobs_sent[pidx] = True
                             c["prompt_logprobs"] = prompt_logprobs_json(plp)

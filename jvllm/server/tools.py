@@ -13,9 +13,10 @@ Contracts (vLLM's):
   `parallel_tool_calls: false`); a named function ({"type": "function", "function": {"name"}}):
   the output is that function's arguments object, constrained by its parameter schema. Both are
   parsed without a parser. `finish_reason` is "tool_calls" whenever calls came out.
-- Streaming: content streams as usual until a tool call may begin (hermes: `<tool_call>`,
-  llama3_json: a leading '{' or `<|python_tag|>`); from there the text is held and, at the end,
-  sent as `delta.tool_calls` chunks (one per call, id, name and the whole arguments string).
+- Streaming: content streams as usual until a tool call may begin (`hold_from`; hermes:
+  `<tool_call>`, llama3_json: a leading '{' or `<|python_tag|>`); from there `tool_stream.py`
+  sends each call as `delta.tool_calls` chunks: id and name first, then the arguments' text as
+  it is generated.
 """
 from __future__ import annotations
 

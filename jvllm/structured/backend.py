@@ -27,6 +27,14 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def available() -> bool:
+    """Whether the grammar engine is installed (without importing it): engines then warm up the
+    masked sampler variants too, so a first constrained batch compiles nothing."""
+    import importlib.util
+
+    return importlib.util.find_spec("llguidance") is not None
+
+
 def _import():
     try:
         import llguidance

@@ -34,6 +34,7 @@ class InputLayout:
     block_size: int
     num_blocks: int
     table_width: int         # block-table columns (a multiple of the attention's KV chunk)
+    decode_variants: bool = True  # False: no decode-only program (batch-invariant mode)
 
     def __post_init__(self):
         object.__setattr__(self, "token_buckets", tuple(sorted(self.token_buckets)))
@@ -49,8 +50,9 @@ class InputLayout:
 
     def has_decode_variant(self, T: int) -> bool:
         """Decode-only steps (T tokens = T requests <= max_num_seqs) land in buckets up to the first
-        one that holds max_num_seqs; those get a one-query-tile program too."""
-        return T <= self.bucket(min(self.max_num_seqs, self.token_buckets[-1]))
+        one that holds max_num_seqs; those get a one-query-tile program too (none when
+        `decode_variants` is False)."""
+        return self.decode_variants and T <= self.bucket(min(self.max_num_seqs, self.token_buckets[-1]))
 
     def tiling(self, T: int, decode: bool) -> tuple[int, int]:
         """(query tile size, number of tiles) of a bucket. A decode-only step uses tiles of one

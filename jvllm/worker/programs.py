@@ -203,7 +203,7 @@ def _sample_masked_signature(ctx, key) -> Signature:
     R, extras = key
     last = ctx.stages[-1]
     shard = last.sharding()
-    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, extras, shard)
+    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, ctx.cfg.vocab_size, extras, shard)
     fn = cached(ctx, "sample_masked", lambda: jax.jit(functools.partial(
         sample_masked_body, tied=ctx.cfg.tie_word_embeddings, softcap=ctx.cfg.final_logit_softcap,
         branchless=ctx.platform == "gpu",
@@ -242,7 +242,7 @@ def _sample_procs_signature(ctx, key) -> Signature:
     R, extras, masked = key
     last = ctx.stages[-1]
     shard = last.sharding()
-    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, extras, shard)
+    sb, ex = sampler.abstract_inputs(R, ctx.max_model_len, ctx.cfg.vocab_size, extras, shard)
     pi = logits_processors.abstract_inputs(R, len(ctx.logits_processors), ctx.max_model_len, shard)
     mask = _sds((R, (ctx.cfg.vocab_size + 31) // 32), jnp.int32, shard) if masked else None
     fn = cached(ctx, "sample_procs", lambda: jax.jit(functools.partial(

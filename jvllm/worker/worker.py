@@ -66,6 +66,7 @@ class Worker:
         t = time.perf_counter()
         self.spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
+        self.kv_dtype = kv_cache.resolve_dtype(config.kv_cache_dtype, self.dtype)  # the KV pages' dtype
         from jvllm.models.moe import configure_moe
 
         self.model_config: ModelConfig = configure_moe(model_config(self.spec), config.enable_expert_parallel,
@@ -178,21 +179,25 @@ class Worker:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes on the most loaded device (stage 0's layers, its share of KV heads)."""
         c, mc = self.config, self.model_config
-        return kv_cache.bytes_per_block(mc, self.dtype, c.block_size,
+        return kv_cache.bytes_per_block(mc, self.kv_dtype, c.block_size,
                                         num_layers=kv_cache.most_loaded_stage_layers(mc.num_layers, c.pipeline_parallel_size),
                                         tensor_parallel_size=c.tensor_parallel_size)
 
     def _make_runner(self, num_blocks: int, sc: SchedulerConfig, buckets):
+        from jvllm.worker.batch_invariant import step_buckets
         from jvllm.worker.model_runner import ModelRunner
 
         c, acc = self.config, self.on_accelerator
-        return ModelRunner(self.model_config, head_w=self._head_w, dtype=self.dtype, block_size=c.block_size,
+        return ModelRunner(self.model_config, head_w=self._head_w, dtype=self.dtype, kv_dtype=self.kv_dtype,
+                           block_size=c.block_size,
                            num_blocks=num_blocks, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
-                           token_buckets=buckets, query_tile=c.query_tile or (16 if acc else 8),
+                           token_buckets=step_buckets(c.batch_invariant, c.token_buckets, buckets),
+                           query_tile=c.query_tile or (16 if acc else 8),
                            kv_chunk_blocks=c.kv_chunk_blocks or (16 if acc else 4),
                            stages=[dataclasses.replace(st, kv=None) for st in self._stages],  # shares weights
                            num_microbatches=c.num_microbatches, attention_backend=c.attention_backend,
-                           logits_processors=tuple((c.logits_processors or {}).items()))
+                           logits_processors=tuple((c.logits_processors or {}).items()),
+                           batch_invariant=c.batch_invariant)
 
     def _activation_peak(self, sc: SchedulerConfig, buckets) -> int:
         """XLA's temp allocation for the largest step and sampler programs, compiled against a

@@ -4,6 +4,10 @@ the last stage's sampler and prompt logprobs).
 
 Interface: `launch(work) -> Pending`; `prev_ids(pending)` -> what the next step's first stage takes
 as prev_tok from a micro-batch still in flight. An executor is chosen once, at runner construction.
+In-process executors implement `forward(work)` (every stage, no sampler) and get `launch` from
+here, so the runner can also enqueue a micro-batch's forward now and its sampler later
+(`late_sampling`: the host fills a grammar's mask while the forward runs); an executor without
+`forward` (stages over processes) only launches whole micro-batches.
 """
 from __future__ import annotations
 
@@ -66,7 +70,13 @@ class Executor:
     def __init__(self, runner):
         self.r = runner
 
+    late_sampling = True  # implements `forward`: the sampler may be launched after the forward
+
     def launch(self, w: Work) -> Pending:
+        return Pending(w.group, self.launch_sample(w, self.forward(w)))
+
+    def forward(self, w: Work):
+        """Enqueue every stage of `w`; the last stage's outputs, for `launch_sample`."""
         raise NotImplementedError
 
     def prev_ids(self, pending: Pending):

@@ -84,6 +84,8 @@ class _Due:
 
 
 class MultiprocessExecutor(Executor):
+    late_sampling = False  # a micro-batch's hand-offs are issued with its sampler: whole launches only
+
     def __init__(self, runner):
         super().__init__(runner)
         self._due: list[_Due] = []

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import jax
 
-from jvllm.worker.executors.base import Executor, Pending, Work
+from jvllm.worker.executors.base import Executor, Work
 
 
 class PipelineExecutor(Executor):
-    def launch(self, w: Work) -> Pending:
+    def forward(self, w: Work):
         stages = self.r.stages
         out = self.launch_stage(0, w, w.tok_in)
         for s_idx in range(1, len(stages)):
             out = self.launch_stage(s_idx, w, jax.device_put(w.x, stages[s_idx].sharding()))
-        return Pending(w.group, self.launch_sample(w, out))
+        return out
