@@ -266,8 +266,9 @@ class LLMEngine:
         """`spec_q`: the draft model's probabilities for the verifier (never with `late`: speculating
         steps are dispatched synchronously)."""
         try:
+            spec = {} if spec_q is None else dict(spec_q=spec_q)  # plain steps: the runner's plain signature
             run = (self.runner.dispatch(sched.scheduled, prev=prev_run, late_sampling=True) if late
-                   else self.runner.dispatch(sched.scheduled, prev=prev_run, spec_q=spec_q))
+                   else self.runner.dispatch(sched.scheduled, prev=prev_run, **spec))
         except Exception as e:
             return StepHandle(sched, error=e)
         if not late:  # a late step counts its pending tokens when its sampler is launched
