@@ -11,6 +11,24 @@ import time
 from jvllm.converters.deps import MissingDependencyError
 
 
+def _speculative_config(s: str) -> dict:
+    """--speculative-config: a JSON object (vLLM's speculative_config keys); checked in full by
+    `jvllm.spec_decode.config.SpeculativeConfig`."""
+    try:
+        d = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--speculative-config is not valid JSON ({e}): {s!r}")
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError(f"--speculative-config must be a JSON object, got {s!r}")
+    from jvllm.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return d
+
+
 def add_engine_args(p: argparse.ArgumentParser):
     """Every LLM(...) engine option as a flag (shared by generate, chat, serve, bench)."""
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -49,6 +67,11 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="mixture of experts: expert groups per stage (attention replicated over them)")
     p.add_argument("--moe-backend", default="auto", choices=("auto", "xla", "pallas", "tokamax"),
                    help="mixture of experts: grouped-matmul backend (auto: pallas on GPUs, xla elsewhere)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding, a JSON object of vLLM\'s keys: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or '
+                        '\'{"model": DRAFT, "num_speculative_tokens": 4}\'; "disable_by_batch_size": N stops '
+                        'proposing above N requests')
     p.add_argument("--coordinator-address", default=None, help="multi-host: host:port of process 0")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
@@ -70,7 +93,7 @@ def engine_kwargs(a) -> dict:
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
                 skip_tokenizer_init=a.skip_tokenizer_init, token_buckets=a.token_buckets,
                 compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile,
-                batch_invariant=a.batch_invariant)
+                batch_invariant=a.batch_invariant, speculative_config=a.speculative_config)
 
 
 def add_sampling_args(p, max_tokens: int):

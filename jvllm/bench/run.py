@@ -56,6 +56,16 @@ def stepwise(llm, prompt: list[int], max_tokens: int, rid: str, sampling: Sampli
     return times, ntok
 
 
+def spec_delta(s0: dict, s1: dict) -> dict:
+    """Speculative decoding between two get_stats() (empty without a speculative_config)."""
+    if "spec_num_drafts" not in s1:
+        return {}
+    d = {k: s1[k] - s0[k] for k in ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")}
+    n, acc = d["spec_num_draft_tokens"], d["spec_num_accepted_tokens"]
+    return dict(d, spec_acceptance_rate=acc / n if n else 0.0,
+                spec_mean_accepted_length=1 + acc / d["spec_num_drafts"] if d["spec_num_drafts"] else 1.0)
+
+
 def host_share(s0: dict, s1: dict) -> dict:
     """Engine time split between host work (schedule, inputs, dispatch, post-processing: the
     device idles unless a step is queued) and waiting for the device, between two get_stats().
@@ -111,7 +121,7 @@ def run_throughput(llm, num_prompts: int = 256, input_len=W1_INPUT_LEN, output_l
                 num_steps=steps, mean_step_ms=1e3 * dt / max(steps, 1), **host_share(s0, s1),
                 prefill_phase_s=prefill_s, decode_phase_s=dt - prefill_s if prefill_s is not None else None,
                 num_preemptions=s1["num_preemptions"] - s0["num_preemptions"],
-                compiles_in_window=c1 - c0, compiles_after_warmup=s1["compiles_after_warmup"],
+                compiles_in_window=c1 - c0, compiles_after_warmup=s1["compiles_after_warmup"], **spec_delta(s0, s1),
                 all_finished_by_length=all(o.outputs[0].finish_reason == "length" for o in outs))
 
 
@@ -124,7 +134,8 @@ def run_latency(llm, input_len: int = 512, output_len: int = 256, num_iters: int
     for i in range(num_iters_warmup + num_iters):
         s0 = llm.get_stats()
         times, ntok = stepwise(llm, one_prompt(input_len, vocab, seed=100 + i), output_len, f"b1-{i}", sampling)
-        share = host_share(s0, llm.get_stats())
+        s1 = llm.get_stats()
+        share = dict(host_share(s0, s1), **spec_delta(s0, s1))
         k = ntok.index(1)  # the step that produced the first token (after any prefill chunks)
         dec = times[k + 1:]
         it = dict(ttft_s=sum(times[:k + 1]), prefill_steps=k + 1, decode_steps=len(dec),
@@ -132,7 +143,7 @@ def run_latency(llm, input_len: int = 512, output_len: int = 256, num_iters: int
         if dec:
             it.update(decode_s=sum(dec), step_ms_mean=1e3 * statistics.fmean(dec),
                       step_ms_median=1e3 * statistics.median(dec), step_ms_p90=1e3 * _pct(dec, 0.9),
-                      step_ms_min=1e3 * min(dec), decode_tok_s=len(dec) / sum(dec))
+                      step_ms_min=1e3 * min(dec), decode_tok_s=(ntok[-1] - ntok[k]) / sum(dec))  # tokens: a speculative step emits several
         it["e2e_tok_s"] = ntok[-1] / sum(times)
         it.update(share)
         if i >= num_iters_warmup:
@@ -148,6 +159,7 @@ def run_latency(llm, input_len: int = 512, output_len: int = 256, num_iters: int
                step_ms_median=best.get("step_ms_median"), ttft_s=best["ttft_s"], host_share=best["host_share"],
                host_ms_per_step=best["host_ms_per_step"],
                host_parts={k: v for k, v in best.items() if k.startswith("host_") and k != "host_share"}, **ps,
+               **{k: v for k, v in best.items() if k.startswith("spec_")},
                kv_bytes_per_token=kvpt, mean_context=mean_ctx, bytes_per_step=step_bytes,
                mbu_definition="(weight_bytes (MoE: active_weight_bytes) + kv_bytes_per_token x mean_context) / "
                               "mean decode step / copy bandwidth")

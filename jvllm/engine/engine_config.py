@@ -63,6 +63,10 @@ class EngineConfig:
     # prompt was chunked and whether its prefix was cached: one token bucket, no decode-only
     # variant, one sampler program (jvllm.worker.batch_invariant states what holds where)
     batch_invariant: bool = False
+    # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT, "num_speculative_tokens": k}
+    # (jvllm.spec_decode.config states every key); None: off
+    speculative_config: dict | None = None
 
     def __post_init__(self):
         from jvllm.worker.batch_invariant import check_buckets  # host only, like this module

@@ -46,6 +46,21 @@ def check_options(config: EngineConfig, model_config, data_parallel_replica: boo
                          f"({mc.max_position_embeddings})")
 
 
+def check_speculation(config: EngineConfig, spec):
+    """Engine options speculative decoding does not run with: a clear error naming them (pipeline
+    stages, which stages over processes need too; sleep mode with a draft model, whose weights and
+    pool sleep mode does not manage)."""
+    if config.pipeline_parallel_size > 1:
+        raise ValueError(f"speculative_config needs pipeline_parallel_size 1 (got {config.pipeline_parallel_size}): "
+                         f"the verifier reads the step's hidden states on one stage")
+    if config.batch_invariant:
+        raise ValueError("speculative_config with batch_invariant=True is not implemented: a verified step computes "
+                         "several of a request's positions at once, which batch-invariant mode does not cover")
+    if config.enable_sleep_mode and spec.uses_draft_model:
+        raise ValueError("enable_sleep_mode=True with a speculative draft model is not implemented (sleep would "
+                         "not free the draft's weights and KV pool); use method 'ngram' or no sleep mode")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, devices=None):
         """`devices`: the devices of this engine (a data-parallel replica gets a slice); default all."""
@@ -81,13 +96,29 @@ class LLMEngine:
                                         gpu_memory_utilization=config.gpu_memory_utilization,
                                         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                         enable_prefix_caching=config.enable_prefix_caching)
-        num_blocks = worker.build_runner(self.sched_config, self.cache_config, buckets)
+        self.speculator = None
+        spec_cfg = draft = None
+        if config.speculative_config is not None:
+            from jvllm.spec_decode.config import SpeculativeConfig
+
+            spec_cfg = SpeculativeConfig.from_dict(config.speculative_config)
+            check_speculation(config, spec_cfg)
+            if spec_cfg.uses_draft_model:  # its weights load before the target's pool is sized
+                from jvllm.spec_decode.draft import DraftProposer
+
+                draft = DraftProposer(spec_cfg, config, mc, self.tokenizer)
+        num_blocks = worker.build_runner(self.sched_config, self.cache_config, buckets,
+                                         extra_bytes_per_block=draft.kv_bytes_per_block() if draft else 0)
+        if draft is not None:
+            draft.build(self.sched_config, self.cache_config, buckets, num_blocks)
         self.runner = worker.runner
         self.init_parts = worker.init_parts
         t = time.perf_counter()
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.init_parts["block_pool_s"] = time.perf_counter() - t
         self.scheduler = Scheduler(self.sched_config, self.kv_manager)
+        if spec_cfg is not None:
+            self.speculator = self._build_speculator(spec_cfg, draft)
         refused = None
         if worker.multiprocess:
             refused = (f"logprobs are not available with pipeline stages over {worker.process_count} processes "
@@ -110,6 +141,18 @@ class LLMEngine:
         self.warmup_seconds, self._warmup = worker.warm_up(config.background_compile, use_tqdm=config.use_tqdm_on_load)
         self.compiles_after_warmup_base = (self._warmup.compile_count_at_end if self._warmup.done() else None)
         self.init_seconds = time.perf_counter() - t0
+
+    def _build_speculator(self, cfg, draft):
+        from jvllm.spec_decode.speculator import Speculator
+
+        if cfg.uses_draft_model:
+            proposer = draft
+        else:
+            from jvllm.spec_decode.ngram import NgramProposer
+
+            proposer = NgramProposer(cfg.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.runner.spec = (cfg.k, cfg.uses_draft_model)
+        return Speculator(cfg, proposer)
 
     # ------------------------------------------------------------------ warm-up
     def wait_for_warmup(self, timeout: float | None = None) -> float:
@@ -181,6 +224,9 @@ class LLMEngine:
         Requests whose pending token is their last (max_tokens, max_model_len) are left out; one
         that stops on EOS / a stop string costs one wasted row, discarded when its results come.
         Never preempts (the step ends where blocks run out)."""
+        if self.speculator is not None and (self.speculator.active(self.scheduler)
+                                            or any(s.spec_token_ids for s in prev.sched.scheduled)):
+            return None  # speculating steps run synchronously (drafts and acceptance live on the host)
         last, late = set(), False
         for s in prev.sched.scheduled:
             r = s.req
@@ -216,10 +262,13 @@ class LLMEngine:
             self._count_pending(handle.sched)
             handle.late = False
 
-    def _launch(self, sched, prev_run=None, late: bool = False) -> StepHandle:
+    def _launch(self, sched, prev_run=None, late: bool = False, spec_q=None) -> StepHandle:
+        """`spec_q`: the draft model's probabilities for the verifier (never with `late`: speculating
+        steps are dispatched synchronously)."""
         try:
+            spec = {} if spec_q is None else dict(spec_q=spec_q)  # plain steps: the runner's plain signature
             run = (self.runner.dispatch(sched.scheduled, prev=prev_run, late_sampling=True) if late
-                   else self.runner.dispatch(sched.scheduled, prev=prev_run))
+                   else self.runner.dispatch(sched.scheduled, prev=prev_run, **spec))
         except Exception as e:
             return StepHandle(sched, error=e)
         if not late:  # a late step counts its pending tokens when its sampler is launched
@@ -242,6 +291,9 @@ class LLMEngine:
             self.stats["host_seconds"] += time.perf_counter() - t0
 
     def dispatch(self, only=None, allow_preempt=True) -> StepHandle:
+        spec_q = None
+        if self.speculator is not None:  # drafts for the decoding requests (only here: the sync path)
+            spec_q = self.speculator.propose(self.scheduler)
         sched = self.scheduler.schedule(allow_preempt=allow_preempt, only=only)
         if sched.empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -251,7 +303,7 @@ class LLMEngine:
                 self.scheduler.finish(req, Status.FINISHED_ERROR)
                 return StepHandle(outputs=self.output.outputs(self.groups, {req.group_id}))
             return StepHandle()
-        return self._launch(sched)
+        return self._launch(sched, spec_q=spec_q)
 
     def step_collect(self, handle: StepHandle) -> list[RequestOutput]:
         if handle.sched is None:
@@ -293,30 +345,51 @@ class LLMEngine:
             req.num_pending = max(0, req.num_pending - 1)
             if req.is_finished:  # stopped (or aborted) while this step was in flight: a wasted row
                 continue
-            tok = int(res.token_ids[r])
-            entry, lp = None, None
-            if res.logprobs is not None:
-                lp = float(res.logprobs[0][r])
-                if req.params.logprobs is not None:
-                    entry = op.logprob_entry(tok, lp, int(res.logprobs[1][r]), res.logprobs[2][r],
-                                             res.logprobs[3][r], req.params.logprobs, req.params.detokenize)
-            if req.grammar is not None:  # only kept tokens reach the grammar (wasted rows returned above)
-                err = req.grammar.accept(tok)
-                if err is not None:
-                    req.error = f"structured output: {err}"
-                    self.scheduler.finish(req, Status.FINISHED_ERROR)
-                    continue
-            req.append_token(tok, entry, lp)
-            self.stats["num_generation_tokens"] += 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            if req.is_finished:
-                req.metrics.finished_time = now
-                self.scheduler.finish(req, req.status)
+            if s.spec_token_ids:
+                self._append_verified(s, res.spec[r], now)
+                continue
+            lp = None if res.logprobs is None else tuple(a[r] for a in res.logprobs)
+            self._append(req, int(res.token_ids[r]), lp, now)
         outs = op.outputs(self.groups, touched)
         self.stats["host_seconds"] += time.perf_counter() - t1
         return outs
+
+    def _append(self, req, tok: int, lps, now: float) -> bool:
+        """Record one new token of `req` (`lps`: (logprob, rank, top ids, top logprobs) or None);
+        False when the request finished (stopped, length, error)."""
+        entry, lp = None, None
+        if lps is not None:
+            lp = float(lps[0])
+            if req.params.logprobs is not None:
+                entry = self.output.logprob_entry(tok, lp, int(lps[1]), lps[2], lps[3], req.params.logprobs,
+                                                  req.params.detokenize)
+        if req.grammar is not None:  # only kept tokens reach the grammar (wasted rows returned above)
+            err = req.grammar.accept(tok)
+            if err is not None:
+                req.error = f"structured output: {err}"
+                self.scheduler.finish(req, Status.FINISHED_ERROR)
+                return False
+        req.append_token(tok, entry, lp)
+        self.stats["num_generation_tokens"] += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        if req.is_finished:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req, req.status)
+            return False
+        return True
+
+    def _append_verified(self, s, res, now: float):
+        """A verified row: its accepted drafts and the target's token, one by one through the stop
+        conditions (a stop ends the row there), then the rejected drafts' KV slots rolled back."""
+        toks = self.speculator.emitted(s, res)
+        self.speculator.stats.record(len(s.spec_token_ids), len(toks) - 1)
+        for j, tok in enumerate(toks):
+            lps = None if res.logprobs is None else tuple(a[j] for a in res.logprobs)
+            if not self._append(s.req, tok, lps, now):
+                return
+        self.scheduler.accept_speculated(s, len(toks) - 1)
 
     def update_weights(self, weights) -> list[RequestOutput]:
         """Swap in new weights (`jvllm.worker.weights` states the accepted forms and checks).
@@ -381,6 +454,7 @@ class LLMEngine:
             prefix_cache_hit_rate=self.kv_manager.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
             compiles_after_warmup=self.worker.compile_count() - base if base is not None else 0,
             warmup_pending=base is None,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
             **self.stats, **(self.runner.timers if self.runner is not None else {}))
 
     def shutdown(self):
@@ -398,6 +472,9 @@ class LLMEngine:
             pass
         for g in list(self.groups):
             self.abort_request(g)
+        spec = getattr(self, "speculator", None)
+        if spec is not None and hasattr(spec.proposer, "release"):
+            spec.proposer.release()
         if getattr(self, "worker", None) is not None:
             self.worker.release()
         self.runner = None

@@ -135,6 +135,7 @@ class Request:
         self.num_hidden = 0
         self.sent_text_len = 0  # for DELTA outputs / streaming
         self.sent_token_len = 0
+        self.spec_token_ids: list[int] = []  # speculative decoding: drafts proposed for the next step
         self.grammar = None  # jvllm.structured.GrammarState of a constrained request (set by InputProcessor)
 
     # ------------------------------------------------------------------ state

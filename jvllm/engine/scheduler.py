@@ -35,6 +35,9 @@ class ScheduledRequest:
     start: int               # position of the first of them
     block_ids: list[int]     # the request's whole block table
     samples: bool = False    # the step's last token is the request's last token: its logits give a new one
+    # speculative decoding: draft tokens appended after the request's real tokens (part of
+    # num_tokens); the target verifies them and the accepted ones become the request's
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -84,12 +87,15 @@ class Scheduler:
         req.microbatch = None
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
+        req.spec_token_ids = []
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ schedule
-    def _entry(self, req: Request, n: int, start: int) -> ScheduledRequest:
+    def _entry(self, req: Request, n: int, start: int, spec: list[int] | None = None) -> ScheduledRequest:
+        spec = spec or []
         return ScheduledRequest(req, n, start, self.kv.block_ids(req),
-                                samples=start + n == req.num_tokens + req.num_pending)
+                                samples=start + n == req.num_tokens + req.num_pending + len(spec),
+                                spec_token_ids=spec)
 
     def schedule(self, skip: frozenset = frozenset(), allow_preempt: bool = True,
                  only: int | None = None) -> SchedulerOutput:
@@ -120,7 +126,13 @@ class Scheduler:
         while i < len(self.running) and any(budget):
             req = self.running[i]
             g = req.microbatch
-            n = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget[g])
+            n_real = req.num_tokens + req.num_pending - req.num_computed_tokens
+            spec = req.spec_token_ids  # drafts proposed for this step (speculative decoding), else []
+            if spec and (req in skip or n_real != 1 or not self.kv.allocate_slots(req, min(1 + len(spec), budget[g]))):
+                spec = req.spec_token_ids = []  # no room (blocks or budget): a plain decode instead
+            n = min(n_real + len(spec), budget[g])
+            if spec:
+                spec = req.spec_token_ids = spec[:n - n_real]
             if req in skip or n <= 0:
                 i += 1
                 continue
@@ -136,7 +148,7 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break  # req itself was preempted: nothing after it can run either
-            scheduled.append(self._entry(req, n, req.num_computed_tokens))
+            scheduled.append(self._entry(req, n, req.num_computed_tokens, spec))
             budget[g] -= n
             i += 1
 
@@ -181,10 +193,30 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted, used, only)
 
     def update_after_step(self, out: SchedulerOutput):
-        """Advance computed counts and register newly full blocks in the prefix cache."""
+        """Advance computed counts and register newly full blocks in the prefix cache. Draft tokens
+        do not count here: `accept_speculated` counts the accepted ones once they are known."""
         for s in out.scheduled:
             req = s.req
             if req.status is not Status.RUNNING:
                 continue
-            req.num_computed_tokens = s.start + s.num_tokens
+            req.num_computed_tokens = s.start + s.num_tokens - len(s.spec_token_ids)
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
+
+    def accept_speculated(self, s: ScheduledRequest, num_accepted: int):
+        """After a verified step (and after the accepted drafts and the one new token were
+        appended to the request): the accepted drafts' KV slots count as computed, the rejected
+        drafts' are given back. Blocks that hold only rejected tokens return to the pool; only
+        blocks full of accepted tokens get prefix-cache hashes (their hashes are over the real
+        token ids, appended before this call)."""
+        req = s.req
+        d = len(s.spec_token_ids)
+        if not 0 <= num_accepted <= d:
+            raise ValueError(f"request {req.request_id}: {num_accepted} drafts accepted of {d} proposed")
+        if req.status is not Status.RUNNING:
+            return
+        req.num_computed_tokens = s.start + s.num_tokens - d + num_accepted
+        if req.num_computed_tokens >= req.num_tokens:
+            raise RuntimeError(f"request {req.request_id}: {req.num_computed_tokens} tokens computed of "
+                               f"{req.num_tokens}; the token after the accepted drafts must be appended first")
+        self.kv.trim(req, req.num_computed_tokens)
+        self.kv.cache_full_blocks(req, req.num_computed_tokens)

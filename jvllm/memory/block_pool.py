@@ -249,6 +249,22 @@ class KVCacheManager:
             self.pool.register(table[i], hashes[i])
         self.num_cached[req.request_id] = n_full
 
+    def trim(self, req, num_tokens: int):
+        """Give back the tail blocks that hold none of the request's first `num_tokens` tokens
+        (speculative decoding: slots of rejected draft tokens). Never touches a registered block:
+        only full blocks of computed tokens are registered, and those hold kept tokens."""
+        table = self.tables.get(req.request_id)
+        if not table:
+            return
+        keep = -(-num_tokens // self.block_size)
+        if keep < self.num_cached.get(req.request_id, 0):
+            raise RuntimeError(f"request {req.request_id}: trimming to {num_tokens} tokens would drop cached blocks")
+        if keep < len(table):
+            tail = table[keep:]
+            del table[keep:]
+            del self.ids[req.request_id][keep:]
+            self.pool.release(reversed(tail))
+
     def free(self, req):
         table = self.tables.pop(req.request_id, None)
         self.ids.pop(req.request_id, None)

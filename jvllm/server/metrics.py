@@ -9,6 +9,11 @@ Names follow vLLM's with the `jvllm:` prefix:
             jvllm:prefix_cache_queries_total, jvllm:prefix_cache_hits_total (prompt tokens looked up /
             found in the prefix cache, counted once per request when its first output arrives),
             jvllm:request_success_total{finished_reason}, jvllm:request_rejected_total{reason}
+  speculative decoding (engines with a speculative_config only):
+  counters  jvllm:spec_decode_num_drafts_total, jvllm:spec_decode_num_draft_tokens_total,
+            jvllm:spec_decode_num_accepted_tokens_total,
+            jvllm:spec_decode_num_accepted_tokens_per_pos_total{position}
+  gauges    jvllm:spec_decode_acceptance_rate (0..1), jvllm:spec_decode_mean_accepted_length
   histograms jvllm:time_to_first_token_seconds, jvllm:time_per_output_token_seconds,
             jvllm:inter_token_latency_seconds (each gap between two outputs of a request),
             jvllm:e2e_request_latency_seconds
@@ -25,7 +30,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
               "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
               "e2e_request_latency_seconds", "prefix_cache_queries", "prefix_cache_hits",
-              "time_per_output_token_seconds", "num_preemptions", "request_success")
+              "time_per_output_token_seconds", "num_preemptions", "request_success", "spec_decode_num_drafts",
+              "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+              "spec_decode_num_accepted_tokens_per_pos")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -76,6 +83,20 @@ class _EngineCollector:
         yield counter("jvllm:prompt_tokens", "Prompt tokens computed (prefill).", s.get("num_prompt_tokens", 0))
         yield counter("jvllm:generation_tokens", "Tokens generated.", s.get("num_generation_tokens", 0))
         yield counter("jvllm:num_preemptions", "Sequences preempted.", s.get("num_preemptions", 0))
+        if "spec_num_drafts" in s:
+            yield counter("jvllm:spec_decode_num_drafts", "Verified rows that carried draft tokens.", s["spec_num_drafts"])
+            yield counter("jvllm:spec_decode_num_draft_tokens", "Draft tokens verified.", s["spec_num_draft_tokens"])
+            yield counter("jvllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          s["spec_num_accepted_tokens"])
+            per = CounterMetricFamily("jvllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position.", labels=lab + ["position"])
+            for j, n in enumerate(s["spec_accepted_per_position"]):
+                per.add_metric(v + [str(j)], float(n))
+            yield per
+            yield gauge("jvllm:spec_decode_acceptance_rate", "Accepted / verified draft tokens, 0..1.",
+                        s["spec_acceptance_rate"])
+            yield gauge("jvllm:spec_decode_mean_accepted_length",
+                        "Tokens emitted per verified row with drafts (accepted + 1).", s["spec_mean_accepted_length"])
 
 
 class _VllmNames:

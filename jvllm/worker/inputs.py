@@ -120,6 +120,9 @@ class InputLayout:
         for s in scheduled:
             n, start = s.num_tokens, s.start
             known = s.req.all_token_ids[start:start + n]
+            spec = getattr(s, "spec_token_ids", None)
+            if spec:  # speculative decoding: the drafts follow the request's real tokens
+                known = known + spec
             toks += known
             if len(known) < n:  # the one pending token (async scheduling)
                 if len(known) != n - 1 or prev_rows is None or s.req.request_id not in prev_rows:

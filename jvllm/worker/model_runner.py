@@ -42,6 +42,7 @@ class StepResult:
     logprobs: tuple | None                # (tok_lp [R], rank [R], top_ids [R,N], top_lp [R,N]) or None
     prompt_logprobs: dict                 # row -> (positions, tok_lp, rank, top_ids, top_lp)
     hidden_states: dict = dataclasses.field(default_factory=dict)  # row -> (start, [L+1, n, hidden] numpy)
+    spec: dict = dataclasses.field(default_factory=dict)  # row -> spec_decode.inputs.SpecRowResult (rows with drafts)
 
 
 @dataclasses.dataclass
@@ -51,6 +52,7 @@ class DispatchedStep:
     num_rows: int
     pending: list[Pending]
     late: list | None = None
+    spec: list = dataclasses.field(default_factory=list)  # [(step rows, draft counts, tokens, num_accepted, logprobs)] on device
 
 
 def _not_sampled():
@@ -129,6 +131,7 @@ class ModelRunner:
         self.timers = dict(prepare_s=0.0, step_call_s=0.0, sample_inputs_s=0.0, sample_call_s=0.0, step_call_put_s=0.0,
                            grammar_mask_s=0.0, late_sampling_s=0.0)
         self.jit_cache: dict = {}
+        self.spec: tuple[int, bool] | None = None  # speculative decoding: (k, draft probs?), set by the engine before warm-up
         self.executor = make_executor(self)
         self.programs = Programs(self)  # every kind registered by worker/programs.py and executors/
 
@@ -203,7 +206,8 @@ class ModelRunner:
         self.executor.release()
 
     # ------------------------------------------------------------------ execute
-    def dispatch(self, scheduled, prev: DispatchedStep | None = None, late_sampling: bool = False) -> DispatchedStep:
+    def dispatch(self, scheduled, prev: DispatchedStep | None = None, late_sampling: bool = False,
+                 spec_q=None) -> DispatchedStep:
         """Enqueue one step on the device(s) without waiting for it; returns a handle for `collect`.
         `prev`: the handle of the step still in flight whose sampled ids some of these requests
         need as input (async scheduling), else None. Each micro-batch takes its pending tokens from
@@ -215,7 +219,10 @@ class ModelRunner:
         from the requests' host state and the samplers enqueued by `launch_sampling(handle)`, which
         must come before `collect` or before the handle is a later dispatch's `prev`. The engine
         calls it once the step before has been read, so those inputs see its tokens while this
-        step's forward runs."""
+        step's forward runs.
+        Rows with draft tokens (`ScheduledRequest.spec_token_ids`) are verified by the spec_verify
+        program after the step (single stage, never `late_sampling`); `spec_q`: the draft model's
+        (probabilities [max_num_seqs, k, V] on device, {request_id: row}) or None (one-hot drafts)."""
         if late_sampling and not self.executor.late_sampling:
             raise ValueError(f"late_sampling: the {type(self.executor).__name__} launches whole micro-batches only")
         tm = self.timers
@@ -244,7 +251,33 @@ class ModelRunner:
             late = [(w, self.executor.forward(w)) for w in work]
             return DispatchedStep(len(scheduled), [Pending(w.group, resolve=_not_sampled) for w in work], late)
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
-        return DispatchedStep(len(scheduled), [self.executor.launch(w) for w in work])
+        pending, spec = [], []
+        for w in work:
+            pending.append(self.executor.launch(w))
+            if any(getattr(s, "spec_token_ids", None) for s in w.sched):
+                spec.append(self._launch_verify(w, spec_q))
+        return DispatchedStep(len(scheduled), pending, spec=spec)
+
+    def _launch_verify(self, w, spec_q):
+        """Enqueue spec_verify on the step's hidden states (`w.x`: the last stage's output)."""
+        from jvllm.spec_decode.inputs import verify_inputs
+
+        if self.spec is None or len(self.stages) != 1:
+            raise RuntimeError("draft tokens reached a runner without speculative decoding (single stage) set up")
+        k, probs = self.spec
+        vi = verify_inputs(w.sched, w.R, k, self.cfg.vocab_size, spec_q[1] if spec_q is not None else None)
+        if probs != (spec_q is not None):
+            raise RuntimeError(f"spec_verify set up {'with' if probs else 'without'} draft probabilities, "
+                               f"got {'some' if spec_q is not None else 'none'}")
+        shard = self.stages[-1].sharding()
+        args = (vi.idx, vi.draft, vi.num_draft, vi.sb) + ((vi.q_rows,) if probs else ())
+        if shard is not None:
+            args = jax.tree_util.tree_map(lambda a: put(np.asarray(a), shard), args)
+        q = (spec_q[0], args[4]) if probs else (None, None)
+        greedy = not np.any(vi.sb.temperature > 0)
+        tok, acc, lp = self.programs.get("spec_verify", (w.T, k, probs, vi.want_lp, bool(greedy)))(
+            self.head_w, w.x, *args[:4], *q)
+        return [i for i, _ in w.group], vi.num_draft, tok, acc, lp
 
     def launch_sampling(self, handle: DispatchedStep):
         """The second half of a `late_sampling` dispatch: build each micro-batch's sampling inputs
@@ -296,7 +329,17 @@ class ModelRunner:
                     plp_all[rows[local]] = (pos, *(a[o:o + len(pos)] for a in host))
             if res.hidden_states is not None:
                 hs_all.update(_split_hidden(to_host(res.hidden_states), [s for _, s in res.group], rows))
-        return StepResult(token_ids, lps, plp_all, hs_all)
+        from jvllm.spec_decode.inputs import SpecRowResult
+
+        spec = {}
+        for rows, nd, tok, acc, lp in handle.spec:
+            tok, acc = to_host(tok), to_host(acc)
+            lp = None if lp is None else [to_host(a) for a in lp]
+            for local, row in enumerate(rows):
+                if nd[local]:
+                    spec[row] = SpecRowResult(tok[local], int(acc[local]),
+                                              None if lp is None else tuple(a[local] for a in lp))
+        return StepResult(token_ids, lps, plp_all, hs_all, spec=spec)
 
     def execute(self, scheduled) -> StepResult:
         return self.collect(self.dispatch(scheduled))

@@ -251,3 +251,68 @@ register(ProgramKind("sample_procs", _sample_procs_signature, lambda ctx: [], ow
 # prompt logprobs are refused with stages over processes (only the sampled ids cross)
 register(ProgramKind("prompt_lp", _prompt_lp_signature,
                      lambda ctx: [] if ctx.multiprocess else list(ctx.layout.token_buckets), owned=_last_owned))
+
+
+# ---------------------------------------------------------------------------- speculative decoding
+def _spec_verify_signature(ctx, key) -> Signature:
+    """spec_verify[T, k, draft_probs, want_lp, all greedy] (head_w, hidden[T], idx[R, k+1], draft[R, k],
+    num_draft[R], SamplingBatch[R], draft probs [max_num_seqs, k, V] | None, q_rows[R] | None) ->
+    (tokens[R, k+1], num_accepted[R], logprobs | None): `jvllm.spec_decode.rejection.verify_body`."""
+    from jvllm.spec_decode.rejection import verify_body
+
+    T, k, probs, want_lp, greedy = key
+    R = ctx.layout.seq_bucket(T)
+    last = ctx.stages[-1]
+    shard = last.sharding()
+    V = ctx.cfg.vocab_size
+    sb, _ = sampler.abstract_inputs(R, ctx.max_model_len, V, False, shard)
+    fn = cached(ctx, ("spec_verify", want_lp, greedy), lambda: jax.jit(functools.partial(
+        verify_body, logits_fn=functools.partial(logits, tied=ctx.cfg.tie_word_embeddings,
+                                                 softcap=ctx.cfg.final_logit_softcap), want_lp=want_lp,
+        all_greedy=greedy)))
+    i32 = jnp.int32
+    q = _sds((ctx.max_num_seqs, k, V), jnp.float32, shard) if probs else None
+    q_rows = _sds((R,), i32, shard) if probs else None
+    return Signature(fn, (_like(ctx.head_w), _sds((T, ctx.cfg.hidden_size), ctx.dtype, shard),
+                          _sds((R, k + 1), i32, shard), _sds((R, k), i32, shard), _sds((R,), i32, shard), sb, q, q_rows),
+                     tuple(last.devices()))
+
+
+def _spec_verify_keys(ctx) -> list:
+    """With speculation on (`ctx.spec`: (k, draft probs)), every token bucket that fits a
+    speculating row: all-greedy and sampled, without and with logprobs (plain ones first)."""
+    spec = getattr(ctx, "spec", None)
+    if spec is None:
+        return []
+    k, probs = spec
+    return [(T, k, probs, lp, g) for lp in (False, True) for T in ctx.layout.token_buckets if T >= k + 1
+            for g in (True, False)]
+
+
+register(ProgramKind("spec_verify", _spec_verify_signature, _spec_verify_keys, owned=_last_owned))
+
+
+def _draft_sample_signature(ctx, key) -> Signature:
+    """draft_sample[R, all greedy] on a draft model's runner (`ctx.draft_k` set): (head_w, last_hidden[R],
+    SamplingBatch[R], dst[R], round j [], acc_p [max_num_seqs, k, V], acc_i [max_num_seqs, k]) ->
+    (acc_p, acc_i, ids padded): `jvllm.spec_decode.rejection.draft_sample_body`, accumulators donated."""
+    from jvllm.spec_decode.rejection import draft_sample_body
+
+    R, greedy = key
+    last = ctx.stages[-1]
+    shard = last.sharding()
+    V, S, k = ctx.cfg.vocab_size, ctx.max_num_seqs, ctx.draft_k
+    sb, _ = sampler.abstract_inputs(R, ctx.max_model_len, V, False, shard)
+    fn = cached(ctx, ("draft_sample", greedy), lambda: jax.jit(functools.partial(
+        draft_sample_body, logits_fn=functools.partial(logits, tied=ctx.cfg.tie_word_embeddings,
+                                                       softcap=ctx.cfg.final_logit_softcap), all_greedy=greedy),
+        donate_argnums=(5, 6)))
+    i32 = jnp.int32
+    return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb,
+                          _sds((R,), i32, shard), _sds((), i32, shard), _sds((S, k, V), jnp.float32, shard),
+                          _sds((S, k), i32, shard)), tuple(last.devices()))
+
+
+register(ProgramKind("draft_sample", _draft_sample_signature,
+                     lambda ctx: [(R, g) for R in _request_buckets(ctx) for g in (True, False)]
+                     if getattr(ctx, "draft_k", None) else [], owned=_last_owned))

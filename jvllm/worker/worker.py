@@ -215,13 +215,15 @@ class Worker:
             kv_cache.delete(st.kv)  # this process's pools (others' are None)
         return sizing.activation_peak_bytes(temps)
 
-    def build_runner(self, sc: SchedulerConfig, cc: CacheConfig, buckets) -> int:
+    def build_runner(self, sc: SchedulerConfig, cc: CacheConfig, buckets, extra_bytes_per_block: int = 0) -> int:
         """Size the KV pool (agreed on by every process), allocate it and build the runner. Returns
-        the number of blocks. Raises ValueError when max_model_len does not fit in the pool."""
+        the number of blocks. Raises ValueError when max_model_len does not fit in the pool.
+        `extra_bytes_per_block`: device bytes another pool of as many blocks needs beside this one
+        (a speculative draft model's), so the budget is split between the two."""
         from jvllm.config import cdiv
 
         t = time.perf_counter()
-        n = sizing.num_blocks(cc, self.kv_bytes_per_block(), sc.max_model_len, sc.max_num_seqs,
+        n = sizing.num_blocks(cc, self.kv_bytes_per_block() + extra_bytes_per_block, sc.max_model_len, sc.max_num_seqs,
                               lambda: self._activation_peak(sc, buckets))
         n = sizing.agree_min(n)
         self.init_parts["kv_sizing_s"] = time.perf_counter() - t

@@ -1,0 +1,172 @@
+"""Speculative decoding inside the engine, on tiny random models: greedy outputs token-identical
+with and without speculation (n-gram and draft model; batched, chunked prefill, preempted,
+prefix-cached, async scheduling, plain and speculating rows in one batch), logprobs of the
+accepted tokens, max_tokens / stop tokens inside accepted drafts, seeds, disable_by_batch_size and
+the option errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jvllm import LLM, SamplingParams
+
+KW = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4, token_buckets=(8, 16, 32),
+          use_tqdm_on_load=False, num_gpu_blocks_override=96, block_size=4)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# repetitive prompts (n-gram matches) and one with no repeats; 14..22 tokens: chunked at 32 a step
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12, 13, 10, 11],
+           list(range(20, 42))]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _ids(llm, prompts=PROMPTS, sp=GREEDY):
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def target(ckpt_dir):
+    return ckpt_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def base(target):
+    llm = LLM(target, **KW)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ngram(target):
+    llm = LLM(target, speculative_config=NGRAM, async_scheduling=False, **KW)
+    yield llm
+    llm.shutdown()
+
+
+def _spec(llm) -> dict:
+    return {k: v for k, v in llm.llm_engine.get_stats().items() if k.startswith("spec_")}
+
+
+def test_ngram_greedy_is_token_identical_batched(base, ngram):
+    want = _ids(base)
+    before = _spec(ngram)["spec_num_draft_tokens"]
+    assert _ids(ngram) == want
+    st = _spec(ngram)
+    assert st["spec_num_draft_tokens"] > before and st["spec_num_accepted_tokens"] > 0
+    print("ngram acceptance on the tiny model:", st["spec_acceptance_rate"], st["spec_mean_accepted_length"])
+    # one at a time too (batch 1: the B1 shape)
+    assert [_ids(ngram, [p])[0] for p in PROMPTS] == want
+
+
+def test_ngram_prefix_cached_and_mixed_rows(base, ngram):
+    """The same prompts again hit the prefix cache (blocks hashed from accepted tokens only); rows
+    with a presence penalty run plain in the same batches."""
+    want = _ids(base)
+    hits = ngram.llm_engine.kv_manager.pool.prefix_hits
+    assert _ids(ngram) == want
+    assert ngram.llm_engine.kv_manager.pool.prefix_hits > hits
+    pen = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=0.5)
+    mixed = [GREEDY, pen, GREEDY]
+    want = [list(o.outputs[0].token_ids) for o in base.generate(PROMPTS, mixed, use_tqdm=False)]
+    assert [list(o.outputs[0].token_ids) for o in ngram.generate(PROMPTS, mixed, use_tqdm=False)] == want
+
+
+def test_ngram_logprobs_max_tokens_and_stop_tokens(base, ngram):
+    sp = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, logprobs=2)
+    a = base.generate(PROMPTS, sp, use_tqdm=False)
+    b = ngram.generate(PROMPTS, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        x, y = x.outputs[0], y.outputs[0]
+        assert list(x.token_ids) == list(y.token_ids) and len(y.token_ids) == 13
+        assert len(y.logprobs) == 13
+        for ex, ey in zip(x.logprobs, y.logprobs):
+            assert set(ex) == set(ey)
+            for t in ex:
+                assert ex[t].logprob == pytest.approx(ey[t].logprob, abs=1e-4) and ex[t].rank == ey[t].rank
+        assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
+    # a stop token in the middle of a run of accepted drafts ends the output there
+    full = _ids(base)[0]
+    stop = full[10]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    want = _ids(base, PROMPTS[:1], sp)
+    assert _ids(ngram, PROMPTS[:1], sp) == want and want[0][-1] == stop and len(want[0]) <= 11
+
+
+def test_ngram_sampled_is_reproducible_by_seed(ngram):
+    sp = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    a = [list(o.outputs[0].token_ids) for o in ngram.generate(PROMPTS, sp, use_tqdm=False)]
+    b = [list(o.outputs[0].token_ids) for o in ngram.generate(PROMPTS, sp, use_tqdm=False)]
+    assert a == b and all(len(x) == 20 for x in a)
+
+
+def test_ngram_preempted_async_and_disabled_by_batch_size(target, base):
+    want = _ids(base)
+    # 14 usable blocks of 4 tokens for three requests of 14..22 + 24 tokens: preemption
+    small = LLM(target, speculative_config=dict(NGRAM), **dict(KW, num_gpu_blocks_override=15, max_model_len=48))
+    try:
+        assert small.llm_engine.async_scheduling  # async on: speculating steps take the sync path
+        assert _ids(small) == want
+        st = small.llm_engine.get_stats()
+        assert st["num_preemptions"] > 0 and st["spec_num_accepted_tokens"] > 0
+    finally:
+        small.shutdown()
+    off = LLM(target, speculative_config=dict(NGRAM, disable_by_batch_size=2), **KW)
+    try:
+        assert _ids(off) == want  # all three run together (3 > 2) and finish together: never speculates
+        assert _spec(off)["spec_num_drafts"] == 0
+        assert _ids(off, PROMPTS[:1]) == want[:1] and _spec(off)["spec_num_drafts"] > 0
+    finally:
+        off.shutdown()
+
+
+def test_draft_model_greedy_is_token_identical(target, base, ckpt_dir):
+    want = _ids(base)
+    other = ckpt_dir("llama", seed=1, num_hidden_layers=1)  # a different (random) draft: low acceptance
+    for draft, full in ((target, True), (other, False)):
+        llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 3}, **KW)
+        try:
+            assert _ids(llm) == want
+            st = _spec(llm)
+            assert st["spec_num_draft_tokens"] > 0
+            if full:  # the draft is the target: every draft accepted (the mechanism's upper bound)
+                assert st["spec_acceptance_rate"] == 1.0 and st["spec_mean_accepted_length"] > 3.0
+            sp = [SamplingParams(max_tokens=16, temperature=0.9, seed=s, ignore_eos=True) for s in (4, 5, 6)]
+            a = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+            b = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+            assert a == b
+        finally:
+            llm.shutdown()
+
+
+def test_draft_model_must_share_the_vocabulary(target, ckpt_dir):
+    other = ckpt_dir("llama", vocab_size=300)
+    with pytest.raises(ValueError, match="vocab_size 300, the target 256"):
+        LLM(target, speculative_config={"model": other, "num_speculative_tokens": 2}, **KW)
+
+
+def test_speculation_option_errors(target):
+    with pytest.raises(ValueError, match="unknown or unsupported key"):
+        LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "x"}, **KW)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+        LLM(target, speculative_config=NGRAM, pipeline_parallel_size=2, **KW)
+    with pytest.raises(ValueError, match="batch_invariant=True is not implemented"):
+        LLM(target, speculative_config=NGRAM, batch_invariant=True, **dict(KW, token_buckets=(32,)))
+    with pytest.raises(ValueError, match="enable_sleep_mode=True with a speculative draft model"):
+        LLM(target, speculative_config={"model": target, "num_speculative_tokens": 2}, enable_sleep_mode=True, **KW)
+
+
+def test_drafted_steps_compile_nothing_after_warmup(ngram):
+    ngram.llm_engine.wait_for_warmup()
+    _ids(ngram)
+    base = ngram.llm_engine.get_stats()["compiles_after_warmup"]
+    _ids(ngram, [PROMPTS[1], list(np.arange(50, 60))])
+    assert ngram.llm_engine.get_stats()["compiles_after_warmup"] == base
+
+
+def test_bench_latency_reports_acceptance(ngram):
+    from jvllm.bench import run_latency
+
+    out = run_latency(ngram, input_len=12, output_len=16, num_iters=1, num_iters_warmup=0)
+    assert {"spec_acceptance_rate", "spec_mean_accepted_length", "spec_num_draft_tokens"} <= set(out)
+    it = out["iterations"][0]
+    # decode tokens per second count tokens, not steps (a verified step emits several)
+    assert it["decode_tok_s"] == pytest.approx((it["output_tokens"] - 1) / it["decode_s"])
