@@ -14,6 +14,8 @@ from jvllm.converters.deps import MissingDependencyError
 def add_engine_args(p: argparse.ArgumentParser):
     """Every LLM(...) engine option as a flag (shared by generate, chat, serve, bench)."""
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="quantized projection weights: fp8 | int8 (default: none, or the checkpoint's own)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (None: the model's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of device memory jvllm may use")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -56,7 +58,7 @@ def engine_kwargs(a) -> dict:
     return dict(attention_backend=a.attention_backend, async_scheduling=a.async_scheduling, query_tile=a.query_tile,
                 tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                 data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
-                moe_backend=a.moe_backend, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
+                moe_backend=a.moe_backend, dtype=a.dtype, quantization=a.quantization, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                 block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
