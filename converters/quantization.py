@@ -165,8 +165,8 @@ def unexpected_quantized_error(tensor: str, got, want) -> CheckpointError | None
     if (got == f8) == (want == f8):
         return None
     if got == f8:
-        return CheckpointError(f"tensor {tensor!r} is float8_e4m3, a quantized checkpoint, but its config.json "
-                               f"declares no supported quantization_config; {SUPPORTED}")
+        return CheckpointError(f"tensor {tensor!r} has dtype F8_E4M3, a quantized checkpoint, but its config.json "
+                               f"declares no quantization_config; {SUPPORTED}")
     return CheckpointError(f"tensor {tensor!r} is {got.name} but this pre-quantized checkpoint's projections "
                            f"must be float8_e4m3 with a scale (config.json declares the quantization)")
 
