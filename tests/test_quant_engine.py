@@ -108,6 +108,23 @@ def test_tensor_parallel_shards_scales_with_their_output_axis(tiny, engines):
         llm.shutdown()
 
 
+def test_w8a8_engine_where_fp8_matmuls_exist(tiny, engines, ref_logits, monkeypatch):
+    """The fp8 path of Hopper-class GPUs (fp8 activations per token), forced on the CPU."""
+    import jvllm.quantization.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "fp8_matmul_supported", lambda device=None: True)
+    llm = LLM(tiny, quantization="fp8", **KW)
+    try:
+        assert llm.llm_engine.model_config.quant.fp8_activations
+        assert not engines["fp8"].llm_engine.model_config.quant.fp8_activations  # CPU default
+        z = _logits(llm)
+        rel = float(np.abs(z - ref_logits).max() / np.abs(ref_logits).max())
+        print(f"fp8 W8A8: max |dlogit| / max |logit| = {rel:.4f}")
+        assert rel < TOL["fp8"] and not np.allclose(z, _logits(engines["fp8"]))
+    finally:
+        llm.shutdown()
+
+
 def test_unknown_quantization_is_refused(tiny):
     with pytest.raises(ValueError, match=r"quantization must be one of fp8, int8 \(or None\); got 'gptq'"):
         LLM(tiny, quantization="gptq", **KW)

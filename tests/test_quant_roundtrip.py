@@ -71,7 +71,8 @@ def test_projections_match_the_dequantized_einsum(shape, n_in, spec):
     w = _w(shape, 4)
     ref = jnp.einsum(spec, x, w)
     assert num_contracted(spec) == n_in
-    for p, tol in ((Int8Channel(), 1e-5), (Fp8Block(16), 1e-5), (Fp8Channel(), None)):
+    for p, tol in ((Int8Channel(), 1e-5), (Fp8Block(16), 1e-5), (Fp8Channel(activations=False), 1e-5),
+                   (Fp8Channel(), None)):
         q, s = p.quantize(w, n_in)
         deq = jnp.einsum(spec, x, p.dequantize(q, s, n_in))
         y = p(spec, x, nnx.Param(q), nnx.Param(s))
@@ -124,6 +125,8 @@ def test_apply_quantization_options():
         apply_quantization(cfg, "awq")
     with pytest.raises(ValueError, match=r"got 'fp8_block'"):  # only from a checkpoint
         apply_quantization(cfg, "fp8_block")
+    assert apply_quantization(cfg, "fp8").quant == QuantConfig("fp8", fp8_activations=False)  # CPU: weight-only
+    assert apply_quantization(cfg, "fp8", fp8_activations=True).quant.fp8_activations
     pre = _cfg(quant=QuantConfig("fp8", from_checkpoint=True))
     assert apply_quantization(pre, "fp8") is pre and apply_quantization(pre, None) is pre
     with pytest.raises(ValueError, match=r"already quantized \(fp8\); pass quantization=None or 'fp8'"):
@@ -140,6 +143,8 @@ def test_moe_models_are_refused():
 def test_quant_config_checks():
     with pytest.raises(ValueError, match=r"'int4' is not one of"):
         QuantConfig("int4")
+    with pytest.raises(ValueError, match=r"fp8_activations is for method 'fp8', not 'int8'"):
+        QuantConfig("int8", fp8_activations=True)
     with pytest.raises(ValueError, match=r"block_in is for fp8_block only and required there"):
         QuantConfig("fp8_block")
     with pytest.raises(ValueError, match=r"must be a jvllm.quantization.QuantConfig"):
@@ -159,3 +164,13 @@ def test_quantized_specs_keep_head_embedding_and_norms_in_model_dtype():
         else:
             assert dtype == jnp.bfloat16, name
     assert sum(n.endswith("_scale") for n in specs) == 7 * 2
+
+
+def test_fp8_matmuls_are_detected_per_device():
+    from types import SimpleNamespace as D
+
+    from jvllm.quantization.fp8 import fp8_matmul_supported
+
+    assert fp8_matmul_supported(D(platform="gpu", compute_capability="9.0"))
+    assert not fp8_matmul_supported(D(platform="gpu", compute_capability="8.0"))  # A100: weight-only
+    assert not fp8_matmul_supported(D(platform="cpu"))

@@ -4,10 +4,11 @@ Compiles one dense projection (default: Llama-3-8B's gate_proj, 4096 -> 14336) a
 counts in four formulations and reads each optimized HLO:
 
   bf16         x @ w in bfloat16 (the baseline)
-  fp8          jvllm's `quantization="fp8"` (jvllm.quantization.fp8.Fp8Channel): x quantized per
-               token to float8_e4m3fn, an fp8 x fp8 dot with float32 accumulation, both scales after
-  fp8_wonly    weight-only fp8: the float8 weight converted to bfloat16 inside the dot, the
-               per-channel scale after it (what Fp8Channel would be without activation scaling)
+  fp8          jvllm's `quantization="fp8"` on fp8-capable GPUs (jvllm.quantization.fp8.Fp8Channel,
+               W8A8): x quantized per token to float8_e4m3fn, an fp8 x fp8 dot with float32
+               accumulation, both scales after
+  fp8_wonly    jvllm's fp8 elsewhere (Fp8Channel(activations=False)): the float8 weight converted
+               to bfloat16 inside the dot, the per-channel scale after it
   int8         jvllm's `quantization="int8"` (weight-only, jvllm.quantization.int8.Int8Channel)
 
 For each: whether the optimized HLO calls cuBLASLt's fp8 GEMM (`__cublas$lt$matmul$f8`), the
@@ -54,8 +55,7 @@ def formulations():
         return Fp8Channel()(spec, x, P(w), P(s))
 
     def fp8_wonly(x, w, s):
-        y = jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (y * s).astype(x.dtype)
+        return Fp8Channel(activations=False)(spec, x, P(w), P(s))
 
     def int8(x, w, s):
         return Int8Channel()(spec, x, P(w), P(s))

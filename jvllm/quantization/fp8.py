@@ -2,9 +2,10 @@
 engine's `quantization="fp8"` and compressed-tensors FP8-dynamic checkpoints), and block scales,
 weight-only (`Fp8Block`, HF FP8 `weight_scale_inv` checkpoints).
 
-Fp8Channel is W8A8 with dynamic per-token activation scales, chosen over weight-only because the
-dot then reads fp8 operands on both sides, which is the pattern XLA's GPU GEMM rewriter turns into
-one cuBLASLt fp8 GEMM on Hopper (`__cublas$lt$matmul$f8`; benchmarks/probes/fp8_gemm_hlo.py checks
+Fp8Channel is W8A8 with dynamic per-token activation scales where the device has fp8 matmuls
+(`fp8_matmul_supported`; weight-only elsewhere, decided once by `apply_quantization`), because
+the dot then reads fp8 operands on both sides, which is the pattern XLA's GPU GEMM rewriter turns
+into one cuBLASLt fp8 GEMM on Hopper (`__cublas$lt$matmul$f8`; benchmarks/probes/fp8_gemm_hlo.py checks
 the optimized HLO of both formulations): x is scaled per token to the fp8 range (a max over the
 contracted dims: under tensor parallelism over heads, o_proj's needs an all-reduce of T floats),
 cast, multiplied as fp8 x fp8 with float32 accumulation, and both scales are applied to the
@@ -45,13 +46,33 @@ def quantize_tokens(x, xs: str, out: str):
     return xq, per_token
 
 
+def fp8_matmul_supported(device=None) -> bool:
+    """Whether `device` (default: the first) multiplies fp8 x fp8 natively: NVIDIA GPUs of
+    compute capability 8.9 and later (Ada, Hopper, Blackwell)."""
+    import jax
+
+    d = device or jax.devices()[0]
+    try:
+        return d.platform == "gpu" and float(getattr(d, "compute_capability", "0")) >= 8.9
+    except (TypeError, ValueError):
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Channel(ChannelScaled):
+    """activations=True: W8A8 (per-token fp8 activations, an fp8 x fp8 dot); False: weight-only
+    (the fp8 weight converted to the activation dtype inside the dot). Both apply the scales to
+    the float32 result."""
+
+    activations: bool = True
     name = "fp8"
     weight_dtype = FP8
     qmax = FP8_MAX
 
     def __call__(self, spec, x, w, scale):
+        if not self.activations:
+            y = jnp.einsum(spec, x, w[...].astype(x.dtype), preferred_element_type=jnp.float32)
+            return (y * scale[...]).astype(x.dtype)
         xs, _, out = split_spec(spec)
         xq, sx = quantize_tokens(x, xs, out)
         y = jnp.einsum(spec, xq, w[...], preferred_element_type=jnp.float32)
