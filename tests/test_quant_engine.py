@@ -139,3 +139,15 @@ def test_cli_flag_reaches_the_engine_config():
     add_engine_args(p)
     assert p.parse_args(["--quantization", "int8"]).quantization == "int8"
     assert p.parse_args([]).quantization is None
+
+
+def test_sleep_level_2_restores_quantized_weights(tiny):
+    llm = LLM(tiny, quantization="int8", enable_sleep_mode=True, **KW)
+    try:
+        before = _logits(llm)
+        llm.sleep(2)  # the weights (int8 values and their scales) go to host memory
+        llm.wake_up()
+        np.testing.assert_array_equal(_logits(llm), before)
+        assert str(llm.get_weights()["layers"]["0"]["mlp"]["up_proj"].dtype) == "int8"
+    finally:
+        llm.shutdown()
