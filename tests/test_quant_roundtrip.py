@@ -174,3 +174,15 @@ def test_fp8_matmuls_are_detected_per_device():
     assert fp8_matmul_supported(D(platform="gpu", compute_capability="9.0"))
     assert not fp8_matmul_supported(D(platform="gpu", compute_capability="8.0"))  # A100: weight-only
     assert not fp8_matmul_supported(D(platform="cpu"))
+
+
+@pytest.mark.parametrize("q", ["fp8", "int8"])
+def test_random_preset_is_quantized_tensor_by_tensor(q):
+    from jvllm.converters import load_checkpoint
+
+    ck = load_checkpoint("random:tiny", "bfloat16", quantization=q)
+    p = ck.params
+    assert ck.config.quant.method == q
+    assert str(p["layers.1.mlp.down_proj"].dtype) == ("float8_e4m3fn" if q == "fp8" else "int8")
+    assert p["layers.1.mlp.down_proj_scale"].shape == (64,) and str(p["embed"].dtype) == "bfloat16"
+    assert not any(a.is_deleted() for a in p.values())

@@ -35,8 +35,7 @@ def quantized_names(specs: dict, proj: Projection) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=None)
 def _quantizer(proj: Projection, n_in: int, shardings):
-    out = None if shardings is None else shardings
-    return jax.jit(lambda w: proj.quantize(w, n_in), out_shardings=out)
+    return jax.jit(lambda w: proj.quantize(w, n_in), out_shardings=shardings)
 
 
 def quantize_on_device(proj: Projection, w: jax.Array, n_in: int, w_sharding=None, s_sharding=None):
