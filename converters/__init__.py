@@ -142,11 +142,13 @@ def model_config(spec: ModelSpec):
 
         cls = transformers.CONFIG_MAPPING[d["model_type"]]
         return ModelConfig.from_hf_config(cls(**{k: v for k, v in d.items() if k != "model_type"}))
-    if spec.kind == "hf":
-        from .quantization import check_hf_config
+    quant = None
+    if spec.kind == "hf":  # a pre-quantized checkpoint declares its scheme (others are refused here)
+        from .quantization import checkpoint_quant
 
-        check_hf_config(hf_config_dict(spec), spec.path)
-    return ModelConfig.from_hf_config(load_hf_config(spec.path))
+        quant = checkpoint_quant(hf_config_dict(spec), spec.path)
+    cfg = ModelConfig.from_hf_config(load_hf_config(spec.path))
+    return cfg if quant is None else dataclasses.replace(cfg, quant=quant)
 
 
 def load_tokenizer(spec: ModelSpec):
@@ -175,48 +177,65 @@ class Checkpoint:
 
 def load_checkpoint(spec: ModelSpec | str, dtype="float32",
                     put: Callable[[str, np.ndarray], object] | None = None,
-                    shardings: dict | None = None) -> Checkpoint:
+                    shardings: dict | None = None, quantization: str | None = None) -> Checkpoint:
     """Read and convert a checkpoint. `put(name, np_array)` places each tensor as it is converted
-    (default: `jax.device_put` to the default device, optionally into `shardings[name]`)."""
+    (default: `jax.device_put` to the default device, optionally into `shardings[name]`).
+
+    `quantization` ("fp8" | "int8", `jvllm.quantization`): each projection weight is quantized
+    on its device(s) right after it is placed (`LoadQuantizer`), whatever the source; a
+    pre-quantized checkpoint's values and scales are placed as they are. The params then hold
+    the quantized weights and their `<name>_scale` arrays; `shardings` must be those of the
+    quantized model (`param_specs` of `config`)."""
     import jax
     import jax.numpy as jnp
 
     from jvllm.models import param_specs
+    from jvllm.quantization import apply_quantization
 
     if isinstance(spec, str):
         spec = resolve_model(spec)
     t0 = time.perf_counter()
-    cfg = model_config(spec)
+    cfg = apply_quantization(model_config(spec), quantization)
     jdtype = jnp.dtype(dtype)
     specs = param_specs(cfg, jdtype)
+    quantizer = None
+    if cfg.quant is not None and not cfg.quant.from_checkpoint:  # read full precision, quantize each tensor
+        from jvllm.quantization.load import LoadQuantizer
+
+        quantizer = LoadQuantizer(cfg, specs, shardings)
+        specs = param_specs(dataclasses.replace(cfg, quant=None), jdtype)
     if spec.kind == "orbax":
         from .orbax_io import restore
 
         params = restore(spec.path, specs, jdtype, shardings)
-        return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
+        return Checkpoint(cfg, quantizer.all(params) if quantizer else params, spec, time.perf_counter() - t0)
     if spec.kind == "random":
-        params = random_device_params(specs, jdtype, shardings)
+        params = random_device_params(specs, jdtype, shardings, post=quantizer)
         return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
     if put is None:
         def put(name, a):
-            s = (shardings or {}).get(name)
+            s, dt = (shardings or {}).get(name), specs[name][1]  # the model dtype, or float8 / a float32 scale
             if s is not None and not s.addressable_devices:  # another process's stage: nothing to place here
-                return remote_placeholder(tuple(a.shape), jdtype, s)
-            return jax.device_put(jnp.asarray(a, jdtype), s) if s is not None else jnp.asarray(a, jdtype)
+                return remote_placeholder(tuple(a.shape), dt, s)
+            return jax.device_put(jnp.asarray(a, dt), s) if s is not None else jnp.asarray(a, dt)
 
     if spec.kind == "gguf":
         from .gguf import gguf_tensor_stream
 
         stream = gguf_tensor_stream(spec.path, hf_config_dict(spec))
     else:
+        from .quantization import prequantized_stream
         from .readers import hf_tensor_stream
 
-        stream = hf_tensor_stream(spec.path)
+        stream = prequantized_stream(hf_tensor_stream(spec.path), hf_config_dict(spec))
     np_dtype = np.float32 if jdtype == jnp.float32 else (np.float16 if jdtype == jnp.float16 else jdtype)
     from jvllm.models.registry import family_of
 
-    params = convert_tensors(specs, stream, np_dtype, put, tied_embeddings=cfg.tie_word_embeddings,
+    placed = put if quantizer is None else (lambda name, a: quantizer(name, put(name, a)))
+    params = convert_tensors(specs, stream, np_dtype, placed, tied_embeddings=cfg.tie_word_embeddings,
                              name_map=family_of(cfg.architecture).name_map)
+    if quantizer is not None:  # {name: {name: q, name_scale: s}} -> flat
+        params = {k: v for d in params.values() for k, v in d.items()}
     jax.block_until_ready(list(params.values()))
     return Checkpoint(cfg, params, spec, time.perf_counter() - t0)
 
@@ -231,6 +250,9 @@ def convert_to_orbax(src: str, dst: str, dtype="float32", log=None):
     spec = resolve_model(src)
     log(f"reading {spec.path} ({spec.kind}) and converting to {dtype} ...")
     ck = load_checkpoint(spec, dtype)
+    if ck.config.quant is not None:
+        raise ValueError(f"{src}: an Orbax copy of a pre-quantized checkpoint is not implemented "
+                         f"(the Orbax reader restores unquantized params); load the checkpoint directly")
     tok = load_tokenizer(spec)
     d = hf_config_dict(spec)
     log(f"writing {len(ck.params)} tensors to {dst} ...")
@@ -250,9 +272,11 @@ def remote_placeholder(shape: tuple, dtype, sharding):
     return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
 
 
-def random_device_params(specs: dict, dtype, shardings: dict | None = None, seed: int = 0, std: float = 0.02) -> dict:
+def random_device_params(specs: dict, dtype, shardings: dict | None = None, seed: int = 0, std: float = 0.02,
+                         post=None) -> dict:
     """Random weights generated on the device(s) in their target dtype and sharding (no host copy):
-    normal(0, std) for matrices, 1 for norm weights, 0 for biases."""
+    normal(0, std) for matrices, 1 for norm weights, 0 for biases. `post(name, array) -> {name:
+    array}` (a `jvllm.quantization.load.LoadQuantizer`) replaces each array as it is made."""
     import jax
     import jax.numpy as jnp
 
@@ -263,7 +287,8 @@ def random_device_params(specs: dict, dtype, shardings: dict | None = None, seed
         kind = "ones" if name.endswith("norm.weight") else ("zeros" if "bias" in name else "normal")
         sh = (shardings or {}).get(name)
         if sh is not None and not sh.addressable_devices:  # another process's stage (its own key i there)
-            out[name] = remote_placeholder(tuple(shape), dtype, sh)
+            a = remote_placeholder(tuple(shape), dtype, sh)
+            out.update(post(name, a) if post is not None else {name: a})
             continue
         fk = (shape, kind, sh)
         if fk not in fns:
@@ -275,6 +300,7 @@ def random_device_params(specs: dict, dtype, shardings: dict | None = None, seed
                 return (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
 
             fns[fk] = jax.jit(make, out_shardings=sh)
-        out[name] = fns[fk](jax.random.fold_in(key, i))
+        a = fns[fk](jax.random.fold_in(key, i))
+        out.update(post(name, a) if post is not None else {name: a})
     jax.block_until_ready(list(out.values()))
     return out

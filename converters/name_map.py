@@ -119,8 +119,11 @@ def map_name(name: str, name_map: str = "llama"):
             if isinstance(fn, ExpertSlice):
                 fn = fn.at(int(m.group("expert")))
             return (m.expand(tgt) if tgt is not None else None), fn
-    from .quantization import quantized_name_error
+    from .quantization import map_scale_name, quantized_name_error
 
+    scale = map_scale_name(name, lambda w: map_name(w, name_map))  # a pre-quantized layer's scale
+    if scale is not None:
+        return scale
     quant = quantized_name_error(name)
     if quant is not None:
         raise quant
@@ -133,7 +136,9 @@ def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.nd
     """Convert a stream of checkpoint tensors into {jvllm name: put(array)}.
 
     specs: `jvllm.models.param_specs(cfg)`; tensors: (checkpoint name, zero-arg loader) pairs;
-    dtype: numpy-compatible target dtype. Errors name the tensor: unexpected, duplicate, wrong
+    dtype: numpy-compatible target dtype of stacked experts (every other tensor is cast to its
+    spec's dtype: the model dtype, or a pre-quantized model's float8 weights and float32
+    scales). Errors name the tensor: unexpected, duplicate, wrong
     shape, non-finite values are *not* checked (they are legal), missing ones are listed together.
     """
     put = put or (lambda name, a: a)
@@ -163,6 +168,10 @@ def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.nd
         tgts = tgt if isinstance(tgt, tuple) else (tgt,)
         for t in tgts:
             if t not in specs:
+                if t.endswith("_scale"):
+                    from .quantization import quantized_name_error
+
+                    raise quantized_name_error(src) or CheckpointError(f"unexpected tensor {src!r}")
                 raise CheckpointError(f"unexpected tensor {src!r}: this model declares no parameter {t!r}")
             if t in out:
                 raise CheckpointError(f"tensor {src!r} appears twice in the checkpoint")
@@ -171,7 +180,14 @@ def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.nd
         else:
             arrs = (fn(src, load(), specs[tgt][0]),)
         for t, arr in zip(tgts, arrs):
-            out[t] = put(t, np.ascontiguousarray(arr).astype(dtype, copy=False))
+            want = specs[t][1]  # the model dtype, or a pre-quantized model's float8 / float32 scale
+            if not t.endswith("_scale"):
+                from .quantization import unexpected_quantized_error
+
+                bad = unexpected_quantized_error(src, arr.dtype, want)
+                if bad is not None:
+                    raise bad
+            out[t] = put(t, np.ascontiguousarray(arr).astype(want, copy=False))
     for tgt, (buf, seen) in sorted(stacks.items()):
         absent = sorted(set(range(buf.shape[0])) - seen)
         raise CheckpointError(f"checkpoint is missing expert(s) {absent[:8]} of {tgt!r} ({len(seen)} of {buf.shape[0]})")

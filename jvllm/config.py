@@ -12,6 +12,8 @@ import dataclasses
 import json
 import os
 
+from jvllm.quantization.config import QuantConfig
+
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 _ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
@@ -116,6 +118,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     moe: MoEConfig | None = None  # mixture-of-experts layers (the MoE architectures only)
+    # quantized projection weights (jvllm.quantization; None: the model dtype)
+    quant: QuantConfig | None = None
 
     def __post_init__(self):
         if self.architecture not in supported_architectures():
@@ -149,6 +153,8 @@ class ModelConfig:
                 if len(p.get(k) or ()) != half:
                     raise ValueError(f"longrope {k} needs {half} values (rotary_dim / 2), got "
                                      f"{len(p.get(k) or ())}")
+        if self.quant is not None and not isinstance(self.quant, QuantConfig):
+            raise ValueError(f"ModelConfig.quant must be a jvllm.quantization.QuantConfig or None, got {self.quant!r}")
         if (self.moe is not None) != (self.architecture in _MOE_ARCHITECTURES):
             raise ValueError(f"architecture {self.architecture!r} {'needs' if self.moe is None else 'takes no'} "
                              f"mixture-of-experts settings (moe={self.moe!r})")

@@ -10,6 +10,9 @@ class EngineConfig:
 
     model: str = "smollm2"
     dtype: str = "auto"
+    # quantized projection weights: None | "fp8" | "int8" (jvllm.quantization); a pre-quantized
+    # checkpoint brings its own (None or "fp8" accepted for it)
+    quantization: str | None = None
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     block_size: int = 16

@@ -23,6 +23,7 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, shard_local
 from jvllm.ops.pallas_attention import ragged_paged_attention
+from jvllm.quantization.schemes import projection_for
 
 List = getattr(nnx, "List", list)  # a module list nnx tracks (older flax: a plain list)
 
@@ -183,10 +184,11 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         D, H, K, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = declare((D, H, hd), ("embed", "heads", "head_dim"), dtype)
-        self.k_proj = declare((D, K, hd), ("embed", "kv_heads", "head_dim"), dtype)
-        self.v_proj = declare((D, K, hd), ("embed", "kv_heads", "head_dim"), dtype)
-        self.o_proj = declare((H, hd, D), ("heads", "head_dim", "embed"), dtype)
+        self.proj = p = projection_for(cfg.quant)  # the projections' format (jvllm.quantization), chosen once
+        self.q_proj, self.q_proj_scale = p.declare((D, H, hd), ("embed", "heads", "head_dim"), 1, dtype)
+        self.k_proj, self.k_proj_scale = p.declare((D, K, hd), ("embed", "kv_heads", "head_dim"), 1, dtype)
+        self.v_proj, self.v_proj_scale = p.declare((D, K, hd), ("embed", "kv_heads", "head_dim"), 1, dtype)
+        self.o_proj, self.o_proj_scale = p.declare((H, hd, D), ("heads", "head_dim", "embed"), 2, dtype)
         if cfg.attention_bias:
             self.q_bias = declare((H, hd), ("heads", "head_dim"), dtype)
             self.k_bias = declare((K, hd), ("kv_heads", "head_dim"), dtype)
@@ -205,9 +207,9 @@ class Attention(nnx.Module):
         self.rope = layer_rope(cfg, local=self.window is not None)  # trace-time constants
 
     def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks, attention="xla"):
-        q = jnp.einsum("td,dhk->thk", x, self.q_proj[...])
-        k = jnp.einsum("td,dhk->thk", x, self.k_proj[...])
-        v = jnp.einsum("td,dhk->thk", x, self.v_proj[...])
+        q = self.proj("td,dhk->thk", x, self.q_proj, self.q_proj_scale)
+        k = self.proj("td,dhk->thk", x, self.k_proj, self.k_proj_scale)
+        v = self.proj("td,dhk->thk", x, self.v_proj, self.v_proj_scale)
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -230,20 +232,22 @@ class Attention(nnx.Module):
                                           interpret=interpret)
 
         o, k_pages, v_pages = shard_local(attend, q, k, v, k_pages, v_pages, md)
-        out = jnp.einsum("thk,hkd->td", o, self.o_proj[...])
+        out = self.proj("thk,hkd->td", o, self.o_proj, self.o_proj_scale)
         if self.has_o_bias:
             out = out + self.o_bias[...]
         return out, (k_pages, v_pages)
 
 
 class MLP(nnx.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu_pytorch_tanh, Gemma)."""
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu_pytorch_tanh, Gemma). x is [T, D]
+    (the flat token batch)."""
 
     def __init__(self, cfg: ModelConfig, dtype):
         D, I = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = declare((D, I), ("embed", "mlp"), dtype)
-        self.up_proj = declare((D, I), ("embed", "mlp"), dtype)
-        self.down_proj = declare((I, D), ("mlp", "embed"), dtype)
+        self.proj = p = projection_for(cfg.quant)
+        self.gate_proj, self.gate_proj_scale = p.declare((D, I), ("embed", "mlp"), 1, dtype)
+        self.up_proj, self.up_proj_scale = p.declare((D, I), ("embed", "mlp"), 1, dtype)
+        self.down_proj, self.down_proj_scale = p.declare((I, D), ("mlp", "embed"), 1, dtype)
         if cfg.mlp_bias:
             self.gate_bias = declare((I,), ("mlp",), dtype)
             self.up_bias = declare((I,), ("mlp",), dtype)
@@ -252,12 +256,12 @@ class MLP(nnx.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def __call__(self, x):
-        g = x @ self.gate_proj[...]
-        u = x @ self.up_proj[...]
+        g = self.proj("td,di->ti", x, self.gate_proj, self.gate_proj_scale)
+        u = self.proj("td,di->ti", x, self.up_proj, self.up_proj_scale)
         if self.has_bias:
             g, u = g + self.gate_bias[...], u + self.up_bias[...]
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        y = (act * u) @ self.down_proj[...]
+        y = self.proj("ti,id->td", act * u, self.down_proj, self.down_proj_scale)
         return y + self.down_bias[...] if self.has_bias else y
 
 

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jvllm.config import ModelConfig
 from jvllm.models.layers import MLP, Attention, declare, norm
+from jvllm.quantization.schemes import DENSE
 from jvllm.models.llama import DecoderLayer, LlamaForCausalLM
 from jvllm.ops import grouped_matmul as gm
 from jvllm.ops.attention import _TP_MESH
@@ -56,9 +57,11 @@ class SharedExpertMLP(MLP):
 
     def __init__(self, cfg: ModelConfig, dtype):
         D, I = cfg.hidden_size, cfg.moe.shared_expert_size
+        self.proj = DENSE  # MoE models are never quantized (jvllm.quantization.config)
         self.gate_proj = declare((D, I), ("embed", "mlp"), dtype)
         self.up_proj = declare((D, I), ("embed", "mlp"), dtype)
         self.down_proj = declare((I, D), ("mlp", "embed"), dtype)
+        self.gate_proj_scale = self.up_proj_scale = self.down_proj_scale = None
         self.has_bias = False
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 

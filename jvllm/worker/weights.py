@@ -12,6 +12,10 @@ lives in. `normalize` accepts what a trainer holds:
 A subset of the parameters may be given (the rest keep their values); an unknown name, a wrong
 shape or a non-array value is a ValueError naming it, raised before anything is swapped.
 
+Quantized engines (`quantization=`): `get_weights` returns the quantized projection weights and
+their `<name>_scale` arrays; an update gives a projection either in full precision (requantized)
+or as its quantized weight together with its scale (`jvllm.quantization.load`).
+
 Placement: an array that already has the target's sharding and dtype is used as is (no copy, no
 host round trip); any other array is moved with `jax.device_put` to the target sharding, and cast
 (numpy on the host; a device array on the device, which compiles one tiny convert program per new
@@ -151,6 +155,13 @@ def update_params(runner, flat: dict) -> int:
     from flax import nnx
 
     live = live_params(runner)
+    if runner.cfg.quant is not None:  # full-precision projections are requantized (jvllm.quantization.load)
+        from jvllm.quantization.load import SCALE, update_quantized
+        from jvllm.quantization.schemes import projection_for
+
+        proj = projection_for(runner.cfg.quant)
+        n_in = {n: proj.n_in_of(live[n].shape, live[n + SCALE].shape) for n in live if n + SCALE in live}
+        flat = update_quantized(flat, live, proj, n_in)
     placed = {name: place(a, live[name]) for name, a in flat.items() if name in live}
     in_place = sum(placed[n] is flat[n] for n in placed)
     for st, names in zip(runner.stages, _names(runner)):

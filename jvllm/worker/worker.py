@@ -69,8 +69,10 @@ class Worker:
         self.kv_dtype = kv_cache.resolve_dtype(config.kv_cache_dtype, self.dtype)  # the KV pages' dtype
         from jvllm.models.moe import configure_moe
 
-        self.model_config: ModelConfig = configure_moe(model_config(self.spec), config.enable_expert_parallel,
-                                                       config.moe_backend)
+        from jvllm.quantization import apply_quantization
+
+        self.model_config: ModelConfig = configure_moe(apply_quantization(model_config(self.spec), config.quantization),
+                                                       config.enable_expert_parallel, config.moe_backend)
         self.init_parts["model_config_s"] = time.perf_counter() - t
         self.runner = None
         self.mesh = None
@@ -85,7 +87,8 @@ class Worker:
         config = self.config
         layout = self._layout(config, self.devices)
         try:
-            ckpt = load_checkpoint(self.spec, self.dtype, shardings=layout["shardings"])
+            ckpt = load_checkpoint(self.spec, self.dtype, shardings=layout["shardings"],
+                                   quantization=config.quantization)
         except Exception as e:
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise

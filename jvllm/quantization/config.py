@@ -1,0 +1,84 @@
+"""What a model's dense projections are stored and multiplied as (host only: no jax import).
+
+`QuantConfig` is a field of `jvllm.config.ModelConfig` (`quant`), so every place that derives
+something from a model config (declared parameters, their shardings, the converters' checks, the
+step programs) sees the same choice. The engine option `quantization` ("fp8" | "int8", vLLM's
+names) and a pre-quantized checkpoint's config.json (`converters.quantization.checkpoint_quant`)
+both end in one `QuantConfig`, applied once by `apply_quantization`.
+
+Methods (the weight layout of each is `jvllm.quantization.schemes`):
+  fp8        float8_e4m3fn weights, one float32 scale per output channel. Where the device has
+             fp8 matmuls (`fp8_activations`: NVIDIA compute capability >= 8.9, Ada / Hopper and
+             later) activations are quantized to fp8 per token at run time and the dot is
+             fp8 x fp8 with float32 accumulation (W8A8, vLLM's fp8 on such GPUs); elsewhere (CPU,
+             older GPUs, TPUs) it is weight-only: the fp8 values are converted inside the dot.
+             W8A8 costs accuracy on small models (SmolLM2 135M, teacher-forced top-1 agreement
+             with float32 on CPU: 89.2% W8A8 vs 91.7% weight-only); it buys fp8 GEMM speed.
+  int8       int8 weights, one float32 scale per output channel, weight-only (the int8 values
+             are converted to the activation dtype inside the dot).
+  fp8_block  float8_e4m3fn weights with one float32 scale per (input block, output channel),
+             weight-only: the layout HF FP8 (`weight_scale_inv`) block-scaled checkpoints load
+             into without requantizing. Not selectable by `quantization=`: it comes from such a
+             checkpoint.
+What is quantized: the attention q/k/v/o and the MLP gate/up/down projections. The embedding,
+the LM head and the norms stay in the model dtype. Mixture-of-experts models are refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+METHODS = ("fp8", "fp8_block", "int8")
+ENGINE_OPTIONS = ("fp8", "int8")  # what `quantization=` takes
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    method: str
+    block_in: int | None = None   # fp8_block: input rows per scale block
+    from_checkpoint: bool = False  # the checkpoint holds the quantized values (no quantization at load)
+    fp8_activations: bool = False  # fp8: also quantize activations per token (W8A8); else weight-only
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"quantization method {self.method!r} is not one of {', '.join(METHODS)}")
+        if (self.method == "fp8_block") != (self.block_in is not None):
+            raise ValueError(f"QuantConfig: block_in is for fp8_block only and required there "
+                             f"(method {self.method!r}, block_in {self.block_in!r})")
+        if self.fp8_activations and self.method != "fp8":
+            raise ValueError(f"QuantConfig: fp8_activations is for method 'fp8', not {self.method!r}")
+        if self.block_in is not None and (not isinstance(self.block_in, int) or self.block_in <= 0):
+            raise ValueError(f"QuantConfig.block_in must be a positive integer, got {self.block_in!r}")
+
+
+def apply_quantization(cfg, quantization: str | None, fp8_activations: bool | None = None):
+    """`cfg` (a ModelConfig, `cfg.quant` set when its checkpoint is pre-quantized) with the engine
+    option `quantization` applied. ValueError naming the value and what is supported: an unknown
+    option, a mixture-of-experts model, an option that contradicts the checkpoint's own scheme.
+    `fp8_activations` (W8A8 for method fp8): None decides from the default device
+    (`jvllm.quantization.fp8.fp8_matmul_supported`, which imports jax)."""
+    cfg = _apply(cfg, quantization)
+    if cfg.quant is None or cfg.quant.method != "fp8":
+        return cfg
+    if fp8_activations is None:
+        from jvllm.quantization.fp8 import fp8_matmul_supported
+
+        fp8_activations = fp8_matmul_supported()
+    if cfg.quant.fp8_activations == bool(fp8_activations):
+        return cfg
+    return dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, fp8_activations=bool(fp8_activations)))
+
+
+def _apply(cfg, quantization):
+    if quantization is not None and quantization not in ENGINE_OPTIONS:
+        raise ValueError(f"quantization must be one of {', '.join(ENGINE_OPTIONS)} (or None); got {quantization!r}")
+    if cfg.quant is not None:  # a pre-quantized checkpoint decides
+        if quantization not in (None, "fp8") or not cfg.quant.method.startswith("fp8"):
+            raise ValueError(f"quantization={quantization!r}: this checkpoint is already quantized "
+                             f"({cfg.quant.method}); pass quantization=None or 'fp8' for it")
+        return cfg
+    if quantization is None:
+        return cfg
+    if cfg.moe is not None:
+        raise ValueError(f"quantization={quantization!r} is not implemented for mixture-of-experts models "
+                         f"({cfg.architecture}: the experts' grouped matmuls have no quantized variant)")
+    return dataclasses.replace(cfg, quant=QuantConfig(quantization))

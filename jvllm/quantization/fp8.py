@@ -1,0 +1,123 @@
+"""float8_e4m3fn weights: per-output-channel scales with fp8 activations (`Fp8Channel`, the
+engine's `quantization="fp8"` and compressed-tensors FP8-dynamic checkpoints), and block scales,
+weight-only (`Fp8Block`, HF FP8 `weight_scale_inv` checkpoints).
+
+Fp8Channel is W8A8 with dynamic per-token activation scales where the device has fp8 matmuls
+(`fp8_matmul_supported`; weight-only elsewhere, decided once by `apply_quantization`), because
+the dot then reads fp8 operands on both sides, which is the pattern XLA's GPU GEMM rewriter turns
+into one cuBLASLt fp8 GEMM on Hopper (`__cublas$lt$matmul$f8`; benchmarks/probes/fp8_gemm_hlo.py checks
+the optimized HLO of both formulations): x is scaled per token to the fp8 range (a max over the
+contracted dims: under tensor parallelism over heads, o_proj's needs an all-reduce of T floats),
+cast, multiplied as fp8 x fp8 with float32 accumulation, and both scales are applied to the
+float32 result (exact: neither varies along the contracted dims). Hazard: float8_e4m3fn has no
+infinity, a value past 448 converts to NaN, so every cast to fp8 is preceded by a clip.
+
+Fp8Block keeps a checkpoint's block-scaled values without requantizing them: one float32 scale
+per (block of `block_in` rows of the last contracted dim, output channel), the checkpoint's
+[out_block, in_block] scales repeated over each output block. The dot dequantizes (convert and
+scale, fused by XLA into the GEMM's operand read where it can) and does not quantize activations.
+The scale keeps the weight's rank and logical axes (the last contracted dim divided by
+`block_in`), so it shards with its weight and no reshape crosses a sharded dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jvllm.quantization.schemes import ChannelScaled, Projection, _param, num_contracted, split_spec
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_tokens(x, xs: str, out: str):
+    """(fp8 x, float32 per-token scale shaped to broadcast over the output) for an activation
+    whose dims are `xs` and whose free dims lead the output `out`."""
+    contract = tuple(i for i, c in enumerate(xs) if c not in out)
+    free = "".join(c for c in xs if c in out)
+    if out[:len(free)] != free:
+        raise ValueError(f"projection {xs}->{out}: the activation's free dims must lead the output")
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=contract, keepdims=True)
+    sx = jnp.maximum(amax, 1e-12) / FP8_MAX
+    xq = jnp.clip(xf / sx, -FP8_MAX, FP8_MAX).astype(FP8)
+    per_token = sx.reshape(tuple(x.shape[i] for i in range(x.ndim) if i not in contract) + (1,) * (len(out) - len(free)))
+    return xq, per_token
+
+
+def fp8_matmul_supported(device=None) -> bool:
+    """Whether `device` (default: the first) multiplies fp8 x fp8 natively: NVIDIA GPUs of
+    compute capability 8.9 and later (Ada, Hopper, Blackwell)."""
+    import jax
+
+    d = device or jax.devices()[0]
+    try:
+        return d.platform == "gpu" and float(getattr(d, "compute_capability", "0")) >= 8.9
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Channel(ChannelScaled):
+    """activations=True: W8A8 (per-token fp8 activations, an fp8 x fp8 dot); False: weight-only
+    (the fp8 weight converted to the activation dtype inside the dot). Both apply the scales to
+    the float32 result."""
+
+    activations: bool = True
+    name = "fp8"
+    weight_dtype = FP8
+    qmax = FP8_MAX
+
+    def __call__(self, spec, x, w, scale):
+        if not self.activations:
+            y = jnp.einsum(spec, x, w[...].astype(x.dtype), preferred_element_type=jnp.float32)
+            return (y * scale[...]).astype(x.dtype)
+        xs, _, out = split_spec(spec)
+        xq, sx = quantize_tokens(x, xs, out)
+        y = jnp.einsum(spec, xq, w[...], preferred_element_type=jnp.float32)
+        return (y * sx * scale[...]).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Block(Projection):
+    block_in: int = 128
+    name = "fp8_block"
+    weight_dtype = FP8
+
+    def scale_shape(self, shape, n_in):
+        last = shape[n_in - 1]
+        if last % self.block_in:
+            raise ValueError(f"fp8 block scales of {self.block_in} input rows need the projection's last "
+                             f"contracted dim to be a multiple of {self.block_in}; weight shape {tuple(shape)} "
+                             f"has {last} (a head_dim below the block size?)")
+        return (*shape[:n_in - 1], last // self.block_in, *shape[n_in:])
+
+    def n_in_of(self, shape, scale_shape):
+        return 1 + max(i for i, (a, b) in enumerate(zip(shape, scale_shape)) if a != b)
+
+    def declare(self, shape, axes, n_in, dtype):
+        return _param(shape, axes, FP8), _param(self.scale_shape(shape, n_in), axes, jnp.float32, ones=True)
+
+    def _blocks(self, w, n_in):  # [..., last, out...] -> [..., last / block, block, out...]
+        s = w.shape
+        return w.reshape(*s[:n_in - 1], s[n_in - 1] // self.block_in, self.block_in, *s[n_in:])
+
+    def dequantize(self, wq, scale, n_in, dtype=jnp.float32):
+        blocks = self._blocks(wq.astype(jnp.float32), n_in) * jnp.expand_dims(scale.astype(jnp.float32), n_in)
+        return blocks.reshape(wq.shape).astype(dtype)
+
+    def quantize(self, w, n_in):
+        self.scale_shape(w.shape, n_in)  # the divisibility check
+        b = self._blocks(w.astype(jnp.float32), n_in)
+        scale = jnp.maximum(jnp.max(jnp.abs(b), axis=n_in), 1e-12) / FP8_MAX
+        q = jnp.clip(b / jnp.expand_dims(scale, n_in), -FP8_MAX, FP8_MAX).astype(FP8)
+        return q.reshape(w.shape), scale
+
+    def __call__(self, spec, x, w, scale):
+        n_in = num_contracted(spec)
+        wd = self.dequantize(w[...], scale[...], n_in, x.dtype)
+        return jnp.einsum(spec, x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+FP8_BLOCK = Fp8Block
