@@ -109,10 +109,13 @@ def test_tensor_parallel_shards_scales_with_their_output_axis(tiny, engines):
 
 
 def test_w8a8_engine_where_fp8_matmuls_exist(tiny, engines, ref_logits, monkeypatch):
-    """The fp8 path of Hopper-class GPUs (fp8 activations per token), forced on the CPU."""
+    """The W8A8 path (fp8 activations per token; opt-in, on fp8-capable GPUs only), forced on the CPU."""
+    import jvllm.quantization as quantization
     import jvllm.quantization.fp8 as fp8
 
     monkeypatch.setattr(fp8, "fp8_matmul_supported", lambda device=None: True)
+    plain = quantization.apply_quantization
+    monkeypatch.setattr(quantization, "apply_quantization", lambda cfg, q: plain(cfg, q, fp8_activations=True))
     llm = LLM(tiny, quantization="fp8", **KW)
     try:
         assert llm.llm_engine.model_config.quant.fp8_activations

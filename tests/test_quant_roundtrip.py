@@ -117,7 +117,9 @@ def _cfg(**kw):
     return dataclasses.replace(model_config(resolve_model("random:tiny")), **kw)
 
 
-def test_apply_quantization_options():
+def test_apply_quantization_options(monkeypatch):
+    import jvllm.quantization.fp8 as fp8
+
     cfg = _cfg()
     assert apply_quantization(cfg, None) is cfg
     assert apply_quantization(cfg, "int8").quant == QuantConfig("int8")
@@ -125,7 +127,11 @@ def test_apply_quantization_options():
         apply_quantization(cfg, "awq")
     with pytest.raises(ValueError, match=r"got 'fp8_block'"):  # only from a checkpoint
         apply_quantization(cfg, "fp8_block")
-    assert apply_quantization(cfg, "fp8").quant == QuantConfig("fp8", fp8_activations=False)  # CPU: weight-only
+    assert apply_quantization(cfg, "fp8").quant == QuantConfig("fp8", fp8_activations=False)  # default: weight-only
+    with pytest.raises(ValueError, match=r"fp8_activations=True \(W8A8\) needs fp8 matmuls"):
+        apply_quantization(cfg, "fp8", fp8_activations=True)  # the CPU has none
+    monkeypatch.setattr(fp8, "fp8_matmul_supported", lambda device=None: True)
+    assert apply_quantization(cfg, "fp8").quant.fp8_activations is False  # still weight-only unless asked
     assert apply_quantization(cfg, "fp8", fp8_activations=True).quant.fp8_activations
     pre = _cfg(quant=QuantConfig("fp8", from_checkpoint=True))
     assert apply_quantization(pre, "fp8") is pre and apply_quantization(pre, None) is pre

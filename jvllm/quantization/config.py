@@ -7,13 +7,14 @@ names) and a pre-quantized checkpoint's config.json (`converters.quantization.ch
 both end in one `QuantConfig`, applied once by `apply_quantization`.
 
 Methods (the weight layout of each is `jvllm.quantization.schemes`):
-  fp8        float8_e4m3fn weights, one float32 scale per output channel. Where the device has
-             fp8 matmuls (`fp8_activations`: NVIDIA compute capability >= 8.9, Ada / Hopper and
-             later) activations are quantized to fp8 per token at run time and the dot is
-             fp8 x fp8 with float32 accumulation (W8A8, vLLM's fp8 on such GPUs); elsewhere (CPU,
-             older GPUs, TPUs) it is weight-only: the fp8 values are converted inside the dot.
-             W8A8 costs accuracy on small models (SmolLM2 135M, teacher-forced top-1 agreement
-             with float32 on CPU: 89.2% W8A8 vs 91.7% weight-only); it buys fp8 GEMM speed.
+  fp8        float8_e4m3fn weights, one float32 scale per output channel, weight-only by default
+             (the fp8 values are converted inside the dot). `fp8_activations` (W8A8: activations
+             quantized to fp8 per token at run time, an fp8 x fp8 dot with float32 accumulation,
+             vLLM's fp8 on Hopper) exists, but only where the device has fp8 matmuls (NVIDIA
+             compute capability >= 8.9) and only when asked for: on an H200 with jax 0.11.2 XLA
+             does emit the cuBLASLt f8 GEMM, yet the projection was slower than bf16 at every
+             token count measured, and W8A8 costs accuracy on small models (figures:
+             benchmarks/README.md).
   int8       int8 weights, one float32 scale per output channel, weight-only (the int8 values
              are converted to the activation dtype inside the dot).
   fp8_block  float8_e4m3fn weights with one float32 scale per (input block, output channel),
@@ -54,15 +55,19 @@ def apply_quantization(cfg, quantization: str | None, fp8_activations: bool | No
     """`cfg` (a ModelConfig, `cfg.quant` set when its checkpoint is pre-quantized) with the engine
     option `quantization` applied. ValueError naming the value and what is supported: an unknown
     option, a mixture-of-experts model, an option that contradicts the checkpoint's own scheme.
-    `fp8_activations` (W8A8 for method fp8): None decides from the default device
-    (`jvllm.quantization.fp8.fp8_matmul_supported`, which imports jax)."""
+    `fp8_activations` (W8A8 for method fp8): None = weight-only (the measured faster choice, see
+    the module docstring); True needs a device with fp8 matmuls
+    (`jvllm.quantization.fp8.fp8_matmul_supported`, which imports jax), else ValueError."""
     cfg = _apply(cfg, quantization)
     if cfg.quant is None or cfg.quant.method != "fp8":
         return cfg
-    if fp8_activations is None:
+    if fp8_activations:
         from jvllm.quantization.fp8 import fp8_matmul_supported
 
-        fp8_activations = fp8_matmul_supported()
+        if not fp8_matmul_supported():
+            raise ValueError("fp8_activations=True (W8A8) needs fp8 matmuls (an NVIDIA GPU of compute capability "
+                             ">= 8.9); this device has none")
+    fp8_activations = bool(fp8_activations)
     if cfg.quant.fp8_activations == bool(fp8_activations):
         return cfg
     return dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, fp8_activations=bool(fp8_activations)))
