@@ -1,0 +1,22 @@
+"""pyproject's explicit package list covers every package folder: a folder missing from it is left
+out of a non-editable install (wheels, `pip install .`, the device A/B builds) while an editable
+checkout still imports it, so nothing else would notice."""
+import os
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_package_folder_is_listed():
+    cfg = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    found = set()
+    for name, folder in cfg["package-dir"].items():
+        base = os.path.join(ROOT, folder)
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            if "__init__.py" in filenames:
+                rel = os.path.relpath(dirpath, base)
+                found.add(name if rel == "." else name + "." + rel.replace(os.sep, "."))
+    assert found - listed == set(), f"package folders missing from pyproject's packages: {sorted(found - listed)}"
+    assert listed - found == set(), f"listed packages without a folder: {sorted(listed - found)}"
