@@ -6,8 +6,9 @@ Issue 21's targets: SmolLM2 135M (fragile: a per-channel torch reference agrees 
 weights, 97.7% for int8) >= 90% for fp8 and >= 96% for int8, met here (CPU, this text: fp8
 weight-only 91.7%, int8 96.4%); Gemma 3 270M >= 98% for every variant, NOT met by per-channel
 scales (measured 93.5% fp8 weight-only, 97.5% int8), so its thresholds below are the measured
-figures less a margin, guarding against regressions, not the issue's target. "fp8_w8a8" is the
-path of fp8-capable GPUs (per-token fp8 activations, forced here): SmolLM2 89.2%, Gemma 3 90.6%.
+figures less a margin, guarding against regressions, not the issue's target. The opt-in W8A8 path
+(per-token fp8 activations, forced on CPU) measured SmolLM2 89.2%, Gemma 3 90.6%; its engine path is
+tested on a tiny model in test_quant_engine.py.
 Each model is read from its GGUF once (an Orbax copy serves the other engines)."""
 import importlib.util
 
@@ -32,8 +33,8 @@ TEXT = (
     "ever stood there. The mill still turns on summer weekends for visitors, who buy small bags of "
     "flour and ask why the wheel sits so far from the water. The answer is written in the accounts."
 )
-MODELS = {"smollm2": {"fp8": 0.90, "int8": 0.96, "fp8_w8a8": 0.88},
-          "gemma3": {"fp8": 0.92, "int8": 0.965, "fp8_w8a8": 0.89}}
+MODELS = {"smollm2": {"fp8": 0.90, "int8": 0.96},
+          "gemma3": {"fp8": 0.92, "int8": 0.965}}
 KW = dict(dtype="float32", max_model_len=512, max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,),
           use_tqdm_on_load=False, background_compile=False)
 
@@ -72,14 +73,10 @@ def reference(request, tmp_path_factory):
     return request.param, path, ids, _log_softmax(z[:-1])
 
 
-@pytest.mark.parametrize("q", ["fp8", "int8", "fp8_w8a8"])
-def test_teacher_forced_top1_agreement(reference, q, monkeypatch):
+@pytest.mark.parametrize("q", ["fp8", "int8"])
+def test_teacher_forced_top1_agreement(reference, q):
     model, path, ids, ref = reference
-    if q == "fp8_w8a8":
-        import jvllm.quantization.fp8 as fp8
-
-        monkeypatch.setattr(fp8, "fp8_matmul_supported", lambda device=None: True)
-    _, z = _run(path, q.removesuffix("_w8a8"), ids)
+    _, z = _run(path, q, ids)
     lp = _log_softmax(z[:-1])
     agree = float(np.mean(lp.argmax(-1) == ref.argmax(-1)))
     nxt = np.asarray(ids[1:])
