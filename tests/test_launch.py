@@ -100,7 +100,7 @@ def test_memory_report_lists_devices_with_stats(monkeypatch):
 
     class Eng:
         class runner:
-            kv, num_blocks, block_size = [], 3, 16
+            kv, num_blocks, block_size, kv_dtype = [], 3, 16, "bfloat16"
 
     class LLMish:
         llm_engine = Eng()
