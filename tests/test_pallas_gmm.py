@@ -60,6 +60,13 @@ def test_tile_table_covers_each_group_once():
     assert sum(int(e > f) for _, f, e, _ in t) == sum(-(-s // bm) for s in sizes)  # empty groups: no tile
 
 
+def test_precision_is_refused():
+    x = jnp.ones((4, 32), jnp.float32)
+    with pytest.raises(ValueError, match="precision=.*not supported"):
+        grouped_matmul(x, jnp.ones((2, 32, 32), jnp.float32), jnp.asarray([2, 2], jnp.int32),
+                       precision=jax.lax.Precision.HIGHEST)
+
+
 def test_shapes_without_a_triton_block_fall_back():
     """K = 24 has no power-of-two block >= 16: ragged_dot computes it (same contract)."""
     rng = np.random.default_rng(2)

@@ -107,11 +107,13 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preci
                    interpret: bool | None = None) -> jax.Array:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` (see the module docstring). Launch parameters
     left None take `launch_defaults`; `interpret` None = interpret unless the default backend is a GPU.
-    `precision` is accepted for signature compatibility and ignored (the kernel's dot is bf16/f32 with
-    f32 accumulation)."""
+    `precision` is in the signature for compatibility with `ragged_dot` and must be None (the kernel's
+    dot is the inputs' dtype with float32 accumulation): anything else is a ValueError."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    if precision is not None:
+        raise ValueError(f"grouped_matmul: precision={precision!r} is not supported (None only)")
     M, K = lhs.shape
     G, K2, N = rhs.shape
     if K2 != K:
