@@ -60,6 +60,40 @@ def test_registry_compiles_each_key_once_across_threads():
         Programs(object(), family="nope")
 
 
+def test_background_warm_up_compiles_every_key_once_with_several_threads(monkeypatch):
+    """JVLLM_COMPILE_THREADS=3: three threads share one ordered key list; each key compiles once,
+    the handle finishes after the last thread, and a failing key's error reaches wait()."""
+    import jax
+
+    from jvllm.compilation.registry import Programs, ProgramKind, Signature, compile_threads, register
+
+    monkeypatch.setenv("JVLLM_COMPILE_THREADS", "3")
+    assert compile_threads() == 3
+    calls, names = [], []
+    keys = list(range(1, 10))
+
+    def sig(ctx, key):
+        calls.append(key)
+        names.append(threading.current_thread().name)
+        if key == 99:
+            raise RuntimeError("bad key 99")
+        return Signature(jax.jit(lambda x: x + 1), (jax.ShapeDtypeStruct((key,), np.float32),), tuple(jax.devices()[:1]))
+
+    register(ProgramKind("test_threads", sig, lambda ctx: keys, family="test_threads"))
+    progs = Programs(object(), family="test_threads")
+    h = progs.warm_up(progs.keys(), background=True)
+    h.wait(120)
+    assert sorted(calls) == keys and len(progs.compiled()) == len(keys)
+    assert {n for n in names} <= {f"jvllm-warmup-{i}" for i in range(3)}
+    bad = progs.warm_up([("test_threads", 99)], background=True)
+    with pytest.raises(RuntimeError, match="bad key 99"):
+        bad.wait(60)
+    for v in ("0", "x"):
+        monkeypatch.setenv("JVLLM_COMPILE_THREADS", v)
+        with pytest.raises(ValueError, match="JVLLM_COMPILE_THREADS must be an integer >= 1"):
+            compile_threads()
+
+
 def test_executable_key_tells_models_with_equal_inputs_apart(ckpt_dir):
     """Two tiny models with identical input shapes (only rms_norm_eps differs) lower to different
     modules, so their step programs get different executable-cache keys; the same model twice

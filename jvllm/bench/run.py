@@ -32,7 +32,13 @@ def settle(llm, st: dict) -> None:
     """Wait for the engine's background warm-up (nothing is timed, nor compiles counted, before
     every program is in); records its seconds and how long this wait took in `st`."""
     t = time.perf_counter()
-    st["warmup_background_s"] = llm.llm_engine.wait_for_warmup()
+    while True:  # a line every 30 s: a long background compile is never silent
+        try:
+            st["warmup_background_s"] = llm.llm_engine.wait_for_warmup(30.0)
+            break
+        except TimeoutError:
+            print(f"jvllm bench: waiting for the background warm-up ({time.perf_counter() - t:.0f} s)",
+                  file=sys.stderr, flush=True)
     st["warmup_wait_s"] = time.perf_counter() - t
 
 

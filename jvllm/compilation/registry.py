@@ -15,8 +15,8 @@ A `ProgramKind` says, for a runner (its `ctx`) and a key (a bucket, a stage, a v
 `Programs.get` compiles on demand (through jvllm's executable cache where it is on: keyed by the
 program's fingerprint, so a warm start neither traces nor lowers; see `fingerprint`) and is
 thread-safe: one lock per key, so two threads asking for one key compile it once and a thread
-asking for another key does not wait. `warm_up(keys, background=True)` compiles a list in a daemon
-thread and returns a `WarmUp` handle (`wait()`, `done()`); serving meanwhile compiles what it needs
+asking for another key does not wait. `warm_up(keys, background=True)` compiles a list in daemon
+threads (`compile_threads()`) and returns a `WarmUp` handle (`wait()`, `done()`); serving meanwhile compiles what it needs
 first on demand (or waits for the key the warm-up thread is compiling).
 
 Hazards: every process of a multi-process run must compile the same programs (on GPUs XLA shares
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import threading
 import time
 import weakref
@@ -121,6 +122,22 @@ def _stop_warmups():
         h.cancel()
     for h in list(_running):
         h._event.wait(120)
+
+
+def compile_threads() -> int:
+    """Threads a background warm-up compiles with: `JVLLM_COMPILE_THREADS` if set (>= 1), else a
+    quarter of the host's cores, 1 to 4 (XLA's compile is mostly single-threaded C++ that releases
+    the GIL; the serving loop keeps the other cores)."""
+    v = os.environ.get("JVLLM_COMPILE_THREADS")
+    if v is not None:
+        try:
+            n = int(v)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"JVLLM_COMPILE_THREADS must be an integer >= 1, got {v!r}")
+        return n
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def _lower(sig: Signature):
@@ -222,25 +239,38 @@ class Programs:
         return dict(self._compiled)
 
     def warm_up(self, keys: list[tuple], background: bool = False, progress=None) -> WarmUp:
-        """Compile `keys` in order (in a daemon thread with background=True). `progress`: an
-        optional wrapper of the key list (a tqdm bar)."""
+        """Compile `keys` in order (in daemon threads with background=True: `compile_threads()` of
+        them take the keys in order, so XLA compiles several programs at once on a many-core host;
+        in the foreground one at a time, as multi-process runs need). `progress`: an optional
+        wrapper of the key list (a tqdm bar)."""
         handle = WarmUp()
         t0 = time.perf_counter()
+        items = iter(progress(keys) if progress else keys)
+        take = threading.Lock()
+        workers = compile_threads() if background else 1
+        left = [workers]
 
         def run():
             try:
-                for name, key in (progress(keys) if progress else keys):
-                    if handle.cancelled:
+                while not handle.cancelled and handle.error is None:
+                    with take:
+                        item = next(items, None)
+                    if item is None:
                         break
-                    self.get(name, key)
+                    self.get(*item)
             except BaseException as e:  # reported by wait()
-                handle.error = e
+                handle.error = handle.error or e
             finally:
-                handle._finish(t0)
+                with take:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    handle._finish(t0)
 
         if background:
             _running.add(handle)
-            threading.Thread(target=run, name="jvllm-warmup", daemon=True).start()
+            for i in range(workers):
+                threading.Thread(target=run, name=f"jvllm-warmup-{i}", daemon=True).start()
         else:
             run()
         return handle
