@@ -1,6 +1,6 @@
 """Start-up with an empty cache, a warm JAX persistent cache only, and jvllm's executable cache.
 
-    python benchmarks/warm_start.py [--model smollm2] [--max-model-len 512] [--out PATH]
+    python benchmarks/warm_start.py [--model smollm2] [--max-model-len 512] [--dtype auto] [--out PATH]
         [--build before=/tmp/site_before --build after=/tmp/site_after]
 
 Each configuration runs in a fresh child process against one fresh temporary cache directory
@@ -37,7 +37,8 @@ import jvllm
 from jvllm import LLM, SamplingParams
 import jvllm.compilation as jc
 t_import = time.perf_counter()
-llm = LLM(sys.argv[1], max_model_len=int(sys.argv[2]), compilation_cache_dir=sys.argv[3], use_tqdm_on_load=False)
+llm = LLM(sys.argv[1], max_model_len=int(sys.argv[2]), compilation_cache_dir=sys.argv[3], use_tqdm_on_load=False,
+          dtype=sys.argv[5])
 t1 = time.perf_counter()
 out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
 t2 = time.perf_counter()
@@ -57,6 +58,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="benchmarks/results/warm_start.json")
     ap.add_argument("--build", action="append", default=[], metavar="LABEL=SITE",
                     help="a build to run (repeatable): SITE first on PYTHONPATH, empty = the installed jvllm")
@@ -71,7 +73,7 @@ def main():
         builds[label] = os.path.abspath(site) if site else ""
     import jax
 
-    res = dict(model=a.model, max_model_len=a.max_model_len, jax=jax.__version__, python=platform.python_version(),
+    res = dict(model=a.model, max_model_len=a.max_model_len, dtype=a.dtype, jax=jax.__version__, python=platform.python_version(),
                backend=os.environ.get("JAX_PLATFORMS") or jax.default_backend(), cpus=os.cpu_count(),
                time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), builds=builds, runs={b: {} for b in builds})
     with tempfile.TemporaryDirectory() as d:
@@ -81,7 +83,7 @@ def main():
                 if site:
                     env["PYTHONPATH"] = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH")) if x)
                 cache = os.path.join(d, "cache_" + label)
-                p = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.max_model_len), cache, repr(time.time())],
+                p = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.max_model_len), cache, repr(time.time()), a.dtype],
                                    env=env, cwd=d, capture_output=True, text=True, check=False)
                 line = [x for x in p.stdout.splitlines() if x.startswith("{")]
                 run = json.loads(line[-1]) if line else dict(error=p.stderr[-2000:])
