@@ -87,7 +87,12 @@ def main():
 
     llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, token_buckets=(16, 512),
               background_compile=False, use_tqdm_on_load=False, enable_sleep_mode=True)
-    res = dict(model=a.model, dtype=a.dtype, update_weights=measure_update(llm, a.repeats), sleep=measure_sleep(llm))
+    import jax
+
+    from jvllm.bench import versions
+
+    res = dict(model=a.model, dtype=a.dtype, device=[d.device_kind for d in jax.devices()], versions=versions(),
+               update_weights=measure_update(llm, a.repeats), sleep=measure_sleep(llm))
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:
