@@ -2,11 +2,12 @@
 Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), SmolLM2, and Phi-3 (longrope, partial rotary; its fused
 checkpoint tensors are split by the converters' name map).
 
-Forward contract (what the engine calls, see jvllm.runner):
+Forward contract (what the engine calls, see jvllm.worker.model_runner):
     hidden, kv = model(tokens[T], kv, md)
 `tokens` is the flat ragged batch, `md` an `AttentionMetadata`, `kv` a list (one entry per layer)
-of `(k_pages, v_pages)` arrays `[kv_heads, num_blocks, block_size, head_dim]` that comes back
-updated (donate it). `hidden [T, hidden_size]` is after the final norm; `model.logits(h)` projects
+of `(k_pages, v_pages)`, each an array `[kv_heads, num_blocks, block_size, head_dim]` or, with
+`kv_cache_dtype="fp8"`, a `jvllm.ops.kv_quant.QuantizedPages` (float8 pages and their scales), that
+comes back updated (donate it). `hidden [T, hidden_size]` is after the final norm; `model.logits(h)` projects
 to the vocabulary in float32. Layers are a Python list, so the layer loop is unrolled in the
 traced program (measured: a `lax.scan` over stacked layers ran at 31% of bandwidth on an H200,
 unrolled at 69%; ../shared/DESIGN.md principle 6).
