@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantized projection weights: fp8 | int8 (default: none, or the checkpoint's own)")
+    p.add_argument("--fp8-matmul-backend", default="auto", choices=("auto", "xla", "pallas"),
+                   help="weight-only fp8 projections: auto (pallas on fp8-capable NVIDIA GPUs, xla elsewhere)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (None: the model's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of device memory jvllm may use")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -88,6 +90,7 @@ def engine_kwargs(a) -> dict:
                 tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                 data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
                 expert_parallel_size=a.expert_parallel_size, quantization=a.quantization,
+                fp8_matmul_backend=a.fp8_matmul_backend,
                 moe_backend=a.moe_backend, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                 block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, kv_cache_dtype=a.kv_cache_dtype,

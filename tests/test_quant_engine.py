@@ -115,7 +115,7 @@ def test_w8a8_engine_where_fp8_matmuls_exist(tiny, engines, ref_logits, monkeypa
 
     monkeypatch.setattr(fp8, "fp8_matmul_supported", lambda device=None: True)
     plain = quantization.apply_quantization
-    monkeypatch.setattr(quantization, "apply_quantization", lambda cfg, q: plain(cfg, q, fp8_activations=True))
+    monkeypatch.setattr(quantization, "apply_quantization", lambda cfg, q, **kw: plain(cfg, q, fp8_activations=True, **kw))
     llm = LLM(tiny, quantization="fp8", **KW)
     try:
         assert llm.llm_engine.model_config.quant.fp8_activations

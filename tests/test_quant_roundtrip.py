@@ -134,7 +134,10 @@ def test_apply_quantization_options(monkeypatch):
     assert apply_quantization(cfg, "fp8").quant.fp8_activations is False  # still weight-only unless asked
     assert apply_quantization(cfg, "fp8", fp8_activations=True).quant.fp8_activations
     pre = _cfg(quant=QuantConfig("fp8", from_checkpoint=True))
-    assert apply_quantization(pre, "fp8") is pre and apply_quantization(pre, None) is pre
+    assert apply_quantization(cfg, "fp8").quant.matmul == "pallas"  # auto: the Pallas kernel where fp8 casts run
+    assert apply_quantization(cfg, "fp8", fp8_activations=True).quant.matmul == "xla"  # W8A8: XLA's fp8 GEMM
+    assert apply_quantization(pre, "fp8", fp8_matmul_backend="xla") is pre
+    assert apply_quantization(pre, None, fp8_matmul_backend="xla") is pre
     with pytest.raises(ValueError, match=r"already quantized \(fp8\); pass quantization=None or 'fp8'"):
         apply_quantization(pre, "int8")
 

@@ -3,12 +3,15 @@
 # this session's features side by side, each config its own process, one compile cache for all:
 #   base     greedy bf16                                                                     -> b1_base.json
 #   sampled  temperature 0.8, top_p 0.95 (the no-sort sampler)                              -> b1_sampled.json
-#   fp8      --quantization fp8 (fp8 weights; W8A8 on Hopper)                                -> b1_fp8.json
+#   fp8      --quantization fp8 (weight-only fp8; the auto matmul backend: pallas on Hopper) -> b1_fp8.json
+#   fp8_pallas / fp8_xla  --quantization fp8 --fp8-matmul-backend pallas / xla                -> b1_fp8_{pallas,xla}.json
+#   fp8mm    benchmarks/probes/fp8_matmul.py: the 8B's projections, bf16 / XLA fp8 / Pallas   -> fp8_matmul.json
 #   int8     --quantization int8 (weight-only)                                               -> b1_int8.json
 #   spec     benchmarks/spec_b1.py: plain vs n-gram k=4 on the target's own continuation     -> spec_b1.json
 #   hlo      benchmarks/probes/fp8_gemm_hlo.py: is the fp8 projection a cuBLASLt f8 GEMM     -> fp8_hlo.json
 #   coldstart  base with --cold-start (process start -> first token, empty then warm cache)  -> b1_coldstart.json
 # Small step shapes (buckets 8 and 512, 4 sequences) keep the compiles short; B1 uses only those.
+# For issue 21's fp8 matmul: STAGES="fp8mm base fp8_pallas fp8_xla" bash benchmarks/scripts/b1_features.sh
 # Env: STAGES (default "hlo base fp8 spec sampled coldstart", in priority order), END_S (580), DRAFT=1 adds spec_b1.py's draft = target run.
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
@@ -31,13 +34,17 @@ for stage in ${STAGES:-hlo base fp8 spec sampled coldstart}; do
     coldstart) b1 coldstart 200 --cold-start ;;
     sampled) b1 sampled 90 --temperature 0.8 --top-p 0.95 ;;
     fp8) b1 fp8 120 --quantization fp8 ;;
+    fp8_pallas) b1 fp8_pallas 120 --quantization fp8 --fp8-matmul-backend pallas ;;
+    fp8_xla) b1 fp8_xla 120 --quantization fp8 --fp8-matmul-backend xla ;;
+    fp8mm) timeout $(left 150) python benchmarks/probes/fp8_matmul.py --out "$OUT/fp8_matmul.json" > "$OUT/fp8_matmul.log" 2>&1
+           echo "[$(el)s] fp8mm rc=$?"; tail -12 "$OUT/fp8_matmul.log" ;;
     int8) b1 int8 120 --quantization int8 ;;
     spec) timeout $(left 200) python benchmarks/spec_b1.py "${MODEL[@]}" --k 4 --iters 2 ${DRAFT:+--draft} \
             --output-json "$OUT/spec_b1.json" > "$OUT/spec_b1.log" 2>&1
           echo "[$(el)s] spec rc=$?"; grep -vE "^\s*$|Warning" "$OUT/spec_b1.log" | tail -6 ;;
     hlo) timeout $(left 90) python benchmarks/probes/fp8_gemm_hlo.py --out "$OUT/fp8_hlo.json" > "$OUT/fp8_hlo.log" 2>&1
          echo "[$(el)s] hlo rc=$?"; tail -8 "$OUT/fp8_hlo.log" ;;
-    *) echo "unknown stage $stage (hlo base fp8 int8 spec sampled coldstart)" ;;
+    *) echo "unknown stage $stage (hlo base fp8 fp8_pallas fp8_xla fp8mm int8 spec sampled coldstart)" ;;
   esac
 done
 echo "[total $(el)s]"

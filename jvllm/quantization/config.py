@@ -15,6 +15,12 @@ Methods (the weight layout of each is `jvllm.quantization.schemes`):
              does emit the cuBLASLt f8 GEMM, yet the projection was slower than bf16 at every
              token count measured, and W8A8 costs accuracy on small models (figures:
              benchmarks/README.md).
+             Weight-only fp8 projections run on one of two backends (`QuantConfig.matmul`, from
+             the engine option `fp8_matmul_backend`, decided once by `apply_quantization`): "xla"
+             (the convert fused into XLA's dot) or "pallas" (jvllm.ops.pallas_matmul, a kernel that
+             streams the 1-byte weights; used for steps of at most `fp8.PALLAS_MAX_TOKENS` tokens
+             on one tensor-parallel device, XLA otherwise: see `Fp8Channel`). "auto" takes pallas
+             where fp8 casts run natively (NVIDIA compute capability >= 8.9), xla elsewhere.
   int8       int8 weights, one float32 scale per output channel, weight-only (the int8 values
              are converted to the activation dtype inside the dot).
   fp8_block  float8_e4m3fn weights with one float32 scale per (input block, output channel),
@@ -30,6 +36,7 @@ import dataclasses
 
 METHODS = ("fp8", "fp8_block", "int8")
 ENGINE_OPTIONS = ("fp8", "int8")  # what `quantization=` takes
+MATMUL_BACKENDS = ("xla", "pallas")  # weight-only fp8 projections (QuantConfig.matmul)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +45,14 @@ class QuantConfig:
     block_in: int | None = None   # fp8_block: input rows per scale block
     from_checkpoint: bool = False  # the checkpoint holds the quantized values (no quantization at load)
     fp8_activations: bool = False  # fp8: also quantize activations per token (W8A8); else weight-only
+    matmul: str = "xla"  # weight-only fp8: "xla" | "pallas" (the module docstring)
 
     def __post_init__(self):
+        if self.matmul not in MATMUL_BACKENDS:
+            raise ValueError(f"QuantConfig.matmul must be one of {', '.join(MATMUL_BACKENDS)}, got {self.matmul!r}")
+        if self.matmul == "pallas" and (self.method != "fp8" or self.fp8_activations):
+            raise ValueError(f"QuantConfig: the pallas matmul is for weight-only fp8 (method 'fp8' without "
+                             f"fp8_activations), not method {self.method!r} with fp8_activations={self.fp8_activations}")
         if self.method not in METHODS:
             raise ValueError(f"quantization method {self.method!r} is not one of {', '.join(METHODS)}")
         if (self.method == "fp8_block") != (self.block_in is not None):
@@ -51,26 +64,39 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.block_in must be a positive integer, got {self.block_in!r}")
 
 
-def apply_quantization(cfg, quantization: str | None, fp8_activations: bool | None = None):
+def apply_quantization(cfg, quantization: str | None, fp8_activations: bool | None = None,
+                       fp8_matmul_backend: str = "auto"):
     """`cfg` (a ModelConfig, `cfg.quant` set when its checkpoint is pre-quantized) with the engine
     option `quantization` applied. ValueError naming the value and what is supported: an unknown
     option, a mixture-of-experts model, an option that contradicts the checkpoint's own scheme.
     `fp8_activations` (W8A8 for method fp8): None = weight-only (the measured faster choice, see
     the module docstring); True needs a device with fp8 matmuls
-    (`jvllm.quantization.fp8.fp8_matmul_supported`, which imports jax), else ValueError."""
+    (`jvllm.quantization.fp8.fp8_matmul_supported`, which imports jax), else ValueError.
+    `fp8_matmul_backend` ("auto" | "xla" | "pallas"): the weight-only fp8 projections' backend;
+    "pallas" for anything but weight-only fp8 is a ValueError, "auto" picks (module docstring)."""
+    backends = ("auto", *MATMUL_BACKENDS)
+    if fp8_matmul_backend not in backends:
+        raise ValueError(f"fp8_matmul_backend must be one of {', '.join(backends)}; got {fp8_matmul_backend!r}")
     cfg = _apply(cfg, quantization)
-    if cfg.quant is None or cfg.quant.method != "fp8":
+    quant = cfg.quant
+    if quant is None or quant.method != "fp8":
+        if fp8_matmul_backend == "pallas":
+            raise ValueError(f"fp8_matmul_backend='pallas' needs fp8 weights (quantization='fp8'); this model's "
+                             f"projections are {quant.method if quant else 'not quantized'}")
         return cfg
-    if fp8_activations:
-        from jvllm.quantization.fp8 import fp8_matmul_supported
+    from jvllm.quantization.fp8 import fp8_matmul_supported
 
-        if not fp8_matmul_supported():
-            raise ValueError("fp8_activations=True (W8A8) needs fp8 matmuls (an NVIDIA GPU of compute capability "
-                             ">= 8.9); this device has none")
+    if fp8_activations and not fp8_matmul_supported():
+        raise ValueError("fp8_activations=True (W8A8) needs fp8 matmuls (an NVIDIA GPU of compute capability "
+                         ">= 8.9); this device has none")
     fp8_activations = bool(fp8_activations)
-    if cfg.quant.fp8_activations == bool(fp8_activations):
-        return cfg
-    return dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, fp8_activations=bool(fp8_activations)))
+    if fp8_activations and fp8_matmul_backend == "pallas":
+        raise ValueError("fp8_matmul_backend='pallas' is the weight-only fp8 matmul; fp8_activations=True (W8A8) "
+                         "runs on XLA's fp8 GEMM: pass fp8_matmul_backend='auto' or 'xla' with it")
+    if fp8_matmul_backend == "auto":
+        fp8_matmul_backend = "pallas" if not fp8_activations and fp8_matmul_supported() else "xla"
+    resolved = dataclasses.replace(quant, fp8_activations=fp8_activations, matmul=fp8_matmul_backend)
+    return cfg if resolved == quant else dataclasses.replace(cfg, quant=resolved)
 
 
 def _apply(cfg, quantization):

@@ -12,6 +12,15 @@ cast, multiplied as fp8 x fp8 with float32 accumulation, and both scales are app
 float32 result (exact: neither varies along the contracted dims). Hazard: float8_e4m3fn has no
 infinity, a value past 448 converts to NaN, so every cast to fp8 is preceded by a clip.
 
+Weight-only Fp8Channel has two backends, chosen once (`QuantConfig.matmul`): "xla" (the einsum
+with the convert inside, which XLA fuses into its dot) and "pallas" (`jvllm.ops.pallas_matmul.matmul`,
+a kernel that streams the 1-byte weights). The pallas backend is used where it is built for, decided
+at trace time from static facts: at most PALLAS_MAX_TOKENS activation rows (decode steps), no
+tensor parallelism in the traced stage (a custom call under GSPMD would gather the sharded weight;
+tensor-parallel steps keep the einsum), and a spec whose activation is [free dims..., contracted
+dims in the weight's order] (every projection of jvllm.models.layers). Anything else takes the
+einsum, which computes the same values up to the order of the float32 sums.
+
 Fp8Block keeps a checkpoint's block-scaled values without requantizing them: one float32 scale
 per (block of `block_in` rows of the last contracted dim, output channel), the checkpoint's
 [out_block, in_block] scales repeated over each output block. The dot dequantizes (convert and
@@ -22,6 +31,7 @@ The scale keeps the weight's rank and logical axes (the last contracted dim divi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -29,6 +39,7 @@ from jvllm.quantization.schemes import ChannelScaled, Projection, _param, num_co
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+PALLAS_MAX_TOKENS = 64  # activation rows up to which the pallas backend runs (decode steps); XLA above
 
 
 def quantize_tokens(x, xs: str, out: str):
@@ -65,18 +76,47 @@ class Fp8Channel(ChannelScaled):
     the float32 result."""
 
     activations: bool = True
+    backend: str = "xla"  # weight-only: "xla" | "pallas" (module docstring)
     name = "fp8"
     weight_dtype = FP8
     qmax = FP8_MAX
 
+    def __post_init__(self):
+        if self.backend not in ("xla", "pallas") or (self.backend == "pallas" and self.activations):
+            raise ValueError(f"Fp8Channel: backend {self.backend!r} with activations={self.activations}; "
+                             f"'pallas' is weight-only (activations=False), 'xla' takes both")
+
     def __call__(self, spec, x, w, scale):
         if not self.activations:
+            if self.backend == "pallas":
+                y = _pallas_projection(spec, x, w[...], scale[...])
+                if y is not None:
+                    return y
             y = jnp.einsum(spec, x, w[...].astype(x.dtype), preferred_element_type=jnp.float32)
             return (y * scale[...]).astype(x.dtype)
         xs, _, out = split_spec(spec)
         xq, sx = quantize_tokens(x, xs, out)
         y = jnp.einsum(spec, xq, w[...], preferred_element_type=jnp.float32)
         return (y * sx * scale[...]).astype(x.dtype)
+
+
+def _pallas_projection(spec, x, w, scale):
+    """The einsum `spec` of x and the fp8 weight through the pallas kernel as one [M, K] @ [K, N],
+    or None where it does not apply (Fp8Channel's docstring says where)."""
+    from jvllm.ops import pallas_matmul
+    from jvllm.ops.attention import tensor_parallel_size
+
+    xs, ws, out = split_spec(spec)
+    n_in = num_contracted(spec)
+    free = xs[:len(xs) - n_in]
+    if xs[len(free):] != ws[:n_in] or out != free + ws[n_in:] or tensor_parallel_size() != 1:
+        return None
+    M = math.prod(x.shape[:len(free)])
+    if not 0 < M <= PALLAS_MAX_TOKENS:
+        return None
+    K, N = math.prod(w.shape[:n_in]), math.prod(w.shape[n_in:])
+    y = pallas_matmul.matmul(x.reshape(M, K), w.reshape(K, N), scale.reshape(N))
+    return y.reshape(*x.shape[:len(free)], *w.shape[n_in:])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,7 +132,7 @@ def projection_for(quant: QuantConfig | None) -> Projection:
     from jvllm.quantization.int8 import Int8Channel
 
     if quant.method == "fp8":
-        return Fp8Channel(activations=quant.fp8_activations)
+        return Fp8Channel(activations=quant.fp8_activations, backend=quant.matmul)
     if quant.method == "int8":
         return Int8Channel()
     return FP8_BLOCK(quant.block_in)

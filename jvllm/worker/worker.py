@@ -71,7 +71,8 @@ class Worker:
 
         from jvllm.quantization import apply_quantization
 
-        self.model_config: ModelConfig = configure_moe(apply_quantization(model_config(self.spec), config.quantization),
+        self.model_config: ModelConfig = configure_moe(apply_quantization(model_config(self.spec), config.quantization,
+                                                                          fp8_matmul_backend=config.fp8_matmul_backend),
                                                        config.enable_expert_parallel, config.moe_backend)
         self.init_parts["model_config_s"] = time.perf_counter() - t
         self.runner = None

@@ -1,0 +1,117 @@
+"""The pallas backend of weight-only fp8 projections (`fp8_matmul_backend`, jvllm.ops.pallas_matmul in
+interpret mode on CPU): the option's validation and resolution, where Fp8Channel uses the kernel,
+and an engine's greedy tokens equal to the XLA backend's on a tiny model."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jvllm import LLM, SamplingParams
+from jvllm.ops import pallas_matmul
+from jvllm.quantization import QuantConfig, apply_quantization
+from jvllm.quantization.fp8 import PALLAS_MAX_TOKENS, Fp8Channel
+
+KW = dict(dtype="float32", quantization="fp8", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+          token_buckets=(8, 32), use_tqdm_on_load=False, background_compile=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(ckpt_dir):
+    return ckpt_dir("llama")
+
+
+def _model_config(path):
+    from jvllm.converters import model_config, resolve_model
+
+    return model_config(resolve_model(path))
+
+
+def test_option_is_validated_and_resolved_once(tiny):
+    cfg = _model_config(tiny)
+    with pytest.raises(ValueError, match="fp8_matmul_backend must be one of auto, xla, pallas; got 'triton'"):
+        apply_quantization(cfg, "fp8", fp8_matmul_backend="triton")
+    with pytest.raises(ValueError, match="fp8_matmul_backend='pallas' needs fp8 weights .* not quantized"):
+        apply_quantization(cfg, None, fp8_matmul_backend="pallas")
+    with pytest.raises(ValueError, match="fp8_matmul_backend='pallas' needs fp8 weights .* int8"):
+        apply_quantization(cfg, "int8", fp8_matmul_backend="pallas")
+    assert apply_quantization(cfg, "fp8").quant.matmul == "xla"  # auto on a CPU
+    assert apply_quantization(cfg, "fp8", fp8_matmul_backend="pallas").quant.matmul == "pallas"
+    assert apply_quantization(cfg, "int8", fp8_matmul_backend="xla").quant.matmul == "xla"
+    with pytest.raises(ValueError, match="QuantConfig.matmul must be one of xla, pallas, got 'cuda'"):
+        QuantConfig("fp8", matmul="cuda")
+    with pytest.raises(ValueError, match="pallas matmul is for weight-only fp8"):
+        QuantConfig("fp8", fp8_activations=True, matmul="pallas")
+    with pytest.raises(ValueError, match="'pallas' is weight-only"):
+        Fp8Channel(activations=True, backend="pallas")
+    with pytest.raises(ValueError, match="fp8_matmul_backend must be one of"):
+        LLM(tiny, **(KW | dict(fp8_matmul_backend="cutlass")))
+
+
+def _uses_kernel(proj, spec, x, w, s) -> bool:
+    return "pallas_call" in str(jax.make_jaxpr(lambda x, w, s: proj(spec, x, nnx.Param(w), nnx.Param(s)))(x, w, s))
+
+
+def test_projection_uses_the_kernel_for_decode_sized_steps_only():
+    proj = Fp8Channel(activations=False, backend="pallas")
+    w = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 64)) * 0.1  # o_proj-like [heads, head_dim, embed]
+    q, s = proj.quantize(w, 2)
+    for T in (1, 7, PALLAS_MAX_TOKENS):
+        x = jax.random.normal(jax.random.PRNGKey(T), (T, 4, 16))
+        assert _uses_kernel(proj, "thk,hkd->td", x, q, s)
+        y = proj("thk,hkd->td", x, nnx.Param(q), nnx.Param(s))
+        ref = Fp8Channel(activations=False)("thk,hkd->td", x, nnx.Param(q), nnx.Param(s))
+        np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    x = jnp.ones((PALLAS_MAX_TOKENS + 1, 4, 16))
+    assert not _uses_kernel(proj, "thk,hkd->td", x, q, s)
+    assert not _uses_kernel(proj, "tkh,hkd->td", jnp.ones((2, 16, 4)), q, s)  # contracted dims out of order
+    assert not _uses_kernel(Fp8Channel(activations=False), "thk,hkd->td", jnp.ones((2, 4, 16)), q, s)
+
+
+def test_projection_keeps_xla_under_tensor_parallelism():
+    from jax.sharding import Mesh
+
+    from jvllm.ops.attention import tensor_parallel_mesh
+
+    proj = Fp8Channel(activations=False, backend="pallas")
+    q, s = proj.quantize(jnp.ones((64, 32)), 1)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "tensor"))
+    with tensor_parallel_mesh(mesh):
+        assert not _uses_kernel(proj, "td,di->ti", jnp.ones((2, 64)), q, s)
+    assert _uses_kernel(proj, "td,di->ti", jnp.ones((2, 64)), q, s)
+
+
+def test_engine_greedy_tokens_equal_xla(tiny, monkeypatch):
+    """Prefill chunks and decode steps (buckets 8 and 32, both <= PALLAS_MAX_TOKENS) through the kernel
+    in interpret mode: the same greedy tokens as the XLA backend."""
+    traced = []
+    real = pallas_matmul.matmul
+    monkeypatch.setattr(pallas_matmul, "matmul", lambda *a, **k: traced.append(a[1].shape) or real(*a, **k))
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 256, n)] for i, n in enumerate((5, 19, 40))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    out = {}
+    for backend in ("xla", "pallas"):
+        llm = LLM(tiny, fp8_matmul_backend=backend, **KW)
+        assert llm.llm_engine.model_config.quant.matmul == backend
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        out[backend] = [list(o.outputs[0].token_ids) for o in got]
+        llm.shutdown()
+        if backend == "xla":
+            assert not traced
+    assert traced and {(64, 64), (64, 32), (64, 128), (128, 64)} <= set(traced)  # q, k/v, gate/up, down
+    assert out["pallas"] == out["xla"]
+
+
+def test_cli_flag_reaches_the_engine_kwargs(monkeypatch):
+    import argparse
+
+    import jvllm.sharding as sharding
+    from jvllm.cli import add_engine_args, engine_kwargs
+
+    monkeypatch.setattr(sharding, "initialize_distributed", lambda *a: None)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--fp8-matmul-backend", "pallas"]))["fp8_matmul_backend"] == "pallas"
+    assert engine_kwargs(p.parse_args([]))["fp8_matmul_backend"] == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--fp8-matmul-backend", "cutlass"])
