@@ -60,8 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="compile what a first request needs at start-up and the other programs in a background "
                         "thread (--no-background-compile: every program before serving)")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="a request's tokens and logprobs bit-identical whatever else is in its batch (one token "
-                        "bucket, no decode-only program: small steps cost a full max-num-batched-tokens step)")
+                   help="a request's tokens and logprobs bit-identical whatever else is in its batch (fixed-tile "
+                        "matmuls, no decode-only program, the full sampler for every batch)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices per tensor-parallel group")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas")

@@ -120,6 +120,9 @@ class ModelConfig:
     moe: MoEConfig | None = None  # mixture-of-experts layers (the MoE architectures only)
     # quantized projection weights (jvllm.quantization; None: the model dtype)
     quant: QuantConfig | None = None
+    # batch-invariant mode's fixed-tile projections and LM head (an engine choice the worker sets:
+    # jvllm.worker.batch_invariant, jvllm.models.layers.projection)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.architecture not in supported_architectures():

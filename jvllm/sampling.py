@@ -91,9 +91,13 @@ class SamplerImpl:
     """How the sampler runs on a platform, chosen once at construction. radix_bits: bits of the
     threshold found per pass over [R, V] (1, 2 or 4; fewer passes with more candidate sums each:
     4 where passes are memory-bound, 1 on CPUs where compares cost). branchy: `lax.cond` skips the
-    parts a batch does not use (only where conds do not block the host: not on GPUs)."""
+    parts a batch does not use (only where conds do not block the host: not on GPUs).
+    fixed_order_sums: every sum over the vocabulary (top-p mass, the threshold search's sums,
+    log-softmax) in a fixed order whatever the number of rows (`jvllm.ops.fixed_order`:
+    batch-invariant mode)."""
     radix_bits: int = 4
     branchy: bool = False
+    fixed_order_sums: bool = False
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):
@@ -147,7 +151,16 @@ def _ukey(x):
     return jax.lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
-def _radix_search(u, w, target, bits: int):
+def _row_sum(x, impl: SamplerImpl):
+    """Sum over the vocabulary axis (fixed order with `impl.fixed_order_sums`)."""
+    if impl.fixed_order_sums:
+        from jvllm.ops.fixed_order import tree_sum
+
+        return tree_sum(x)
+    return jnp.sum(x, axis=-1)
+
+
+def _radix_search(u, w, target, bits: int, fixed_order: bool = False):
     """Per row, the largest uint32 t with sum(w where u >= t) >= target, for w >= 0 and a target
     the whole row's sum reaches (t = 0 qualifies). `bits` bits of t per pass, from the top: each
     pass sums w above the 2**bits - 1 candidate prefixes in one variadic reduction over [R, V] and
@@ -159,7 +172,12 @@ def _radix_search(u, w, target, bits: int):
     for shift in range(32 - bits, -1, -bits):
         cands = [t | jnp.uint32(j << shift) for j in range(1, n + 1)]
         ops = tuple(jnp.where(u >= c[:, None], w, 0.0) for c in cands)
-        sums = jax.lax.reduce(ops, (jnp.float32(0),) * n, lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
+        if fixed_order:  # batch-invariant mode: one fixed pairwise tree per sum (jvllm.ops.fixed_order)
+            from jvllm.ops.fixed_order import tree_sum
+
+            sums = tuple(tree_sum(o) for o in ops)
+        else:
+            sums = jax.lax.reduce(ops, (jnp.float32(0),) * n, lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
         digit = sum((s >= target).astype(jnp.uint32) for s in sums)
         t = t | (digit << shift)
     return t
@@ -189,16 +207,16 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
     if v.search >= 1:  # top_k rows count tokens, top_p rows sum mass (renormalized: target p * sum)
         def first():
             w = jnp.where(use_k[:, None], 1.0, e)
-            target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * jnp.sum(e, axis=-1))
-            return jnp.where(use_k | use_p, _radix_search(u, w, target, impl.radix_bits), 0)
+            target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * _row_sum(e, impl))
+            return jnp.where(use_k | use_p, _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums), 0)
 
         t = _maybe(impl, jnp.any((use_k | use_p) & ~greedy), first, zeros)
     if v.search == 2:  # top_p over the top_k-filtered distribution: lands at or above top_k's threshold
         both = use_k & use_p
 
         def second():
-            kept_mass = jnp.sum(jnp.where(u >= t[:, None], e, 0.0), axis=-1)
-            return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits), 0)
+            kept_mass = _row_sum(jnp.where(u >= t[:, None], e, 0.0), impl)
+            return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums), 0)
 
         t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
     t = jnp.where(greedy, umax, jnp.minimum(t, umax))
@@ -206,9 +224,16 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
     return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1).astype(jnp.int32)
 
 
-def logprob_outputs(logits, tokens):
-    """(logprob of `tokens`, their rank (1 = best), top-N ids, top-N logprobs) from raw logits."""
-    lp = jax.nn.log_softmax(logits, axis=-1)
+def logprob_outputs(logits, tokens, fixed_order: bool = False):
+    """(logprob of `tokens`, their rank (1 = best), top-N ids, top-N logprobs) from raw logits.
+    `fixed_order`: the log-softmax's sum in a fixed order whatever the number of rows
+    (`jvllm.ops.fixed_order`: batch-invariant mode)."""
+    if fixed_order:
+        from jvllm.ops.fixed_order import log_softmax
+
+        lp = log_softmax(logits)
+    else:
+        lp = jax.nn.log_softmax(logits, axis=-1)
     tok_lp = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(lp > tok_lp[:, None], axis=-1).astype(jnp.int32) + 1
     top_lp, top_ids = jax.lax.top_k(lp, NUM_TOP_LOGPROBS)
@@ -247,4 +272,4 @@ def sample(logits, sb: SamplingBatch, ex: SamplingExtras | None = None, mask: Vo
         return (jnp.zeros((R,), jnp.float32), jnp.zeros((R,), jnp.int32),
                 jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.int32), jnp.zeros((R, NUM_TOP_LOGPROBS), jnp.float32))
 
-    return tok, _maybe(impl, sb.want_logprobs, lambda: logprob_outputs(raw, tok), no_lp)
+    return tok, _maybe(impl, sb.want_logprobs, lambda: logprob_outputs(raw, tok, impl.fixed_order_sums), no_lp)

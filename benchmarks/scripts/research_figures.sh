@@ -4,14 +4,15 @@
 #              sharding (target <= 50 ms) and from host numpy (GB/s), with the compile count across the
 #              calls; sleep / wake_up seconds and freed bytes (levels 1 and 2, with the device's
 #              bytes_in_use) -> $OUT/research.json, $OUT/research.log
-#   invariant  W1 and B1 (`jvllm bench all`, one engine each) of the default engine against
-#              --batch-invariant (target: <= 15% slower) -> $OUT/invariant_default.json,
-#              $OUT/invariant_on.json (+ .log); both with XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true
-#              so that the two differ only in jvllm's mode. INV_MNBT sets --max-num-batched-tokens of
-#              both (default: the engine's); batch-invariant steps all run that one bucket, so B1 pays
-#              for it.
+#   invariant  B1 (`jvllm bench latency` on small steps: --token-buckets 8,512, 4 sequences) and W1
+#              (`jvllm bench throughput` at the engine's default config) of the default engine against
+#              --batch-invariant (target: <= 15% slower), one process each, in the order B1 default,
+#              B1 invariant, W1 default, W1 invariant, all within INV_S seconds (300) of the stage's
+#              start -> $OUT/inv_{b1,w1}_{default,on}.json (+ .log); all with
+#              XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true so that the pairs differ only in
+#              jvllm's mode.
 # One device call holds about 590 s: run the stages in separate calls (STAGES=update, then
-# STAGES=invariant) unless the compile cache is warm. Env: MODEL (random:llama3-8b), REPEATS (3).
+# STAGES=invariant) unless the compile cache is warm. Env: MODEL (random:llama3-8b), REPEATS (3), INV_S.
 set -u
 source "$(dirname "$0")/device_env.sh"
 left() { local l=$(( 590 - $(el) )); echo $(( l < $1 ? l : $1 )); }
@@ -22,13 +23,17 @@ for stage in ${STAGES:-update invariant}; do
     update) timeout -s ABRT $(left 590) python -X faulthandler -u benchmarks/research_figures.py --model "$MODEL" \
               --repeats "${REPEATS:-3}" --out "$OUT/research.json" > "$OUT/research.log" 2>&1
             echo "rc=$?"; tail -30 "$OUT/research.log" ;;
-    invariant) mnbt=${INV_MNBT:+--max-num-batched-tokens $INV_MNBT}
-               for mode in default on; do
-                 flag=""; [ "$mode" = on ] && flag=--batch-invariant
+    invariant) inv_end=$(( $(el) + ${INV_S:-300} ))
+               for run in b1:default b1:on w1:default w1:on; do
+                 wl=${run%%:*}; mode=${run##*:}; flag=""; [ "$mode" = on ] && flag=--batch-invariant
+                 if [ "$wl" = b1 ]; then cap=75; args=(latency --max-num-batched-tokens 512 --max-num-seqs 4 --token-buckets 8,512)
+                 else cap=110; args=(throughput); fi
+                 lim=$(( inv_end - $(el) )); [ $lim -gt $cap ] && lim=$cap
+                 [ $lim -lt 20 ] && { echo "[$(el)s] no time left for $run"; continue; }
                  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exclude_nondeterministic_ops=true" \
-                   timeout $(left 290) python -m jvllm.cli bench all --model "$MODEL" --dtype bfloat16 --max-model-len 4096 \
-                   $mnbt $flag --no-xla-report --output-json "$OUT/invariant_$mode.json" > "$OUT/invariant_$mode.log" 2>&1
-                 echo "rc=$? ($mode)"; grep -E "W1:|B1:" "$OUT/invariant_$mode.log"
+                   timeout $lim python -m jvllm.cli bench "${args[@]}" --model "$MODEL" --dtype bfloat16 --max-model-len 4096 \
+                   $flag --no-xla-report --output-json "$OUT/inv_${wl}_$mode.json" > "$OUT/inv_${wl}_$mode.log" 2>&1
+                 echo "[$(el)s] $run rc=$?"; grep -E "startup:|W1:|B1:|Error" "$OUT/inv_${wl}_$mode.log" | tail -3
                done ;;
     *) echo "unknown stage $stage (update | invariant)"; exit 2 ;;
   esac

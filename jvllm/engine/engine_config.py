@@ -67,15 +67,10 @@ class EngineConfig:
     # Multi-process runs always compile in the foreground.
     background_compile: bool = True
     # a request's tokens and logprobs bit-identical whatever else is in its batch, however its
-    # prompt was chunked and whether its prefix was cached: one token bucket, no decode-only
+    # prompt was chunked and whether its prefix was cached: fixed-tile matmuls, no decode-only
     # variant, one sampler program (jvllm.worker.batch_invariant states what holds where)
     batch_invariant: bool = False
     # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT, "num_speculative_tokens": k}
     # (jvllm.spec_decode.config states every key); None: off
     speculative_config: dict | None = None
-
-    def __post_init__(self):
-        from jvllm.worker.batch_invariant import check_buckets  # host only, like this module
-
-        check_buckets(self.batch_invariant, self.token_buckets)

@@ -8,7 +8,7 @@ Differences from the Llama decoder, each a ModelConfig field read by the shared 
     pre_feedforward_layernorm -> MLP -> post_feedforward_layernorm -> residual (this file)
   - GeGLU MLP (`hidden_act` gelu_pytorch_tanh); attention scale query_pre_attn_scalar ** -0.5
   - attention-logit soft-cap (Gemma 2) in the attention ops; final-logit soft-cap in the logits
-    (`jvllm.models.layers.lm_logits`, used by every program that computes logits)
+    (`jvllm.models.layers.LMHead`, used by every program that computes logits)
   - alternating sliding-window / global layers (`layer_windows`, from the config's layer_types);
     Gemma 3's sliding layers use their own rope base (`local_rope_theta`)
   - head_dim 256, tied embeddings, a 262k vocabulary: nothing special in the code, only sizes.

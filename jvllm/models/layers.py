@@ -22,8 +22,10 @@ from flax import nnx
 
 from jvllm.config import ModelConfig
 from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, shard_local
+from jvllm.ops.fixed_order import tree_mean
+from jvllm.ops.fixed_tile_matmul import fixed_tile_matmul
 from jvllm.ops.pallas_attention import ragged_paged_attention
-from jvllm.quantization.schemes import projection_for
+from jvllm.quantization.schemes import Dense, Projection, num_contracted, projection_for, split_spec
 
 List = getattr(nnx, "List", list)  # a module list nnx tracks (older flax: a plain list)
 
@@ -46,16 +48,19 @@ def declare(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, ones: bool 
 class RMSNorm(nnx.Module):
     """unit_offset=False: transformers' LlamaRMSNorm (normalise in float32, cast back, scale by w in
     the input dtype). unit_offset=True: Gemma's (scale the float32 result by (1 + w), then cast;
-    the stored weight is w, initialised to 0 in checkpoints)."""
+    the stored weight is w, initialised to 0 in checkpoints). fixed_order (batch-invariant mode):
+    the mean of squares summed in a fixed order whatever the number of rows (`jvllm.ops.fixed_order`)."""
 
-    def __init__(self, dim: int, eps: float, dtype, axes=("norm",), unit_offset: bool = False):
+    def __init__(self, dim: int, eps: float, dtype, axes=("norm",), unit_offset: bool = False,
+                 fixed_order: bool = False):
         self.eps = eps
         self.unit_offset = unit_offset
+        self.mean = tree_mean if fixed_order else jnp.mean  # chosen once
         self.weight = declare((dim,), axes, dtype, ones=not unit_offset)
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        y = xf * jax.lax.rsqrt(self.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         if self.unit_offset:
             return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
@@ -63,7 +68,49 @@ class RMSNorm(nnx.Module):
 
 def norm(cfg: ModelConfig, dim: int, dtype, axes=("norm",)) -> RMSNorm:
     """The family's RMSNorm for a `dim`-wide activation."""
-    return RMSNorm(dim, cfg.rms_norm_eps, dtype, axes=axes, unit_offset=cfg.norm_unit_offset)
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype, axes=axes, unit_offset=cfg.norm_unit_offset,
+                   fixed_order=cfg.batch_invariant)
+
+
+# ----------------------------------------------------------------------------------- projections
+@dataclasses.dataclass(frozen=True)
+class FixedTileDense(Dense):
+    """Batch-invariant mode's projection (`jvllm.worker.batch_invariant`): unquantized weights
+    through `jvllm.ops.fixed_tile_matmul`, whose per-element reduction order does not depend on
+    the number of tokens. The spec's activation must be the token axis followed by the weight's
+    contracted dims in the weight's order ("td,dhk->thk", "thk,hkd->td"); the weight and the
+    activation are viewed as 2-D (a reshape, no copy)."""
+
+    name = "fixed_tile"
+
+    def __call__(self, spec, x, w, scale):
+        xs, ws, out = split_spec(spec)
+        n = num_contracted(spec)
+        if xs != out[0] + ws[:n] or out != out[0] + ws[n:]:
+            raise ValueError(f"FixedTileDense: spec {spec!r} is not 'token + contracted, weight -> token + outputs'")
+        w = w[...]
+        K = int(np.prod(w.shape[:n]))
+        y = fixed_tile_matmul(x.reshape(x.shape[0], K), w.reshape(K, -1))
+        return y.reshape(x.shape[0], *w.shape[n:])
+
+
+FIXED_TILE_DENSE = FixedTileDense()
+
+
+def projection(cfg: ModelConfig) -> Projection:
+    """The projections' backend, chosen once per module at construction: `FIXED_TILE_DENSE` in
+    batch-invariant mode (`cfg.batch_invariant`), else the format of `cfg.quant`
+    (`jvllm.quantization`). ValueError for what batch-invariant mode does not implement: quantized
+    weights and mixture-of-experts layers (whose expert matmul's order depends on the routing)."""
+    if not cfg.batch_invariant:
+        return projection_for(cfg.quant)
+    if cfg.quant is not None:
+        raise ValueError(f"batch_invariant=True with quantization ({cfg.quant.method}) is not implemented: "
+                         f"its projections have no fixed-tile matmul")
+    if cfg.moe is not None:
+        raise ValueError(f"batch_invariant=True with a mixture-of-experts model ({cfg.architecture}) is not "
+                         f"implemented: the expert matmul's reduction order depends on the routing")
+    return FIXED_TILE_DENSE
 
 
 # ----------------------------------------------------------------------------------- rotary
@@ -184,7 +231,7 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         D, H, K, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.proj = p = projection_for(cfg.quant)  # the projections' format (jvllm.quantization), chosen once
+        self.proj = p = projection(cfg)  # the projections' backend, chosen once
         self.q_proj, self.q_proj_scale = p.declare((D, H, hd), ("embed", "heads", "head_dim"), 1, dtype)
         self.k_proj, self.k_proj_scale = p.declare((D, K, hd), ("embed", "kv_heads", "head_dim"), 1, dtype)
         self.v_proj, self.v_proj_scale = p.declare((D, K, hd), ("embed", "kv_heads", "head_dim"), 1, dtype)
@@ -244,7 +291,7 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype):
         D, I = cfg.hidden_size, cfg.intermediate_size
-        self.proj = p = projection_for(cfg.quant)
+        self.proj = p = projection(cfg)
         self.gate_proj, self.gate_proj_scale = p.declare((D, I), ("embed", "mlp"), 1, dtype)
         self.up_proj, self.up_proj_scale = p.declare((D, I), ("embed", "mlp"), 1, dtype)
         self.down_proj, self.down_proj_scale = p.declare((I, D), ("mlp", "embed"), 1, dtype)
@@ -265,10 +312,27 @@ class MLP(nnx.Module):
         return y + self.down_bias[...] if self.has_bias else y
 
 
-def lm_logits(w, h, tied: bool, softcap: float | None = None):
-    """float32 logits [.., vocab] of hidden states h [.., embed] through the LM head `w`
+@dataclasses.dataclass(frozen=True)
+class LMHead:
+    """float32 logits [.., vocab] of hidden states h [.., embed] through the LM head weight `w`
     ([embed, vocab], or the embedding [vocab, embed] when `tied`); `softcap` (Gemma 2's final-logit
-    soft-cap) maps z -> softcap * tanh(z / softcap). The one place logits are computed: samplers,
-    greedy, prompt logprobs and `sequence_logits` all call it."""
-    z = jnp.dot(h, w.T if tied else w, preferred_element_type=jnp.float32)
-    return z if softcap is None else softcap * jnp.tanh(z / softcap)
+    soft-cap) maps z -> softcap * tanh(z / softcap); `fixed_tile` (batch-invariant mode) computes
+    the product with `jvllm.ops.fixed_tile_matmul`, whose rows do not depend on how many there are.
+    The one place logits are computed: samplers, greedy, prompt logprobs, speculative verification
+    and `sequence_logits` all call it. Frozen and hashable: a static argument of those programs."""
+    tied: bool
+    softcap: float | None = None
+    fixed_tile: bool = False
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "LMHead":
+        return cls(cfg.tie_word_embeddings, cfg.final_logit_softcap, cfg.batch_invariant)
+
+    def __call__(self, w, h):
+        if self.fixed_tile:
+            lead = h.shape[:-1]
+            z = fixed_tile_matmul(h.reshape(-1, h.shape[-1]), w, w_transposed=self.tied, out_dtype=jnp.float32)
+            z = z.reshape(*lead, z.shape[-1])
+        else:
+            z = jnp.dot(h, w.T if self.tied else w, preferred_element_type=jnp.float32)
+        return z if self.softcap is None else self.softcap * jnp.tanh(z / self.softcap)

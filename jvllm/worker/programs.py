@@ -33,15 +33,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.compilation.registry import ProgramKind, Signature, register
-from jvllm.models.layers import lm_logits
+from jvllm.models.layers import LMHead
 from jvllm.ops.attention import tensor_parallel_mesh
 from jvllm.sampling import SamplerVariant, logprob_outputs, sample
 from jvllm.worker import sampler
-
-
-def logits(w, h, tied: bool, softcap: float | None = None):
-    """The model's float32 logits (`jvllm.models.layers.lm_logits`: tied head, final soft-cap)."""
-    return lm_logits(w, h, tied, softcap)
 
 
 def _pad_tok(tok, max_num_seqs: int):
@@ -67,28 +62,28 @@ def step_body(layout, graphdef, treedef, first, last, attention, mesh, decode, k
     return out + (jnp.stack(tap.values),) if capture else out
 
 
-def sample_body(w, h, rows, *, layout, impl, tied, softcap, max_num_seqs):
+def sample_body(w, h, rows, *, layout, impl, head, max_num_seqs):
     sb, ex, mask = layout.unpack(rows)
-    tok, lp = sample(logits(w, h, tied, softcap), sb, ex, mask, layout.variant, impl)
+    tok, lp = sample(head(w, h), sb, ex, mask, layout.variant, impl)
     return tok, lp, _pad_tok(tok, max_num_seqs)
 
 
-def sample_procs_body(w, h, rows, pi, *, layout, procs, impl, tied, softcap, max_num_seqs):
+def sample_procs_body(w, h, rows, pi, *, layout, procs, impl, head, max_num_seqs):
     """User logits processors first (`jvllm.worker.logits_processors`), then the sampler."""
     from jvllm.worker.logits_processors import apply
 
     sb, ex, mask = layout.unpack(rows)
-    tok, lp = sample(apply(procs, logits(w, h, tied, softcap), pi), sb, ex, mask, layout.variant, impl)
+    tok, lp = sample(apply(procs, head(w, h), pi), sb, ex, mask, layout.variant, impl)
     return tok, lp, _pad_tok(tok, max_num_seqs)
 
 
-def greedy_body(w, h, *, tied, softcap, max_num_seqs):
-    tok = jnp.argmax(logits(w, h, tied, softcap), axis=-1).astype(jnp.int32)
+def greedy_body(w, h, *, head, max_num_seqs):
+    tok = jnp.argmax(head(w, h), axis=-1).astype(jnp.int32)
     return tok, _pad_tok(tok, max_num_seqs)
 
 
-def prompt_lp_body(w, h, targets, *, tied, softcap):
-    return logprob_outputs(logits(w, h, tied, softcap), targets)
+def prompt_lp_body(w, h, targets, *, head):
+    return logprob_outputs(head(w, h), targets, fixed_order=head.fixed_tile)  # batch-invariant mode
 
 
 _cache_lock = threading.Lock()
@@ -123,8 +118,7 @@ def research_step_fn(ctx, decode: bool):
 
 
 def logits_fn(ctx):
-    return cached(ctx, "logits", lambda: jax.jit(functools.partial(logits, tied=ctx.cfg.tie_word_embeddings,
-                                                                   softcap=ctx.cfg.final_logit_softcap)))
+    return cached(ctx, "logits", lambda: jax.jit(LMHead.of(ctx.cfg)))
 
 
 def _sds(shape, dtype, sharding=None):
@@ -188,7 +182,7 @@ def _sample_signature(ctx, key) -> Signature:
     shard = last.sharding()
     layout = sampler.RowLayout(R, ctx.cfg.vocab_size, ctx.max_model_len, variant)
     fn = cached(ctx, "sample", lambda: jax.jit(functools.partial(
-        sample_body, impl=ctx.sampler_impl, tied=ctx.cfg.tie_word_embeddings, softcap=ctx.cfg.final_logit_softcap,
+        sample_body, impl=ctx.sampler_impl, head=LMHead.of(ctx.cfg),
         max_num_seqs=ctx.max_num_seqs), static_argnames=("layout",)))
     return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), layout.abstract(shard)),
                      tuple(last.devices()), dict(layout=layout))
@@ -211,7 +205,7 @@ def largest_sample_key(ctx, R: int):
 def _greedy_signature(ctx, R) -> Signature:
     last = ctx.stages[-1]
     fn = cached(ctx, "greedy", lambda: jax.jit(functools.partial(
-        greedy_body, tied=ctx.cfg.tie_word_embeddings, softcap=ctx.cfg.final_logit_softcap, max_num_seqs=ctx.max_num_seqs)))
+        greedy_body, head=LMHead.of(ctx.cfg), max_num_seqs=ctx.max_num_seqs)))
     return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, last.sharding())),
                      tuple(last.devices()))
 
@@ -219,8 +213,7 @@ def _greedy_signature(ctx, R) -> Signature:
 def _prompt_lp_signature(ctx, T) -> Signature:
     last = ctx.stages[-1]
     shard = last.sharding()
-    fn = cached(ctx, "prompt_lp", lambda: jax.jit(functools.partial(prompt_lp_body, tied=ctx.cfg.tie_word_embeddings,
-                                                                            softcap=ctx.cfg.final_logit_softcap)))
+    fn = cached(ctx, "prompt_lp", lambda: jax.jit(functools.partial(prompt_lp_body, head=LMHead.of(ctx.cfg))))
     return Signature(fn, (_like(ctx.head_w), _sds((T, ctx.cfg.hidden_size), ctx.dtype, shard),
                                                 _sds((T,), jnp.int32, shard)), tuple(last.devices()))
 
@@ -240,8 +233,8 @@ def _sample_procs_signature(ctx, key) -> Signature:
     layout = sampler.RowLayout(R, ctx.cfg.vocab_size, ctx.max_model_len, variant)
     pi = logits_processors.abstract_inputs(R, len(ctx.logits_processors), ctx.max_model_len, shard)
     fn = cached(ctx, "sample_procs", lambda: jax.jit(functools.partial(
-        sample_procs_body, procs=ctx.logits_processors, impl=ctx.sampler_impl, tied=ctx.cfg.tie_word_embeddings,
-        softcap=ctx.cfg.final_logit_softcap, max_num_seqs=ctx.max_num_seqs), static_argnames=("layout",)))
+        sample_procs_body, procs=ctx.logits_processors, impl=ctx.sampler_impl, head=LMHead.of(ctx.cfg),
+        max_num_seqs=ctx.max_num_seqs), static_argnames=("layout",)))
     return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), layout.abstract(shard), pi),
                      tuple(last.devices()), dict(layout=layout))
 
@@ -267,8 +260,7 @@ def _spec_verify_signature(ctx, key) -> Signature:
     V = ctx.cfg.vocab_size
     sb, _ = sampler.abstract_inputs(R, ctx.max_model_len, V, False, shard)
     fn = cached(ctx, ("spec_verify", want_lp, greedy), lambda: jax.jit(functools.partial(
-        verify_body, logits_fn=functools.partial(logits, tied=ctx.cfg.tie_word_embeddings,
-                                                 softcap=ctx.cfg.final_logit_softcap), want_lp=want_lp,
+        verify_body, logits_fn=LMHead.of(ctx.cfg), want_lp=want_lp,
         all_greedy=greedy)))
     i32 = jnp.int32
     q = _sds((ctx.max_num_seqs, k, V), jnp.float32, shard) if probs else None
@@ -304,8 +296,7 @@ def _draft_sample_signature(ctx, key) -> Signature:
     V, S, k = ctx.cfg.vocab_size, ctx.max_num_seqs, ctx.draft_k
     sb, _ = sampler.abstract_inputs(R, ctx.max_model_len, V, False, shard)
     fn = cached(ctx, ("draft_sample", greedy), lambda: jax.jit(functools.partial(
-        draft_sample_body, logits_fn=functools.partial(logits, tied=ctx.cfg.tie_word_embeddings,
-                                                       softcap=ctx.cfg.final_logit_softcap), all_greedy=greedy),
+        draft_sample_body, logits_fn=LMHead.of(ctx.cfg), all_greedy=greedy),
         donate_argnums=(5, 6)))
     i32 = jnp.int32
     return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, shard), sb,

@@ -74,6 +74,8 @@ class Worker:
         self.model_config: ModelConfig = configure_moe(apply_quantization(model_config(self.spec), config.quantization,
                                                                           fp8_matmul_backend=config.fp8_matmul_backend),
                                                        config.enable_expert_parallel, config.moe_backend)
+        if config.batch_invariant:  # fixed-tile projections and LM head (jvllm.worker.batch_invariant)
+            self.model_config = dataclasses.replace(self.model_config, batch_invariant=True)
         self.init_parts["model_config_s"] = time.perf_counter() - t
         self.runner = None
         self.mesh = None
@@ -188,14 +190,13 @@ class Worker:
                                         tensor_parallel_size=c.tensor_parallel_size)
 
     def _make_runner(self, num_blocks: int, sc: SchedulerConfig, buckets):
-        from jvllm.worker.batch_invariant import step_buckets
         from jvllm.worker.model_runner import ModelRunner
 
         c, acc = self.config, self.on_accelerator
         return ModelRunner(self.model_config, head_w=self._head_w, dtype=self.dtype, kv_dtype=self.kv_dtype,
                            block_size=c.block_size,
                            num_blocks=num_blocks, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
-                           token_buckets=step_buckets(c.batch_invariant, c.token_buckets, buckets),
+                           token_buckets=buckets,
                            query_tile=c.query_tile or (16 if acc else 8),
                            kv_chunk_blocks=c.kv_chunk_blocks or (16 if acc else 4),
                            stages=[dataclasses.replace(st, kv=None) for st in self._stages],  # shares weights
