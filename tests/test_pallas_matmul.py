@@ -1,5 +1,5 @@
 """The weight-streaming Pallas matmul (jvllm.ops.pallas_matmul) in interpret mode against the XLA
-formulation, the batch-invariant form's row independence, the launch checks, and the kernels'
+formulation, the launch checks, and the kernels'
 Triton lowering (traced for the cuda platform on this CPU: what the GPU build would compile)."""
 import functools
 
@@ -44,7 +44,6 @@ def test_fp8_decode_form_matches_xla(M, K, N):
 def test_bf16_weights_and_no_scale(M, K, N):
     x, w, _ = _operands(M, K, N, jnp.bfloat16)
     _close(pm.matmul(x, w, interpret=True), pm.reference(x, w))
-    _close(pm.invariant_matmul(x, w, interpret=True), pm.reference(x, w))
 
 
 @pytest.mark.parametrize("launch", [pm.Launch(16, 32, 16, 4), pm.Launch(32, 64, 64, 2, num_warps=8, num_stages=2),
@@ -76,22 +75,6 @@ def test_untileable_shapes_fall_back_to_xla():
     assert "pallas_call" in str(jax.make_jaxpr(functools.partial(pm.matmul, interpret=True))(x, w, scale))
 
 
-def test_invariant_form_rows_do_not_depend_on_the_batch():
-    """Row m's output is bit-identical whatever M is and whatever the other rows hold."""
-    K, N = 256, 96
-    x, w, scale = _operands(70, K, N, FP8)
-    full = np.asarray(pm.invariant_matmul(x, w, scale, interpret=True), np.float32)
-    for rows in (1, 5, 64, 65):
-        part = np.asarray(pm.invariant_matmul(x[:rows], w, scale, interpret=True), np.float32)
-        np.testing.assert_array_equal(part, full[:rows])
-    other = x.at[1:].set(jax.random.normal(jax.random.PRNGKey(9), (69, K), jnp.bfloat16) * 100)
-    np.testing.assert_array_equal(np.asarray(pm.invariant_matmul(other, w, scale, interpret=True), np.float32)[0],
-                                  full[0])
-    _close(full, pm.reference(x, w, scale))
-    assert pm.invariant_launch(4096, 14336) == pm.invariant_launch(4096, 14336)
-    assert pm.invariant_launch(4096, 14336).split_k == 1
-
-
 def test_bad_inputs_are_errors_naming_the_value():
     x, w, scale = _operands(4, 64, 96, FP8)
     with pytest.raises(ValueError, match=r"x must be \[M, K\] and w \[K, N\]"):
@@ -102,8 +85,6 @@ def test_bad_inputs_are_errors_naming_the_value():
         pm.matmul(x, w.astype(jnp.int8))
     with pytest.raises(ValueError, match="does not tile w\\[64, 96\\]"):
         pm.matmul(x, w, scale, launch=pm.Launch(16, 64, 16))
-    with pytest.raises(ValueError, match="K=64, N=100"):
-        pm.invariant_matmul(x, jnp.zeros((64, 100), FP8))
     for bad in (dict(bm=8), dict(bn=48), dict(split_k=0), dict(num_warps=3), dict(num_stages=0)):
         kw = dict(bm=16, bn=16, bk=16) | bad
         with pytest.raises(ValueError, match=f"Launch.{next(iter(bad))}"):
@@ -111,13 +92,12 @@ def test_bad_inputs_are_errors_naming_the_value():
     assert pm.matmul(x[:0], w, scale).shape == (0, 96)
 
 
-@pytest.mark.parametrize("form,M,wdtype", [("decode", 1, FP8), ("decode", 24, FP8), ("decode", 8, jnp.bfloat16),
-                                           ("invariant", 300, jnp.bfloat16), ("invariant", 2, FP8)])
-def test_lowers_to_triton_for_cuda(form, M, wdtype):
+@pytest.mark.parametrize("M,wdtype", [(1, FP8), (24, FP8), (8, jnp.bfloat16)])
+def test_lowers_to_triton_for_cuda(M, wdtype):
     """The kernels lower through jax's Triton backend (cuda platform, traced on this CPU; jax assumes
     compute capability 9.0 without a GPU): catches constructs the Triton lowering refuses."""
     K, N = 4096, 1024
-    f = functools.partial(pm.matmul if form == "decode" else pm.invariant_matmul, interpret=False)
+    f = functools.partial(pm.matmul, interpret=False)
     args = [jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K, N), wdtype)]
     if wdtype == FP8:
         args.append(jax.ShapeDtypeStruct((N,), jnp.float32))

@@ -1,7 +1,7 @@
 """The Llama-3-8B projections alone, per token count: ms and effective weight GB/s (weight bytes /
 time) of (a) XLA's bf16 dot, (b) XLA's fp8 weight-only dot (jvllm's "xla" backend), (c) the Pallas
 weight-streaming kernel (jvllm.ops.pallas_matmul.matmul) at its default launch and over a small
-launch sweep, and (d) the bf16 batch-invariant form (invariant_matmul) against XLA's bf16 dot at
+launch sweep, and (d) batch-invariant mode's bf16 fixed-tile matmul (jvllm.ops.fixed_tile_matmul) against XLA's bf16 dot at
 larger token counts. One JSON.
 
     python benchmarks/probes/fp8_matmul.py [--tokens 1,4,8,16,32,64] [--inv-tokens 1,16,64,256,1024,2048]
@@ -39,6 +39,7 @@ def _time(fn, args, iters):
 
 
 def _split(M, K, N, bn, bk):
+    from jvllm.ops import fixed_tile_matmul as ftm
     from jvllm.ops import pallas_matmul as pm
 
     programs, s = -(-M // pm.row_block(M)) * (N // bn), 1
@@ -61,6 +62,7 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
 
+    from jvllm.ops import fixed_tile_matmul as ftm
     from jvllm.ops import pallas_matmul as pm
 
     interpret = True if a.tiny else None
@@ -108,9 +110,9 @@ def main(argv=None):
             x = jax.random.normal(jax.random.PRNGKey(M), (M, K), jnp.float32).astype(jnp.bfloat16)
             if M not in toks:
                 row("xla_bf16", M, _time(xla_bf16, (x, wb), a.iters), 2 * K * N)
-            f = jax.jit(lambda x, w: pm.invariant_matmul(x, w, interpret=interpret))
+            f = jax.jit(lambda x, w: ftm.fixed_tile_matmul(x, w, interpret=interpret))
             ms = _time(f, (x, wb), a.iters)
-            row("pallas_bf16_invariant", M, ms, 2 * K * N, launch=str(pm.invariant_launch(K, N)),
+            row("pallas_bf16_invariant", M, ms, 2 * K * N, launch=str(ftm.tiles(K, N)),
                 tflops=round(2 * M * K * N / ms / 1e9, 1))
         del wb, w8
     out = dict(probe="fp8_matmul", jax=jax.__version__, device=str(jax.devices()[0].device_kind),

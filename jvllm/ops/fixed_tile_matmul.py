@@ -31,22 +31,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jvllm.ops.pallas_grouped_matmul import _pow2_divisor
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     bm: int
     bn: int
     bk: int
-
-
-def _pow2_divisor(n: int, cap: int) -> int | None:
-    """Largest power of two in [16, cap] dividing n, or None."""
-    b = cap
-    while b >= 16:
-        if n % b == 0:
-            return b
-        b //= 2
-    return None
 
 
 def tiles(K: int, N: int) -> Tiles:

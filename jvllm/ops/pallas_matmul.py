@@ -9,21 +9,15 @@ per output channel). The weight tile is converted to x's dtype in registers, pro
 float32, the scale multiplies the float32 result, the output is x's dtype. That is the arithmetic of
 the XLA path (`reference`), up to the order of the float32 sums.
 
-Two forms, two users:
-  `matmul` (fp8 weight-only decode, small M): each program owns a [bm, bn] output block and walks
-    its share of K in `bk` steps, loading [bk, bn] weight tiles (row-contiguous, so wide coalesced
-    loads) and converting them in registers, so the 1-byte weights cross HBM once. When the N
-    (and M) blocks alone are too few programs to fill the GPU, K is split over `split_k` programs
-    whose float32 partial sums are added (and scaled) by a second, tiny XLA reduction. The launch
-    (`Launch`) comes from `decode_launch(M, K, N)` unless given. Shapes that no power-of-two
-    block >= 16 divides (K or N) fall back to `reference`, decided at trace time from static shapes.
-  `invariant_matmul` (issue 23's batch-invariant mode): the tiles come from `invariant_launch(K, N)`
-    only, never from M; there is no split-K; M is padded with zero rows to a multiple of bm. So
-    every output element y[m, n] is the same sequence of float32 operations (the same bk chunks of
-    K in the same order, each chunk one dot of the same tile shapes and launch) on row m of x and
-    column n of w, whatever M is and whatever the other rows hold: bit-identical across batch
-    sizes and compositions on one device and build. Shapes the fixed tiles cannot cover are a
-    ValueError (a fallback to XLA's dot would silently lose the guarantee).
+Use: fp8 weight-only decode (small M): each program owns a [bm, bn] output block and walks its
+share of K in `bk` steps, loading [bk, bn] weight tiles (row-contiguous, so wide coalesced loads)
+and converting them in registers, so the 1-byte weights cross HBM once. When the N (and M) blocks
+alone are too few programs to fill the GPU, K is split over `split_k` programs whose float32
+partial sums are added (and scaled) by a second, tiny XLA reduction. The launch (`Launch`) comes
+from `decode_launch(M, K, N)` unless given. Shapes that no power-of-two block >= 16 divides (K or N)
+fall back to `reference`, decided at trace time from static shapes. (Batch-invariant mode's
+fixed-tile matmul is `jvllm.ops.fixed_tile_matmul`: its tiles never depend on M and it has no
+split-K.)
 
 Grid: (M blocks, N blocks, K splits), M fastest: programs launched together share a weight tile,
 so at larger M the weights are read from HBM about once and the repeats hit L2.
@@ -101,16 +95,6 @@ def decode_launch(M: int, K: int, N: int) -> Launch | None:
     while split < MAX_SPLIT_K and programs * split < TARGET_PROGRAMS and (K // bk) % (2 * split) == 0:
         split *= 2
     return Launch(bm, bn, bk, split, num_warps=4, num_stages=4)
-
-
-def invariant_launch(K: int, N: int) -> Launch:
-    """The batch-invariant form's fixed launch for w[K, N]: a function of (K, N) only (never of M),
-    no split-K. ValueError naming the shape when no power-of-two block >= 16 divides K or N."""
-    bn, bk = _pow2_divisor(N, 128), _pow2_divisor(K, 64)
-    if bn is None or bk is None:
-        raise ValueError(f"invariant_matmul: w[{K}, {N}] has a dim no power-of-two block >= 16 divides "
-                         f"(K={K}, N={N}); the batch-invariant matmul needs both divisible by 16")
-    return Launch(64, bn, bk, 1, num_warps=4, num_stages=3)
 
 
 def reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
@@ -197,16 +181,4 @@ def matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, launch
         launch = decode_launch(x.shape[0], *w.shape)
         if launch is None:
             return reference(x, w, scale)
-    return _launch(x, w, scale, launch, interpret)
-
-
-def invariant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
-                     interpret: bool | None = None) -> jax.Array:
-    """(x[M, K] @ w[K, N]) * scale[N] with every output element's K reduction independent of M and of
-    the other rows (module docstring: the batch-invariant form; tiles `invariant_launch(K, N)`).
-    ValueError when no fixed tiles fit the shape."""
-    _check(x, w, scale)
-    launch = invariant_launch(*w.shape)
-    if x.shape[0] == 0:
-        return jnp.zeros((0, w.shape[1]), x.dtype)
     return _launch(x, w, scale, launch, interpret)
