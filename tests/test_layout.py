@@ -118,6 +118,24 @@ def test_executable_key_tells_models_with_equal_inputs_apart(ckpt_dir):
     assert keys[0] != keys[1] and keys[0] == keys[2]
 
 
+def test_executable_key_tells_argument_trees_apart():
+    """An argument the program does not use is pruned from the lowered module: None there and an
+    array there lower to the same text, yet an executable only takes the tree it was compiled
+    with (the greedy spec_verify with and without draft probabilities), so the keys differ."""
+    import jax
+    import jax.numpy as jnp
+
+    from jvllm.compilation.executable_cache import executable_key
+
+    f = jax.jit(lambda x, unused: x + 1)
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    a, b = f.lower(x, None), f.lower(x, jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert a.as_text() == b.as_text()
+    devs = jax.devices()[:1]
+    assert executable_key(a, devs) != executable_key(b, devs)
+    assert executable_key(a, devs) == executable_key(f.lower(x, None), devs)
+
+
 def test_background_warmup_compiles_the_first_request_programs_first(ckpt_dir):
     """LLM(...) returns with the programs every request needs compiled (the smallest decode step and
     its greedy sampler); the rest compile in the background, prefill steps from the smallest bucket

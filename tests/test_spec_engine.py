@@ -170,3 +170,33 @@ def test_bench_latency_reports_acceptance(ngram):
     it = out["iterations"][0]
     # decode tokens per second count tokens, not steps (a verified step emits several)
     assert it["decode_tok_s"] == pytest.approx((it["output_tokens"] - 1) / it["decode_s"])
+
+
+def test_async_steps_without_possible_drafts_dispatch_ahead(target, base):
+    """Speculation on (no disable_by_batch_size) with the async loop: a step after which no row can
+    get an n-gram draft (whatever token is in flight) is dispatched ahead of the step before it;
+    steps with drafts run synchronously; outputs equal the plain engine's. A distinct-token prompt
+    with prompt_lookup_min 2 cannot match after its prefill, so its first decode step runs ahead."""
+    want = _ids(base)
+    llm = LLM(target, speculative_config=dict(NGRAM, prompt_lookup_min=2), async_scheduling=True, **KW)
+    try:
+        e = llm.llm_engine
+        ahead, ahead_with_drafts = [], []
+        orig = e.dispatch_ahead
+
+        def spy(prev, only=None):
+            h = orig(prev, only=only)
+            ahead.append(h is not None)
+            if h is not None and any(s.spec_token_ids for s in h.sched.scheduled):
+                ahead_with_drafts.append(h)
+            return h
+
+        e.dispatch_ahead = spy
+        assert _ids(llm, PROMPTS[2:]) == want[2:]
+        assert any(ahead), "no step was dispatched ahead although no row could speculate"
+        assert _ids(llm) == want
+        st = _spec(llm)
+        assert st["spec_num_drafts"] > 0 and not ahead_with_drafts
+        assert any(ahead) and not all(ahead)  # both paths taken in one batched run
+    finally:
+        llm.shutdown()

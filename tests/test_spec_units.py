@@ -64,6 +64,31 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
         NgramProposer(2, 3, 2)
 
 
+class _Req:  # what may_propose_after_pending reads (held weakly by the proposer)
+    def __init__(self, toks):
+        self.all_token_ids = list(toks)
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 3), (2, 4), (3, 3)])
+def test_ngram_may_propose_after_pending_is_exact(lo, hi):
+    """False exactly when no token x in flight could make `propose` return drafts; checked by brute
+    force over a small vocabulary, growing each request token by token (the incremental index)."""
+    V = 6
+    rng = np.random.default_rng(lo * 10 + hi)
+    p = NgramProposer(k=3, lookup_min=lo, lookup_max=hi)
+    n_false = n_true = 0
+    for _ in range(30):
+        req = _Req(rng.integers(0, V, 1))
+        for _ in range(12):
+            want = any(p.propose(req.all_token_ids + [x], 3) for x in range(V))
+            got = p.may_propose_after_pending(req)
+            assert got == want, (req.all_token_ids, lo, hi)
+            n_true += got
+            n_false += not got
+            req.all_token_ids.append(int(rng.integers(0, V)))
+    assert n_true and (n_false or lo == 1)  # both answers exercised (lo = 1: any known token may recur)
+
+
 def test_spec_stats():
     s = SpecStats(3)
     s.record(3, 3)

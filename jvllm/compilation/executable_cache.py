@@ -50,12 +50,16 @@ def enabled() -> bool:
 
 
 def executable_key(lowered, devices) -> str:
-    """sha256 of the lowered module's text, the devices it runs on (in order) and the environment
-    of `fingerprint.environment` (versions, jax config, XLA_FLAGS, backend)."""
+    """sha256 of the lowered module's text, its argument and result trees, the devices it runs on
+    (in order) and the environment of `fingerprint.environment` (versions, jax config, XLA_FLAGS,
+    backend). The trees matter: unused arguments are pruned from the module, so two signatures
+    that differ only in an unused argument (None or an array) lower to the same text, and the
+    stored executable only accepts the tree it was compiled with."""
     from jvllm.compilation.fingerprint import environment
 
     h = hashlib.sha256()
     h.update(lowered.as_text().encode())
+    h.update(repr((lowered.in_tree, lowered.out_tree)).encode())
     env = (environment(), tuple((d.id, d.device_kind) for d in devices))
     h.update(repr(env).encode())
     return h.hexdigest()

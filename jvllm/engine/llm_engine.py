@@ -224,9 +224,12 @@ class LLMEngine:
         Requests whose pending token is their last (max_tokens, max_model_len) are left out; one
         that stops on EOS / a stop string costs one wasted row, discarded when its results come.
         Never preempts (the step ends where blocks run out)."""
-        if self.speculator is not None and (self.speculator.active(self.scheduler)
-                                            or any(s.spec_token_ids for s in prev.sched.scheduled)):
-            return None  # speculating steps run synchronously (drafts and acceptance live on the host)
+        if self.speculator is not None:  # speculating steps run synchronously (drafts, acceptance on the host)
+            if any(s.spec_token_ids for s in prev.sched.scheduled) or \
+                    self.speculator.may_propose_after(self.scheduler, prev.sched.scheduled):
+                return None
+            for r in self.scheduler.running:  # this step runs plain (a row left out last step keeps none)
+                r.spec_token_ids = []
         last, late = set(), False
         for s in prev.sched.scheduled:
             r = s.req

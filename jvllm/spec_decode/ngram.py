@@ -4,8 +4,14 @@ For n from `prompt_lookup_max` down to `prompt_lookup_min`: if the request's las
 earlier in its tokens (prompt + output), propose the up to k tokens that followed the most recent
 earlier occurrence. No match: no proposal (the request runs as a plain row). Deterministic: the
 proposal depends only on the token ids, so a preempted request resumes with the same drafts.
+
+`may_propose_after_pending` answers, before a step in flight is read, whether `propose` could
+return drafts once that step's token (id still on the device) is appended: the async loop
+dispatches the next step ahead only when no row could (`Speculator.may_propose_after`).
 """
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
@@ -15,6 +21,8 @@ class NgramProposer:
         if not 1 <= lookup_min <= lookup_max:
             raise ValueError(f"ngram lookup sizes need 1 <= min <= max, got min={lookup_min}, max={lookup_max}")
         self.k, self.lo, self.hi = k, lookup_min, lookup_max
+        # request -> [number of windows indexed, set of (lo-1)-grams that have a known next token]
+        self._index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def propose(self, token_ids, max_tokens: int) -> list[int]:
         """Up to min(k, max_tokens) draft tokens continuing `token_ids`, or [] when no n-gram matches."""
@@ -32,3 +40,30 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return [int(t) for t in toks[start:start + k]]
         return []
+
+    def may_propose_after_pending(self, req) -> bool:
+        """Whether `propose(req.all_token_ids + [x], m)` (m >= 1) can be non-empty for SOME token x
+        (the one token of `req` now in flight). Exact: a match of n >= lo tokens ending in x
+        contains a match of lo tokens ending in x, so one is possible iff the last lo - 1 known
+        tokens occur earlier followed by a known token (for lo = 1: any known token). Incremental:
+        each call indexes only the windows added since the last one (`req.all_token_ids` only grows;
+        requests are held weakly)."""
+        toks = req.all_token_ids
+        g = self.lo - 1
+        if len(toks) < self.lo:  # with x: fewer than lo + 1 tokens, propose returns []
+            return False
+        if g == 0:
+            return True
+        st = self._index.get(req)
+        if st is None:
+            st = self._index[req] = [0, set()]
+        end = len(toks) - g  # windows starting at 0 .. end-1 have a known next token
+        seen = st[1]
+        if g == 1:
+            seen.update(toks[st[0]:end])
+            st[0] = max(st[0], end)
+            return toks[-1] in seen
+        for i in range(st[0], end):
+            seen.add(tuple(toks[i:i + g]))
+        st[0] = max(st[0], end)
+        return tuple(toks[-g:]) in seen

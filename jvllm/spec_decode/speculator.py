@@ -9,9 +9,14 @@ its mask would have to hold at every verified position; such requests run as pla
 an error), hidden-state capture or steering run as plain rows in the same batch. Drafts are capped
 so the request cannot pass max_tokens or max_model_len.
 
-Speculating steps run on the synchronous path (the engine's `dispatch_ahead` returns None while
-speculation is active): the next step's drafts and the accepted count of each row must be on the
-host before it can be scheduled.
+Speculating steps run on the synchronous path: the next step's drafts and the accepted count of
+each row must be on the host before it can be scheduled. Every other step stays on the async path:
+the engine's `dispatch_ahead` asks `may_propose_after(scheduler, prev)` and dispatches ahead when no
+row could speculate in the step after `prev` (speculation inactive above disable_by_batch_size, or
+no n-gram can match whatever token `prev` samples). For n-gram this is exact up to the pending
+token: a step dispatched ahead is one the synchronous path would have run without drafts too; a
+True may still find no draft once the token is read (that step then runs synchronously, plain).
+A draft model always proposes, so with one a candidate row always means the synchronous path.
 """
 from __future__ import annotations
 
@@ -36,10 +41,35 @@ class Speculator:
         lim = self.cfg.disable_by_batch_size
         return lim is None or len(scheduler.running) + len(scheduler.waiting) <= lim
 
-    def budget(self, req) -> int:
-        """Most drafts `req` may take now: one step emits up to drafts + 1 tokens."""
-        n_out = req.num_output_tokens
+    def budget(self, req, pending: int = 0) -> int:
+        """Most drafts `req` may take now (`pending`: once its tokens in flight are appended): one
+        step emits up to drafts + 1 tokens."""
+        n_out = req.num_output_tokens + pending
         return max(0, min(self.cfg.k, req.max_tokens - n_out - 1, req.length_cap - n_out - 1))
+
+    def may_propose_after(self, scheduler, prev_scheduled) -> bool:
+        """Whether `propose`, run once the step `prev_scheduled` (in flight, no drafts in it) has
+        been read, could give any running request drafts; False: the step after it can be
+        dispatched ahead without losing a draft. A request is a candidate then when it is decoding
+        after `prev` (computed = its tokens + pending - 1), speculable and with budget left; with
+        its token in flight the proposer says whether a match is possible at all
+        (`may_propose_after_pending`), without one it proposes for real. Hazard: `active` is
+        judged now, before `prev`'s finished requests leave (speculation may start a step late)."""
+        if not self.active(scheduler):
+            return False
+        after = {id(s.req): s.start + s.num_tokens for s in prev_scheduled}
+        exact = getattr(self.proposer, "may_propose_after_pending", None)
+        for r in scheduler.running:
+            pend = r.num_pending
+            if after.get(id(r), r.num_computed_tokens) != r.num_tokens + pend - 1 or not speculable(r):
+                continue
+            if self.budget(r, pend) <= 0:
+                continue
+            if exact is None or pend > 1:  # a draft model always proposes
+                return True
+            if exact(r) if pend else bool(self.proposer.propose(r.all_token_ids, self.budget(r))):
+                return True
+        return False
 
     def candidates(self, scheduler) -> list:
         return [r for r in scheduler.running
