@@ -55,6 +55,7 @@ print(json.dumps(dict(process_start_to_first_tokens_s=time.time() - t_start, cpu
                       construct_s=t1 - t0, first_tokens_s=t2 - t0, load_s=llm.llm_engine.load_seconds,
                       warmup_compile_s=llm.llm_engine.warmup_seconds,
                       init_parts=dict(getattr(llm.llm_engine.worker, "init_parts", {})), compiles=jc.compile_count(),
+                      tokenizer_thread_s=getattr(llm.llm_engine.worker, "tokenizer_seconds", None),
                       programs_lowered=lowered, executable_cache=jc.executable_cache_stats(),
                       jvllm_file=jvllm.__file__, ids=out[0].outputs[0].token_ids)), flush=True)
 if fill:  # let the background warm-up put every program into the caches (not timed)
