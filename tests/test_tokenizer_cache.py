@@ -98,3 +98,33 @@ def test_unreadable_entry_is_rebuilt(tmp_path, damage):
 def test_no_cache_dir_builds_every_time(tmp_path):
     path = write_spm_gguf(str(tmp_path / "m.gguf"))
     assert load(path, None)[1] is False and load(path, None)[1] is False
+
+
+def test_worker_builds_the_tokenizer_beside_the_weights(tmp_path, monkeypatch):
+    """Worker.load: the tokenizer comes from its thread (cached under <cache dir>/tokenizers, a hit
+    on the next start), its errors are raised by load(), and skip_tokenizer_init never starts it."""
+    import jvllm.converters as conv
+    from jvllm.engine.engine_config import EngineConfig
+    from jvllm.worker.worker import Worker
+
+    cfg = EngineConfig(model="smollm2", max_model_len=64, compilation_cache_dir=str(tmp_path))
+    w = Worker(cfg)
+    tok, _ = w.load()
+    assert len(os.listdir(tmp_path / "tokenizers")) == 1
+    assert w.tokenizer_seconds > 0 and w.init_parts["tokenizer_s"] >= 0
+    real = conv.load_tokenizer
+    hits = []
+    monkeypatch.setattr(conv, "load_tokenizer", lambda spec, d: hits.append(d) or real(spec, d))
+    tok2, _ = Worker(cfg).load()
+    assert hits == [str(tmp_path / "tokenizers")] and tok2("Hi there")["input_ids"] == tok("Hi there")["input_ids"]
+
+    def boom(spec, d):
+        raise ValueError("tokenizer boom")
+
+    monkeypatch.setattr(conv, "load_tokenizer", boom)
+    with pytest.raises(ValueError, match="tokenizer boom"):
+        Worker(cfg).load()
+    import dataclasses
+
+    tok3, _ = Worker(dataclasses.replace(cfg, skip_tokenizer_init=True)).load()
+    assert tok3 is None
