@@ -8,10 +8,15 @@ per build (in order: empty -> fills both caches; warm with JVLLM_EXECUTABLE_CACH
 persistent cache only, every program traced and lowered; warm -> jvllm's executable cache too,
 keyed by program fingerprints where the build has them, so nothing is traced or lowered). The
 engine compiles in the background by default, so these are seconds to the first tokens with the
-rest still compiling. Figures: process start to the first 8 generated tokens (imports included),
-to the end of construction, the process's CPU seconds at the first tokens (all threads; a loaded
-machine inflates them far less than wall time), compile count, programs lowered, executable-cache
-loads, and the generated ids (must be equal in every run).
+rest still compiling; the empty-cache run then waits for that background warm-up to end before
+it exits, so that both caches hold every program (a run that exited at its first tokens would
+leave the programs still compiling out of the cache, and the warm runs would lower and compile
+them again in the background, beside the request they time). Figures: process start to the
+first 8 generated tokens (imports included), to the end of construction, `LLM(...)` to the
+first tokens (`llm_to_first_tokens_s`, wall) and the process's CPU seconds over that span
+(`llm_cpu_s`, all threads; a loaded machine inflates them far less than wall time), compile
+count, programs lowered, executable-cache loads, and the generated ids (must be equal in every
+run).
 
 `--build LABEL=SITE` (repeatable) runs each configuration once per build, builds interleaved so
 that they share the machine's load: SITE is a folder put first on the child's PYTHONPATH (e.g.
@@ -32,25 +37,33 @@ import time
 CHILD = r'''
 import json, os, sys, time
 t_start = float(sys.argv[4])
+fill = sys.argv[5] == "fill"
 t0 = time.perf_counter()
 import jvllm
 from jvllm import LLM, SamplingParams
 import jvllm.compilation as jc
 t_import = time.perf_counter()
+c_import = time.process_time()
 llm = LLM(sys.argv[1], max_model_len=int(sys.argv[2]), compilation_cache_dir=sys.argv[3], use_tqdm_on_load=False,
-          dtype=sys.argv[5])
+          dtype=sys.argv[6])
 t1 = time.perf_counter()
 out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
 t2 = time.perf_counter()
 lowered = jc.lowering_count() if hasattr(jc, "lowering_count") else None
 print(json.dumps(dict(process_start_to_first_tokens_s=time.time() - t_start, cpu_s=time.process_time(),
-                      import_s=t_import - t0,
+                      import_s=t_import - t0, llm_to_first_tokens_s=t2 - t_import,
+                      llm_cpu_s=time.process_time() - c_import,
                       construct_s=t1 - t0, first_tokens_s=t2 - t0, load_s=llm.llm_engine.load_seconds,
                       warmup_compile_s=llm.llm_engine.warmup_seconds,
                       init_parts=dict(getattr(llm.llm_engine.worker, "init_parts", {})), compiles=jc.compile_count(),
+                      tokenizer_thread_s=getattr(llm.llm_engine.worker, "tokenizer_seconds", None),
                       programs_lowered=lowered, executable_cache=jc.executable_cache_stats(),
                       jvllm_file=jvllm.__file__, ids=out[0].outputs[0].token_ids)), flush=True)
-os._exit(0)  # the background warm-up may still be compiling: its seconds are not start-up
+if fill:  # let the background warm-up put every program into the caches (not timed)
+    t3 = time.perf_counter()
+    llm.llm_engine.wait_for_warmup()
+    print("filled", time.perf_counter() - t3, jc.compile_count(), flush=True)
+os._exit(0)  # a warm run's background warm-up may still be loading: its seconds are not start-up
 '''
 
 
@@ -83,10 +96,16 @@ def main():
                 if site:
                     env["PYTHONPATH"] = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH")) if x)
                 cache = os.path.join(d, "cache_" + label)
-                p = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.max_model_len), cache, repr(time.time()), a.dtype],
+                fill = "fill" if name == "empty_cache" else "no"
+                p = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.max_model_len), cache, repr(time.time()),
+                                    fill, a.dtype],
                                    env=env, cwd=d, capture_output=True, text=True, check=False)
                 line = [x for x in p.stdout.splitlines() if x.startswith("{")]
-                run = json.loads(line[-1]) if line else dict(error=p.stderr[-2000:])
+                run = json.loads(line[0]) if line else dict(error=p.stderr[-2000:])
+                filled = [x for x in p.stdout.splitlines() if x.startswith("filled ")]
+                if filled:
+                    secs, compiles = filled[0].split()[1:]
+                    run.update(background_warmup_s=float(secs), compiles_when_filled=int(compiles))
                 res["runs"][label][name] = run
                 print(label, name, json.dumps({k: v for k, v in run.items() if k not in ("ids", "init_parts")}),
                       flush=True)

@@ -151,14 +151,15 @@ def model_config(spec: ModelSpec):
     return cfg if quant is None else dataclasses.replace(cfg, quant=quant)
 
 
-def load_tokenizer(spec: ModelSpec):
-    """The checkpoint's tokenizer, or None when it ships no tokenizer files."""
+def load_tokenizer(spec: ModelSpec, cache_dir: str | None = None):
+    """The checkpoint's tokenizer, or None when it ships no tokenizer files. `cache_dir`: where a
+    tokenizer built from a GGUF's metadata is kept across starts (None: built every time)."""
     if spec.kind == "random":
         return None
     if spec.kind == "gguf":
         from .gguf import gguf_tokenizer
 
-        return gguf_tokenizer(spec.path)
+        return gguf_tokenizer(spec.path, cache_dir)
     names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
     if not any(os.path.isfile(os.path.join(spec.path, n)) for n in names):
         return None

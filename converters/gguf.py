@@ -243,8 +243,9 @@ def _dequantize(path: str, t, qtype, r) -> np.ndarray:
                               f"gguf version cannot dequantize") from None
 
 
-def gguf_tokenizer(path: str):
-    """The file's tokenizer built from its metadata (no torch), or None when it carries none."""
+def gguf_tokenizer(path: str, cache_dir: str | None = None):
+    """The file's tokenizer built from its metadata (no torch), or None when it carries none.
+    `cache_dir`: where built tokenizers are kept across starts (`tokenizer_cache`)."""
     from .gguf_tokenizer import tokenizer_from_gguf
 
-    return tokenizer_from_gguf(_reader(path))
+    return tokenizer_from_gguf(_reader(path), cache_dir)

@@ -85,6 +85,7 @@ class GGUFFile:
             (vtype,), pos = struct.unpack_from("<I", b, pos), pos + 4
             fields[key], pos = self._value(vtype, pos, key)
         self.fields = fields
+        self.metadata_end = pos  # the header up to here: magic, version, counts and every metadata entry
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
         infos = []
@@ -139,6 +140,10 @@ class GGUFFile:
                 out.append(v)
             return out, pos
         raise CheckpointError(f"{self.path}: metadata {key!r} has unknown GGUF value type {vtype}")
+
+    def metadata_bytes(self) -> bytes:
+        """The header's raw bytes up to the tensor table (every metadata key and value)."""
+        return bytes(self._buf[:self.metadata_end])
 
     def get(self, key: str, default=None):
         return self.fields.get(key, default)

@@ -11,7 +11,9 @@ merges are derived from the scores); the builder picks Gemma's variant by archit
 
 The result is a `transformers.PreTrainedTokenizerFast` (the subclass AutoTokenizer would pick for the
 architecture) with bos/eos/unk/pad tokens, add_bos/
-add_eos flags and the chat template set from the metadata.
+add_eos flags and the chat template set from the metadata. With a cache dir the built backend and
+the wrapper's arguments are kept across starts (`tokenizer_cache`, keyed by the metadata's bytes),
+so a warm start skips the builders.
 """
 from __future__ import annotations
 
@@ -63,11 +65,21 @@ def tokenizer_metadata(r) -> tuple[str, dict, dict]:
     return arch, tok, cfg
 
 
-def tokenizer_from_gguf(r):
+def tokenizer_from_gguf(r, cache_dir: str | None = None):
     """The tokenizer a GGUFFile describes, or None when it has no `tokenizer.ggml.model`.
-    ValueError naming the token model when it is neither of SUPPORTED_TOKEN_MODELS."""
+    ValueError naming the token model when it is neither of SUPPORTED_TOKEN_MODELS. `cache_dir`:
+    where built tokenizers are kept across starts (`tokenizer_cache`; None: built every time)."""
     if r.get("tokenizer.ggml.model") is None:
         return None
+    from .tokenizer_cache import cached_tokenizer
+
+    arch, backend, kwargs, _ = cached_tokenizer(r, cache_dir, build_backend)
+    return tokenizer_class(arch)(tokenizer_object=backend, **kwargs)
+
+
+def build_backend(r):
+    """(architecture, the `tokenizers.Tokenizer`, the wrapper class's keyword arguments) built
+    from GGUFFile `r`'s metadata (the errors of `tokenizer_from_gguf`)."""
     arch, tok, cfg = tokenizer_metadata(r)
     model = tok["tokenizer_type"]
     if model not in SUPPORTED_TOKEN_MODELS:
@@ -83,7 +95,7 @@ def tokenizer_from_gguf(r):
         raise ImportError(f"building a GGUF tokenizer needs transformers>=5 with its GGUF tokenizer builders "
                           f"(found transformers {transformers.__version__}: {e})") from None
     backend, extra = convert_gguf_tokenizer(arch, tok)
-    return tokenizer_class(arch)(tokenizer_object=backend, **cfg, **extra)
+    return arch, backend, {**cfg, **extra}
 
 
 # GGUF architecture -> (module, class) of the tokenizer AutoTokenizer picks for its model type,

@@ -137,3 +137,23 @@ def test_model_config_without_transformers_classes_qwen(smollm2_path, arch):
     cls = transformers.CONFIG_MAPPING[arch]
     ref = ModelConfig.from_hf_config(cls(**{k: v for k, v in d.items() if k != "model_type"}))
     assert model_config_from_dict(d) == ref
+
+
+@pytest.mark.parametrize("qt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_block_kernels_bit_identical_across_chunks(qt):
+    """jvllm's own block kernels against gguf's, on more blocks than one numpy pass takes (the
+    chunk boundary) and on every nibble / int8 value with random finite f16 scales."""
+    import gguf
+
+    from jvllm.converters import gguf_dequant
+
+    Q = gguf.GGMLQuantizationType[qt]
+    type_size, block, _ = gguf_dequant._KERNELS[qt]
+    n = gguf_dequant._CHUNK_BLOCKS + 38  # even: the values fill rows of 64
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (n, type_size), dtype=np.uint8)
+    n_scales = 2 if qt == "Q4_1" else 1
+    raw[:, :2 * n_scales] = rng.standard_normal((n, n_scales)).astype(np.float16).view(np.uint8)
+    want = np.asarray(gguf.quants.dequantize(raw.reshape(-1), Q), np.float32).reshape(n * block // 64, 64)
+    got = dequantize(raw.reshape(-1), Q, (n * block // 64, 64))
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))

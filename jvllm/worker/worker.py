@@ -4,13 +4,16 @@ the stages, sizes the KV pool, builds the ModelRunner and warms it up. The engin
 jax import) talks to devices only through this object.
 
 Order (a bad option fails before minutes of loading): `Worker(config)` reads the model config
-only; `load()` loads weights and tokenizer; `build_runner(...)` sizes the pool and allocates it;
-`warm_up(...)` compiles.
+only; `load()` loads weights and tokenizer (the tokenizer in a thread beside the weights: its
+Python-heavy import and build overlap the weights' numpy and device work); `build_runner(...)`
+sizes the pool and allocates it; `warm_up(...)` compiles.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -54,11 +57,13 @@ class Worker:
 
         claim_device_memory(config.gpu_memory_utilization)  # before anything touches a device
         compilation.install_counter()
+        self.cache_dir = None  # jvllm's persistent cache dir (XLA programs, executables, tokenizers); None = off
         if config.compilation_cache_dir != "off":
-            compilation.enable_persistent_cache(config.compilation_cache_dir)
+            self.cache_dir = compilation.enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.devices = devices
         self.init_parts: dict = {}  # start-up seconds by phase (the bench reports them)
+        self.tokenizer_seconds = 0.0  # the tokenizer thread's own seconds (`load`)
         t = time.perf_counter()
         self.on_accelerator = on_accelerator()  # the first backend call: initializes the device(s)
         self.process_count = jax.process_count()
@@ -84,13 +89,38 @@ class Worker:
     # ------------------------------------------------------------------ loading
     def load(self):
         """Load the weights into their stages and the tokenizer (None when the checkpoint ships
-        none or skip_tokenizer_init). Returns (tokenizer, load seconds)."""
+        none or skip_tokenizer_init). Returns (tokenizer, load seconds). The tokenizer is built
+        in a thread while the weights load; its errors are raised here. `init_parts["tokenizer_s"]`
+        is what start-up waited for it after the weights (the part not hidden behind them),
+        `tokenizer_seconds` its own seconds."""
         from jvllm.converters import load_checkpoint, load_tokenizer
 
         config = self.config
         layout = self._layout(config, self.devices)
+        tok_dir = os.path.join(self.cache_dir, "tokenizers") if self.cache_dir else None
+
+        def tokenizer_job():
+            t = time.perf_counter()
+            tok = load_tokenizer(self.spec, tok_dir)
+            self.tokenizer_seconds = time.perf_counter() - t
+            return tok
+
+        with ThreadPoolExecutor(1, thread_name_prefix="jvllm-tokenizer") as pool:  # exit waits for the thread
+            job = pool.submit(tokenizer_job) if config.skip_tokenizer_init is not True else None
+            ckpt = self._load_checkpoint(load_checkpoint, config, layout)
+            t = time.perf_counter()
+            tokenizer = job.result() if job is not None else None
+            self.init_parts["tokenizer_s"] = time.perf_counter() - t
+        if tokenizer is None and config.skip_tokenizer_init is False:
+            raise ValueError(f"model {config.model!r} ships no tokenizer files; pass skip_tokenizer_init=True")
+        t = time.perf_counter()
+        self._stages, self._head_w = self._build_stages(layout, ckpt.params)
+        self.init_parts["build_stages_s"] = time.perf_counter() - t
+        return tokenizer, ckpt.load_seconds
+
+    def _load_checkpoint(self, load_checkpoint, config, layout):
         try:
-            ckpt = load_checkpoint(self.spec, self.dtype, shardings=layout["shardings"],
+            return load_checkpoint(self.spec, self.dtype, shardings=layout["shardings"],
                                    quantization=config.quantization)
         except Exception as e:
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
@@ -102,17 +132,6 @@ class Worker:
                 f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB; gpu_memory_utilization {config.gpu_memory_utilization}): "
                 f"free memory on the device, raise gpu_memory_utilization, or shard the model "
                 f"(tensor_parallel_size / pipeline_parallel_size)") from e
-        t = time.perf_counter()
-        tokenizer = None
-        if config.skip_tokenizer_init is not True:
-            tokenizer = load_tokenizer(self.spec)
-            if tokenizer is None and config.skip_tokenizer_init is False:
-                raise ValueError(f"model {config.model!r} ships no tokenizer files; pass skip_tokenizer_init=True")
-        self.init_parts["tokenizer_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._stages, self._head_w = self._build_stages(layout, ckpt.params)
-        self.init_parts["build_stages_s"] = time.perf_counter() - t
-        return tokenizer, ckpt.load_seconds
 
     def _layout(self, config, devices) -> dict:
         """Mesh, stage meshes and per-parameter shardings for TP x PP (None when on one device)."""
