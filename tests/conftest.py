@@ -41,12 +41,23 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf_dir(tmp_path_factory, smollm2_path):
+def smollm2_gguf_reference(smollm2_path):
+    """transformers' reading of the SmolLM2 GGUF (float32, CPU), made by `jvllm verify`'s own
+    `load_reference`: read once per session (transformers dequantizes slowly) for the GGUF verify
+    and the HF form below. Read only: nothing may change its weights or config."""
+    from jvllm.converters import resolve_model
+    from jvllm.verify import load_reference
+
+    return load_reference(resolve_model(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(tmp_path_factory, smollm2_gguf_reference):
     """The real SmolLM2 in HF form, written by transformers from the GGUF (float32 safetensors)."""
     from tests.helpers import gguf_to_hf
 
     d = tmp_path_factory.mktemp("smollm2_hf")
-    gguf_to_hf(smollm2_path, str(d))
+    gguf_to_hf(smollm2_gguf_reference, str(d))
     return str(d)
 
 

@@ -127,14 +127,14 @@ def make_checkpoint(out: str, arch: str = "llama", tokenizer: bool = False, fmt:
     return out
 
 
-def gguf_to_hf(gguf_path: str, out: str):
-    """transformers' own reading of a GGUF, saved as a float32 HF checkpoint with its tokenizer."""
-    import torch
+def gguf_to_hf(q, out: str):
+    """transformers' own reading of a GGUF (the model `q`, float32, left unchanged), saved as a
+    float32 HF checkpoint with SmolLM2's tokenizer."""
+    import copy
+
     import transformers
 
-    d, f = os.path.split(gguf_path)
-    q = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    cfg = q.config
+    cfg = copy.deepcopy(q.config)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     m = transformers.LlamaForCausalLM(cfg).eval()
@@ -159,3 +159,20 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt_ids):].tolist()
+
+
+def logits_only_llm(model: str, **kw):
+    """An LLM for `runner.sequence_logits` alone (teacher-forced agreement tests): the engine is
+    built as usual (load, KV sizing and pool, every option checked) but its warm-up compiles none
+    of the serving programs (steps per bucket, samplers, prompt logprobs), which such a test never
+    runs; `sequence_logits` compiles its own program for the sequence's length. Hazard: the engine
+    must not serve requests afterwards (each would compile its programs on demand)."""
+    from jvllm import LLM
+    from jvllm.worker.model_runner import ModelRunner
+
+    orig = ModelRunner.warmup_keys
+    ModelRunner.warmup_keys = lambda self: ([], [])
+    try:
+        return LLM(model, **kw)
+    finally:
+        ModelRunner.warmup_keys = orig

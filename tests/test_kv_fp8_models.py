@@ -15,7 +15,7 @@ every flipped position had an f32 top-2 margin under 0.2 nats (near-ties)."""
 import numpy as np
 import pytest
 
-from jvllm import LLM
+from tests.helpers import logits_only_llm
 
 TEXT = (
     "The history of the lighthouse is a history of people trying to make the sea a little less dangerous. "
@@ -36,8 +36,8 @@ TEXT = (
 
 
 def _sequence_logits(model: str, kv_cache_dtype: str, ids: list[int]) -> np.ndarray:
-    llm = LLM(model, dtype="float32", max_model_len=512, max_num_batched_tokens=16, max_num_seqs=4,
-              token_buckets=(16,), kv_cache_dtype=kv_cache_dtype, use_tqdm_on_load=False)
+    llm = logits_only_llm(model, dtype="float32", max_model_len=512, max_num_batched_tokens=16, max_num_seqs=4,
+                          token_buckets=(16,), kv_cache_dtype=kv_cache_dtype, use_tqdm_on_load=False)
     try:
         return llm.llm_engine.runner.sequence_logits(ids)
     finally:

@@ -66,14 +66,16 @@ def test_bench_under_launch_reports_from_process_0(tmp_path, flag):
     """`jvllm bench` on random weights as two processes (TP=2, or PP=2 with one stage per process,
     one CPU device each): process 0 writes the JSON, with the memory table gathered from both
     processes (empty on CPUs, which have no allocator stats), and the other process says it left
-    the report to process 0."""
+    the report to process 0. The engine is as small as the check allows (one token bucket, two
+    sequences, an 8 MiB copy probe): every program of its warm-up compiles in both processes."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = tmp_path / "b.json"
     p = subprocess.run([sys.executable, "-m", "jvllm.cli", "launch", "--nproc", "2", "--log-dir", str(tmp_path), "--",
                         sys.executable, "-m", "jvllm.cli", "bench", "latency", "--model", "random:tiny", flag, "2",
                         "--input-len", "12", "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
-                        "--max-model-len", "64", "--token-buckets", "8,16", "--no-xla-report", "--output-json", str(out)],
+                        "--max-model-len", "64", "--max-num-batched-tokens", "16", "--token-buckets", "16",
+                        "--max-num-seqs", "2", "--copy-bytes", str(8 << 20), "--no-xla-report", "--output-json", str(out)],
                        capture_output=True, text=True, timeout=400, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     import json

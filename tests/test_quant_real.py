@@ -15,7 +15,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from jvllm import LLM
+from tests.helpers import logits_only_llm
 
 TEXT = (
     "The river that runs past the old mill has changed its course three times in living memory. "
@@ -46,7 +46,7 @@ def _available(name):
 
 
 def _run(model, quantization, ids=None):
-    llm = LLM(model, quantization=quantization, **KW)
+    llm = logits_only_llm(model, quantization=quantization, **KW)
     try:
         if ids is None:
             ids = llm.get_tokenizer().encode(TEXT)

@@ -7,7 +7,12 @@ import pytest
 from jvllm.verify import verify
 
 
-def test_verify_smollm2_gguf(smollm2_path):
+def test_verify_smollm2_gguf(smollm2_path, smollm2_gguf_reference, monkeypatch):
+    """`jvllm verify` on the GGUF; its reference, `load_reference` on this GGUF, is the session's
+    copy (conftest), read by that very function."""
+    from jvllm import verify as verify_mod
+
+    monkeypatch.setattr(verify_mod, "load_reference", lambda spec: smollm2_gguf_reference)
     ok, reports = verify(smollm2_path, log=lambda *a: None)
     assert ok and all(r.top1_agreement == 1.0 for r in reports), reports
 
