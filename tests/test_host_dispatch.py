@@ -101,3 +101,19 @@ def test_runner_passes_packed_params(tiny_llm):
     n_norms = sum(1 for a in st.leaves if a.ndim == 1)
     assert n_norms >= 4 and st.pack.num_args == len(st.leaves) - n_norms + 1
     assert st.params() is st.params()  # packed once, not per step
+
+
+def test_launch_probe_reports_the_argument_counts(tiny_llm):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "host_profile.py")
+    spec = importlib.util.spec_from_file_location("host_profile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.launch_probe(tiny_llm, calls=3)
+    st = tiny_llm.llm_engine.runner.stages[0]
+    assert res["num_param_leaves"] == len(st.leaves) and res["num_param_args"] == st.pack.num_args
+    assert res["num_kv_arrays"] == 2 * tiny_llm.llm_engine.model_config.num_layers
+    assert all(res[k] > 0 for k in ("step_call_ms", "trivial_same_args_ms", "trivial_unpacked_leaves_ms",
+                                    "trivial_two_args_ms", "greedy_call_ms"))
