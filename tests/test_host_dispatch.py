@@ -17,16 +17,20 @@ def _leaves():
             jax.random.normal(jax.random.fold_in(k, 1), (4, 8), jnp.bfloat16),
             jnp.full((6,), 2.0, jnp.float32),
             jnp.full((3,), 1.5, jnp.bfloat16),                                  # alone in its dtype: as it is
-            jnp.ones((5,), jnp.float32)]
+            jnp.ones((5,), jnp.float32),
+            jnp.ones((4,), jnp.float32)]                                        # a bias, not a norm: as it is
+
+
+NAMES = ["q_proj", "input_layernorm.weight", "o_proj", "q_norm.weight", "k_norm.weight", "norm.weight", "o_bias"]
 
 
 def test_pack_round_trip_is_exact():
     leaves = _leaves()
-    pack = ParamPack.plan(leaves)
-    assert pack.big == (0, 2, 4) and len(pack.groups) == 1 and pack.num_args == 4
+    pack = ParamPack.plan(leaves, NAMES)
+    assert pack.big == (0, 2, 4, 6) and len(pack.groups) == 1 and pack.num_args == 5
     assert [i for i, _, _ in pack.groups[0].members] == [1, 3, 5] and pack.groups[0].size == 15
     args = pack.pack(leaves)
-    assert len(args) == 4 and args[0] is leaves[0]
+    assert len(args) == 5 and args[0] is leaves[0]
     back = pack.unpack(args)
     for a, b in zip(leaves, back):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -46,7 +50,7 @@ def test_pack_leaves_sharded_vectors_alone():
     rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("tensor"))
     leaves = [jax.device_put(jnp.ones(4), rep), jax.device_put(jnp.ones(4), split),
               jax.device_put(jnp.zeros(2), rep), jax.device_put(jnp.ones(6), split)]
-    pack = ParamPack.plan(leaves)
+    pack = ParamPack.plan(leaves, ["a.norm", "b.norm", "c.norm", "d.norm"])
     assert pack.big == (1, 3) and [i for i, _, _ in pack.groups[0].members] == [0, 2]
     args = pack.pack(leaves)
     assert args[-1].sharding == rep
@@ -54,10 +58,12 @@ def test_pack_leaves_sharded_vectors_alone():
 
 def test_pack_refuses_a_wrong_tree():
     leaves = _leaves()
-    pack = ParamPack.plan(leaves)
-    with pytest.raises(ValueError, match="6 leaves|5 leaves"):
-        pack.pack(leaves[:5])
-    with pytest.raises(ValueError, match="3 arguments, expected 4"):
+    with pytest.raises(ValueError, match="6 names for 7 leaves"):
+        ParamPack.plan(leaves, NAMES[:6])
+    pack = ParamPack.plan(leaves, NAMES)
+    with pytest.raises(ValueError, match="6 leaves, planned for 7"):
+        pack.pack(leaves[:6])
+    with pytest.raises(ValueError, match="3 arguments, expected 5"):
         pack.unpack(pack.pack(leaves)[:3])
 
 
@@ -98,7 +104,7 @@ def test_steady_state_calls_take_the_cpp_fast_path(tiny_llm, monkeypatch):
 
 def test_runner_passes_packed_params(tiny_llm):
     st = tiny_llm.llm_engine.runner.stages[0]
-    n_norms = sum(1 for a in st.leaves if a.ndim == 1)
+    n_norms = sum(1 for a in st.leaves if a.ndim == 1)  # the tiny llama has no biases: every vector is a norm
     assert n_norms >= 4 and st.pack.num_args == len(st.leaves) - n_norms + 1
     assert st.params() is st.params()  # packed once, not per step
 

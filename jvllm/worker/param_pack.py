@@ -3,10 +3,12 @@
 Calling an executable costs host time per argument array (the dispatch checks each one's type
 and sharding, the runtime takes a hold on and records a use of each buffer), not per byte. A
 model's tree has many tiny 1-D leaves (norm scales: two per layer for Llama, six for Gemma 3), so
-`ParamPack.plan` concatenates every 1-D leaf that is fully replicated and fully addressable into
-one flat array per (dtype, sharding), once; the program slices them back (`unpack`, static slices of a
-parameter that fuse into their consumers: no copy, the same values). Matrices and sharded
-vectors travel as they are.
+`ParamPack.plan` concatenates every norm scale (a 1-D leaf whose path names a norm) that is fully
+replicated and fully addressable into one flat array per (dtype, sharding), once; the program
+slices them back (`unpack`, static slices of a parameter that fuse into the norms' elementwise
+code: no copy, the same values). Everything else travels as it is: matrices, sharded vectors,
+and the 1-D leaves that feed matmuls or their epilogues (biases, quantization scales, where
+XLA's GPU rewrites match a parameter, not a slice of one).
 
 Contract: `pack(leaves)` gives the program's argument list (big leaves in tree order, then one
 array per group); `unpack(args)` inside the program gives the leaves in tree order again.
@@ -34,13 +36,17 @@ class ParamPack:
     groups: tuple[PackedGroup, ...]   # one flat array per (dtype, sharding), after the big leaves
 
     @staticmethod
-    def plan(leaves) -> "ParamPack":
-        """Group the 1-D, fully replicated, fully addressable leaves by (dtype, sharding) (a group
-        of one leaf is not worth a copy and stays as it is)."""
+    def plan(leaves, names) -> "ParamPack":
+        """Group the norm scales among `leaves` (`names`: each leaf's path, e.g. from
+        `jax.tree_util.keystr`; a name containing "norm" is a norm's) that are 1-D, fully
+        replicated and fully addressable by (dtype, sharding) (a group of one leaf is not worth a
+        copy and stays as it is)."""
+        if len(names) != len(leaves):
+            raise ValueError(f"param pack: {len(names)} names for {len(leaves)} leaves")
         by_key: dict[tuple, list[int]] = {}  # (dtype, sharding) -> leaf indices
-        for i, a in enumerate(leaves):
+        for i, (a, name) in enumerate(zip(leaves, names)):
             sh = getattr(a, "sharding", None)
-            if (getattr(a, "ndim", None) == 1 and sh is not None and sh.is_fully_replicated
+            if ("norm" in name.lower() and getattr(a, "ndim", None) == 1 and sh is not None and sh.is_fully_replicated
                     and getattr(a, "is_fully_addressable", False)):
                 by_key.setdefault((np.dtype(a.dtype).name, sh), []).append(i)
         groups, packed = [], set()

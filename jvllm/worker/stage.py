@@ -28,7 +28,8 @@ class Stage:
         if self.leaves is not None and self.pack is None:
             from jvllm.worker.param_pack import ParamPack
 
-            self.pack = ParamPack.plan(self.leaves)
+            paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self.state)[0]]
+            self.pack = ParamPack.plan(self.leaves, paths)
 
     def params(self) -> list | None:
         """The step program's parameter arguments (`pack.pack(leaves)`), packed again whenever
