@@ -10,7 +10,15 @@ h200x2_w1_pp2mp_9382a11.json).
 
 With several processes each writes its own JSON (suffix .p<process index>). A small model (e.g.
 32 layers of width 128) keeps device time low on CPU; the host work per step depends on the
-number of requests, layers and programs, not on the width.
+number of requests, layers and programs, not on the width (benchmarks/configs/*-tiny.json: the
+layer count and parameter tree of llama3-8b and gemma3-4b at tiny widths).
+
+`--launch`: no workload; the host time of one call (device idle before it, median of `--calls`)
+of the B1 decode step program, of a trivial program taking the same arguments (params, KV
+donated, packed inputs, prev ids: what dispatching that many arrays costs), of the same trivial
+program taking the model's unpacked leaves (what `param_pack` saves), of a trivial two-argument
+program (the fixed cost) and of the greedy sampler. On CPU the step call also runs the step (the
+CPU client executes small programs in the calling thread); on GPUs it only launches it.
 """
 from __future__ import annotations
 
@@ -35,6 +43,54 @@ def summarise(prof: cProfile.Profile, steps: int, top: int = 40) -> dict:
     return dict(top_self=by_self, top_cumulative=by_cum)
 
 
+def _median_call_ms(f, calls: int) -> float:
+    import statistics
+
+    import jax
+
+    ts = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        out = f()
+        ts.append(time.perf_counter() - t)
+        jax.block_until_ready(out)
+    return 1e3 * statistics.median(ts)
+
+
+def launch_probe(llm, calls: int) -> dict:
+    """Host ms per call of the B1 decode step and of trivial programs of its argument tree."""
+    import jax
+    import numpy as np
+
+    r = llm.llm_engine.runner
+    st = r.stages[0]
+    T = min(t for t in r.layout.token_buckets if r.layout.has_decode_variant(t))
+    packed = np.zeros(r.layout.packed_size(T, True), np.int32)
+    exe = r.programs.get("step", (0, T, True))
+
+    def call(prog, params):
+        def f():
+            out = prog(params, st.kv, packed, r.no_prev)
+            st.kv = out[0]
+            return out
+        return f
+
+    def trivial(params):
+        return jax.jit(lambda p, kv, pk, x: (kv, x[:1]), donate_argnums=(1,)).lower(
+            params, st.kv, packed, r.no_prev).compile()
+
+    two = jax.jit(lambda pk, x: x[:1]).lower(packed, r.no_prev).compile()
+    h = jax.numpy.zeros((r.layout.seq_bucket(T), r.cfg.hidden_size), r.dtype)
+    greedy = r.programs.get("greedy", r.layout.seq_bucket(T))
+    return dict(bucket=T, num_param_leaves=len(st.leaves), num_param_args=len(st.params()),
+                num_kv_arrays=len(jax.tree_util.tree_leaves(st.kv)),
+                step_call_ms=_median_call_ms(call(exe, st.params()), calls),
+                trivial_same_args_ms=_median_call_ms(call(trivial(st.params()), st.params()), calls),
+                trivial_unpacked_leaves_ms=_median_call_ms(call(trivial(st.leaves), st.leaves), calls),
+                trivial_two_args_ms=_median_call_ms(lambda: two(packed, r.no_prev), calls),
+                greedy_call_ms=_median_call_ms(lambda: greedy(r.head_w, h), calls))
+
+
 def main(argv=None):
     from jvllm import bench
     from jvllm.cli import add_engine_args, engine_kwargs
@@ -47,10 +103,20 @@ def main(argv=None):
     ap.add_argument("--out", default="host_profile.json")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-cprofile", action="store_true", help="engine timers only (cProfile inflates per-call costs)")
+    ap.add_argument("--launch", action="store_true", help="the B1 launch probe instead of the workload (see above)")
+    ap.add_argument("--calls", type=int, default=200, help="--launch: calls per program")
     add_engine_args(ap)
     a = ap.parse_args(argv)
     llm, startup = bench.build_llm(a.model, engine_kwargs(a))
     eng = llm.llm_engine
+    if a.launch:
+        eng.wait_for_warmup()
+        res = dict(model=a.model, engine=engine_kwargs(a), versions=bench.versions(), backend=_backend(),
+                   **launch_probe(llm, a.calls))
+        bench.write_json(a.out, res)
+        print(", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()
+                        if k not in ("engine", "versions")), "->", a.out)
+        return
     vocab = eng.model_config.vocab_size
     warm = [{"prompt_token_ids": p} for p in bench.w1_prompts(4, a.input_len, vocab, seed=12345)]
     llm.generate(warm, bench.sampling_params(8), use_tqdm=False)
@@ -79,6 +145,12 @@ def main(argv=None):
     for r in res.get("top_self", [])[:25]:
         print(f"  {r['self_ms_per_step']:8.3f} {r['cum_ms_per_step']:8.3f} {r['calls']:7d}  {r['function']}")
     llm.shutdown() if hasattr(llm, "shutdown") else None
+
+
+def _backend() -> str:
+    import jax
+
+    return f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 # B1 (`jvllm bench latency`, buckets 16,512) for several variants in one call on one H200, each
 # with its own compile cache; optionally CUPTI profiles of the B1 decode step and the optimized
 # HLO of the B1 decode program.
+# Two builds in one call: a variant with BUILD=before runs the tree in $BEFORE (default .before: a
+# folder holding `git archive` of the old commit, carried with the call), installed into its own
+# --target folder and run from /tmp (so this tree is not imported); other variants run this tree.
+# E.g. VARIANTS="g4_before=random:gemma3-4b,BUILD=before g4=random:gemma3-4b 8b_before=random:llama3-8b,BUILD=before 8b=random:llama3-8b"
 # VARIANTS: space-separated NAME=MODEL[,KEY=VALUE...] (environment settings of that run, e.g.
 # 8b=random:llama3-8b or 8b_nocb=random:llama3-8b,XLA_FLAGS=--xla_gpu_enable_command_buffer=).
 # PROFILE: the same form, profiled with benchmarks/profile_steps.py. HLO: one MODEL whose B1
@@ -16,13 +20,21 @@ parse() {  # NAME=MODEL[,K=V...] -> $name $model $envs
   [ "$rest" != "$model" ] && envs=$(echo "${rest#*,}" | tr ',' ' ')
 }
 common="--dtype bfloat16 --max-model-len ${MAX_LEN:-4096} --token-buckets 16,512"
+BEFORE_SITE=/tmp/b1_site_before
+case " $VARIANTS " in *BUILD=before*)
+  [ -d $BEFORE_SITE ] || python -m pip install -q --no-deps --no-build-isolation --no-compile --target $BEFORE_SITE \
+    "$(realpath ${BEFORE:-.before})" > "$OUT/pip_before.log" 2>&1 || { echo "pip failed for ${BEFORE:-.before}"; exit 1; } ;;
+esac
 for v in $VARIANTS; do
   parse "$v"
   left=$(( 575 - $(el) )); lim=${PER_RUN_S:-110}; [ $left -lt $lim ] && lim=$left
   [ $lim -lt 40 ] && { echo "no time left for $name"; continue; }
   echo "[$(el)s] $name model=$model env=$envs" | tee -a "$OUT/b1_variants.log"
-  env $envs JVLLM_CACHE_DIR=/tmp/cache_$name timeout -s ABRT $lim python -X faulthandler -u -m jvllm.cli bench latency \
-    --model $model $common --no-xla-report --output-json "/tmp/b1_$name.json" >> "$OUT/b1_variants.log" 2>&1
+  dir=$PWD; pp=${PYTHONPATH:-}
+  case " $envs " in *" BUILD=before "*) dir=/tmp; pp=$BEFORE_SITE${PYTHONPATH:+:$PYTHONPATH} ;; esac
+  (cd $dir && env $envs PYTHONPATH=$pp JVLLM_CACHE_DIR=/tmp/cache_$name timeout -s ABRT $lim python -X faulthandler -u \
+    -m jvllm.cli bench latency --model $model $common --no-xla-report --output-json "/tmp/b1_$name.json" \
+    >> "$OUT/b1_variants.log" 2>&1)
   echo "rc=$?" | tee -a "$OUT/b1_variants.log"; grep "B1:" "$OUT/b1_variants.log" | tail -1
 done
 for v in ${PROFILE:-}; do

@@ -162,7 +162,7 @@ class DraftProposer:
         st = r.stages[0]
         ps = r.layout.prepare(rows, prev_rows=prev_rows)
         packed = put(r.layout.pack(ps), st.sharding())
-        out = r.programs.get("step", (0, ps.T, ps.decode))(st.leaves, st.kv, packed, tok_in)
+        out = r.programs.get("step", (0, ps.T, ps.decode))(st.params(), st.kv, packed, tok_in)
         st.kv = out[0]
         sb, d = self._sampling(rows, reqs, ps.R, j, dst)
         greedy = bool(not np.any(sb.temperature > 0))

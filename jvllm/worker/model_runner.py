@@ -202,6 +202,7 @@ class ModelRunner:
         for st in self.stages:
             kv_cache.delete((st.kv, st.state))
             st.kv = st.state = st.leaves = None
+            st._packed = (None, None)  # the packed copies of the small leaves
         kv_cache.delete(self.head_w)
         self.head_w = None
         self.programs.clear()
@@ -386,6 +387,6 @@ class ModelRunner:
         layout = dataclasses.replace(self.layout, token_buckets=(n,))
         ps = layout.prepare(sched, allow_decode=False)
         st = self.stages[0]
-        st.kv, _, h = programs.step_fn(self, 0, False)(st.leaves, st.kv, layout.pack(ps),
+        st.kv, _, h = programs.step_fn(self, 0, False)(st.params(), st.kv, layout.pack(ps),
                                                        np.zeros(self.max_num_seqs, np.int32), T=ps.T)
         return np.asarray(programs.logits_fn(self)(self.head_w, h))

@@ -1,7 +1,7 @@
 """The model runner's device programs, each declared once and registered with the program registry
 (`jvllm.compilation.registry`):
 
-  step[s, T, decode]  (leaves, kv, packed, prev_tok | hidden[T]) -> (kv, last_hidden[R], hidden[T])
+  step[s, T, decode]  (params, kv, packed, prev_tok | hidden[T]) -> (kv, last_hidden[R], hidden[T])
                       for the last stage, (kv, hidden[T]) for others; kv donated; `packed` is the
                       `InputLayout.pack` vector; the first stage takes prev_tok [max_num_seqs] (token
                       t is prev_tok[src[t]] where src[t] >= 0: the id sampled on the device by the
@@ -43,9 +43,10 @@ def _pad_tok(tok, max_num_seqs: int):
     return jnp.zeros((max_num_seqs,), jnp.int32).at[:tok.shape[0]].set(tok)
 
 
-def step_body(layout, graphdef, treedef, first, last, attention, mesh, decode, kv_chunk_blocks,
-              leaves, kv, packed, x, steer=None, *, T, capture: bool = False):
-    """The step_research variant (single stage) adds: `capture`, one more output, every hidden
+def step_body(layout, graphdef, treedef, pack, first, last, attention, mesh, decode, kv_chunk_blocks,
+              params, kv, packed, x, steer=None, *, T, capture: bool = False):
+    """`params`: the stage's `Stage.params()` (`param_pack.ParamPack` `pack`: the model's leaves,
+    its small vectors concatenated). The step_research variant (single stage) adds: `capture`, one more output, every hidden
     state [num_layers + 1, T, hidden] (`jvllm.models.hooks.HiddenTap` numbering); `steer`, a
     (vectors [R, num_layers, hidden], row of each token [T]) input (`jvllm.models.hooks.Steer`)."""
     from jvllm.models.hooks import Chain, HiddenTap, Steer
@@ -53,7 +54,7 @@ def step_body(layout, graphdef, treedef, first, last, attention, mesh, decode, k
     tokens, src, md = layout.unpack(packed, T, decode)
     if first:
         x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], tokens)
-    model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+    model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, pack.unpack(params)))
     tap = HiddenTap() if capture else None
     hooks = Chain(Steer(*steer) if steer is not None else None, tap) if (tap or steer is not None) else None
     with tensor_parallel_mesh(mesh):  # Pallas kernels run per device on local KV heads
@@ -104,8 +105,8 @@ def cached(ctx, k, build):
 def step_fn(ctx, s: int, decode: bool):
     st = ctx.stages[s]
     return cached(ctx, ("step", s, decode), lambda: jax.jit(functools.partial(
-        step_body, ctx.layout, st.graphdef, st.treedef, st.first, st.last, ctx.attention_modes[decode], st.mesh,
-        decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T",)))
+        step_body, ctx.layout, st.graphdef, st.treedef, st.pack, st.first, st.last, ctx.attention_modes[decode],
+        st.mesh, decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T",)))
 
 
 def research_step_fn(ctx, decode: bool):
@@ -113,8 +114,8 @@ def research_step_fn(ctx, decode: bool):
     that asks: `SamplingParams.return_hidden_states`, `SamplingParams.steering`)."""
     st = ctx.stages[0]
     return cached(ctx, ("step_research", decode), lambda: jax.jit(functools.partial(
-        step_body, ctx.layout, st.graphdef, st.treedef, st.first, st.last, ctx.attention_modes[decode], st.mesh,
-        decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T", "capture")))
+        step_body, ctx.layout, st.graphdef, st.treedef, st.pack, st.first, st.last, ctx.attention_modes[decode],
+        st.mesh, decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T", "capture")))
 
 
 def logits_fn(ctx):
@@ -136,7 +137,7 @@ def _step_signature(ctx, key) -> Signature:
     shard = st.sharding()
     packed = _sds((ctx.layout.packed_size(T, decode),), jnp.int32, shard)
     x = _sds((ctx.max_num_seqs,), jnp.int32, shard) if st.first else _sds((T, ctx.cfg.hidden_size), ctx.dtype, shard)
-    return Signature(step_fn(ctx, s, decode), (_like(st.leaves), _like(st.kv), packed, x),
+    return Signature(step_fn(ctx, s, decode), (_like(st.params()), _like(st.kv), packed, x),
                      tuple(st.devices()), dict(T=T))
 
 

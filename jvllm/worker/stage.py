@@ -19,10 +19,26 @@ class Stage:
     last: bool = True
     leaves: list | None = None        # the state's leaves, flattened once (a plain list flattens
     treedef: object = None            # in C++ on every call; an nnx.State would in Python)
+    pack: object = None               # param_pack.ParamPack of `leaves`: what the step program takes
+    _packed: tuple = (None, None)     # (the leaf list packed, its packed arguments)
 
     def __post_init__(self):
         if self.state is not None and self.leaves is None:
             self.leaves, self.treedef = jax.tree_util.tree_flatten(self.state)
+        if self.leaves is not None and self.pack is None:
+            from jvllm.worker.param_pack import ParamPack
+
+            paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self.state)[0]]
+            self.pack = ParamPack.plan(self.leaves, paths)
+
+    def params(self) -> list | None:
+        """The step program's parameter arguments (`pack.pack(leaves)`), packed again whenever
+        `leaves` is replaced (a weight update); None in a stage of another process."""
+        if self.leaves is None:
+            return None
+        if self._packed[0] is not self.leaves:
+            self._packed = (self.leaves, self.pack.pack(self.leaves))
+        return self._packed[1]
 
     def sharding(self, spec=None):
         from jax.sharding import NamedSharding, PartitionSpec

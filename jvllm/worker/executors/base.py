@@ -101,12 +101,12 @@ class Executor:
         if w.capture or w.steer is not None:
             steer = None if w.steer is None else tuple(put(a, st.sharding()) for a in w.steer)
             out = r.programs.get("step_research", (w.T, w.decode, w.capture, steer is not None))(
-                st.leaves, st.kv, packed, x, steer)
+                st.params(), st.kv, packed, x, steer)
             if w.capture:
                 *out, w.captured = out
                 out = tuple(out)
         else:
-            out = r.programs.get("step", (s_idx, w.T, w.decode))(st.leaves, st.kv, packed, x)
+            out = r.programs.get("step", (s_idx, w.T, w.decode))(st.params(), st.kv, packed, x)
         st.kv = out[0]
         w.x = out[-1]
         tm["step_call_s"] += time.perf_counter() - t1
