@@ -199,6 +199,8 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
     rules = _GGUF_RX[_rules_key(r, arch)]
     H, KV = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
     E = hf_cfg.get("num_local_experts") or hf_cfg.get("num_experts") or 0
+    if _rules_key(r, arch) == "mixtral":
+        gguf_moe.check_split_experts({t.name for t in r.tensors}, E)
     for t in r.tensors:
         qtype = gguf.GGMLQuantizationType(t.ggml_type)
         if qtype.name not in SUPPORTED_GGUF_TYPES:

@@ -13,7 +13,9 @@ shape [E, out, in] (each expert as HF's Linear weight), the router `blk.N.ffn_ga
 [E, D]; Qwen2-MoE's shared expert is `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp`
 ([D] in llama.cpp's tensor table; [1, D] is accepted too). `expert_tensors` splits a stacked
 tensor into HF's per-expert names, so the HF name map (converters.moe_names) converts them like a
-safetensors checkpoint; the stacked tensor is dequantized once for all its experts.
+safetensors checkpoint; the stacked tensor is dequantized once for all its experts. Mixtral files
+of llama.cpp's older layout store each expert on its own (`blk.N.ffn_gate.J.weight`, HF's [out, in]);
+they map name by name (MIXTRAL_RULES), `check_split_experts` names a missing one.
 
 Router normalisation: `{arch}.expert_weights_norm` when the file has it, else what llama.cpp's
 graph does for the arch (Mixtral and Qwen3-MoE renormalise the top-k weights, Qwen2-MoE does not).
@@ -41,7 +43,36 @@ MOE_RULES = [
     (r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight", r"model.layers.\1.mlp.shared_expert.\2_proj.weight"),
     (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", r"model.layers.\1.mlp.shared_expert_gate.weight"),
 ]
-MIXTRAL_RULES = [(r"blk\.(\d+)\.ffn_gate_inp\.weight", r"model.layers.\1.block_sparse_moe.gate.weight")]
+# Mixtral files of llama.cpp's older layout (before its stacked *_exps tensors) store each expert
+# on its own: blk.N.ffn_{gate,up,down}.J.weight, numpy shape [out, in] like HF's Linear weight
+MIXTRAL_RULES = [(r"blk\.(\d+)\.ffn_gate_inp\.weight", r"model.layers.\1.block_sparse_moe.gate.weight")] + [
+    (rf"blk\.(\d+)\.ffn_{p}\.(\d+)\.weight", rf"model.layers.\1.block_sparse_moe.experts.\2.{w}.weight")
+    for p, w in _MIXTRAL_W.items()]
+_SPLIT_RX = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight\Z")
+
+
+def check_split_experts(names, num_experts: int) -> None:
+    """For Mixtral's per-expert layout: every (layer, projection) that has any per-expert tensor
+    has all `num_experts` of them and no stacked `_exps` tensor besides; CheckpointError naming
+    the missing, extra or doubled GGUF tensors otherwise."""
+    split: dict = {}
+    for n in names:
+        m = _SPLIT_RX.match(n)
+        if m:
+            split.setdefault((int(m.group(1)), m.group(2)), set()).add(int(m.group(3)))
+    for (layer, proj), got in sorted(split.items()):
+        stacked = f"blk.{layer}.ffn_{proj}_exps.weight"
+        if stacked in names:
+            raise CheckpointError(f"GGUF layer {layer} stores its {proj} experts twice: {stacked!r} and "
+                                  f"per-expert tensors blk.{layer}.ffn_{proj}.J.weight")
+        extra = sorted(j for j in got if j >= num_experts)
+        if extra:
+            raise CheckpointError(f"GGUF tensor 'blk.{layer}.ffn_{proj}.{extra[0]}.weight' names expert {extra[0]} "
+                                  f"but the file has {num_experts} experts (expert_count)")
+        absent = [f"blk.{layer}.ffn_{proj}.{j}.weight" for j in range(num_experts) if j not in got]
+        if absent:
+            raise CheckpointError(f"GGUF file is missing expert tensor(s) {', '.join(absent[:8])} "
+                                  f"({len(got)} of {num_experts} experts of layer {layer}'s {proj})")
 
 
 def is_moe_llama(fields: dict) -> bool:
