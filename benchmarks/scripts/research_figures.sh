@@ -12,7 +12,8 @@
 #              XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true so that the pairs differ only in
 #              jvllm's mode.
 # One device call holds about 590 s: run the stages in separate calls (STAGES=update, then
-# STAGES=invariant) unless the compile cache is warm. Env: MODEL (random:llama3-8b), REPEATS (3), INV_S.
+# STAGES=invariant) unless the compile cache is warm. Env: MODEL (random:llama3-8b), REPEATS (3), INV_S,
+# B1_CAP / W1_CAP (75 / 110: one run's limit within INV_S).
 set -u
 source "$(dirname "$0")/device_env.sh"
 left() { local l=$(( 590 - $(el) )); echo $(( l < $1 ? l : $1 )); }
@@ -26,8 +27,8 @@ for stage in ${STAGES:-update invariant}; do
     invariant) inv_end=$(( $(el) + ${INV_S:-300} ))
                for run in b1:default b1:on w1:default w1:on; do
                  wl=${run%%:*}; mode=${run##*:}; flag=""; [ "$mode" = on ] && flag=--batch-invariant
-                 if [ "$wl" = b1 ]; then cap=75; args=(latency --max-num-batched-tokens 512 --max-num-seqs 4 --token-buckets 8,512)
-                 else cap=110; args=(throughput); fi
+                 if [ "$wl" = b1 ]; then cap=${B1_CAP:-75}; args=(latency --max-num-batched-tokens 512 --max-num-seqs 4 --token-buckets 8,512)
+                 else cap=${W1_CAP:-110}; args=(throughput); fi
                  lim=$(( inv_end - $(el) )); [ $lim -gt $cap ] && lim=$cap
                  [ $lim -lt 20 ] && { echo "[$(el)s] no time left for $run"; continue; }
                  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exclude_nondeterministic_ops=true" \
