@@ -217,6 +217,7 @@ def main(argv=None):
     if a.sweep and max(a.sweep) > a.max_num_seqs:
         ap.error(f"--sweep batch {max(a.sweep)} exceeds --max-num-seqs {a.max_num_seqs}")
     from jvllm import LLM
+    from jvllm.bench import env as bench_env
 
     kw = dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, use_tqdm_on_load=False)
@@ -226,7 +227,8 @@ def main(argv=None):
              "prompt_lookup_min": a.lookup_min}
     out = dict(model=a.model, dtype=a.dtype, output_len=a.output_len, k=a.k, prompt_lookup_min=a.lookup_min,
                prompt_lookup_max=a.lookup_max, target_acceptance=a.target_acceptance, iters=a.iters,
-               engine_args={k: v for k, v in kw.items() if k != "use_tqdm_on_load"})
+               engine_args={k: v for k, v in kw.items() if k != "use_tqdm_on_load"},
+               versions=bench_env.versions())
 
     def save():
         with open(a.output_json, "w") as f:
@@ -240,6 +242,7 @@ def main(argv=None):
         t = time.perf_counter()
         llm = LLM(a.model, **kw) if cfg is None else LLM(a.model, speculative_config=cfg, **kw)
         out.setdefault("init_s", {})[name] = time.perf_counter() - t
+        out.setdefault("device", bench_env.device_info())
         try:
             if plan is None:
                 plan = plan_workloads(llm, a, out)  # compiles on demand while the warm-up runs

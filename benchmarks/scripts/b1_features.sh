@@ -24,7 +24,7 @@ b1() {  # name, limit, extra args...
   local name=$1 lim=$2; shift 2
   timeout $(left $lim) python -m jvllm.cli bench latency "${MODEL[@]}" "${SMALL[@]}" --output-json "$OUT/b1_$name.json" "$@" \
     > "$OUT/b1_$name.log" 2>&1
-  echo "[$(el)s] $name rc=$?"; grep -E "startup:|B1:|cold start|memory:|Error" "$OUT/b1_$name.log" | tail -4
+  rc=$?; echo "[$(el)s] $name rc=$rc"; grep -E "startup:|B1:|cold start|memory:|Error" "$OUT/b1_$name.log" | tail -4
 }
 
 for stage in ${STAGES:-hlo base fp8 spec sampled coldstart}; do
@@ -37,13 +37,13 @@ for stage in ${STAGES:-hlo base fp8 spec sampled coldstart}; do
     fp8_pallas) b1 fp8_pallas 120 --quantization fp8 --fp8-matmul-backend pallas ;;
     fp8_xla) b1 fp8_xla 120 --quantization fp8 --fp8-matmul-backend xla ;;
     fp8mm) timeout $(left 150) python benchmarks/probes/fp8_matmul.py --out "$OUT/fp8_matmul.json" > "$OUT/fp8_matmul.log" 2>&1
-           echo "[$(el)s] fp8mm rc=$?"; tail -12 "$OUT/fp8_matmul.log" ;;
+           rc=$?; echo "[$(el)s] fp8mm rc=$rc"; tail -12 "$OUT/fp8_matmul.log" ;;
     int8) b1 int8 120 --quantization int8 ;;
     spec) timeout $(left 200) python benchmarks/spec_b1.py "${MODEL[@]}" --k 4 --iters 2 ${DRAFT:+--draft} \
             --output-json "$OUT/spec_b1.json" > "$OUT/spec_b1.log" 2>&1
-          echo "[$(el)s] spec rc=$?"; grep -vE "^\s*$|Warning" "$OUT/spec_b1.log" | tail -6 ;;
+          rc=$?; echo "[$(el)s] spec rc=$rc"; grep -vE "^\s*$|Warning" "$OUT/spec_b1.log" | tail -6 ;;
     hlo) timeout $(left 90) python benchmarks/probes/fp8_gemm_hlo.py --out "$OUT/fp8_hlo.json" > "$OUT/fp8_hlo.log" 2>&1
-         echo "[$(el)s] hlo rc=$?"; tail -8 "$OUT/fp8_hlo.log" ;;
+         rc=$?; echo "[$(el)s] hlo rc=$rc"; tail -8 "$OUT/fp8_hlo.log" ;;
     *) echo "unknown stage $stage (hlo base fp8 fp8_pallas fp8_xla fp8mm int8 spec sampled coldstart)" ;;
   esac
 done

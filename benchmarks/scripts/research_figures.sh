@@ -8,9 +8,9 @@
 #              (`jvllm bench throughput` at the engine's default config) of the default engine against
 #              --batch-invariant (target: <= 15% slower), one process each, in the order B1 default,
 #              B1 invariant, W1 default, W1 invariant, all within INV_S seconds (300) of the stage's
-#              start -> $OUT/inv_{b1,w1}_{default,on}.json (+ .log); all with
-#              XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true so that the pairs differ only in
-#              jvllm's mode.
+#              start -> $OUT/inv_{b1,w1}_{default,on}.json (+ .log). No
+#              --xla_gpu_exclude_nondeterministic_ops: it halved the default's B1 too (122 against 220
+#              tok/s, INDEX.md Negative results), so it would hide the mode's own cost.
 # One device call holds about 590 s: run the stages in separate calls (STAGES=update, then
 # STAGES=invariant) unless the compile cache is warm. Env: MODEL (random:llama3-8b), REPEATS (3), INV_S,
 # B1_CAP / W1_CAP (75 / 110: one run's limit within INV_S).
@@ -31,10 +31,9 @@ for stage in ${STAGES:-update invariant}; do
                  else cap=${W1_CAP:-110}; args=(throughput); fi
                  lim=$(( inv_end - $(el) )); [ $lim -gt $cap ] && lim=$cap
                  [ $lim -lt 20 ] && { echo "[$(el)s] no time left for $run"; continue; }
-                 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exclude_nondeterministic_ops=true" \
-                   timeout $lim python -m jvllm.cli bench "${args[@]}" --model "$MODEL" --dtype bfloat16 --max-model-len 4096 \
+                 timeout $lim python -m jvllm.cli bench "${args[@]}" --model "$MODEL" --dtype bfloat16 --max-model-len 4096 \
                    $flag --no-xla-report --output-json "$OUT/inv_${wl}_$mode.json" > "$OUT/inv_${wl}_$mode.log" 2>&1
-                 echo "[$(el)s] $run rc=$?"; grep -E "startup:|W1:|B1:|Error" "$OUT/inv_${wl}_$mode.log" | tail -3
+                 rc=$?; echo "[$(el)s] $run rc=$rc"; grep -E "startup:|W1:|B1:|Error" "$OUT/inv_${wl}_$mode.log" | tail -3
                done ;;
     *) echo "unknown stage $stage (update | invariant)"; exit 2 ;;
   esac
