@@ -37,9 +37,15 @@ class BuiltinModel:
         path = os.path.join(cache_dir(), self.file)
         if not os.path.isfile(path):
             (log or _stderr)(f"jvllm: assembling built-in model {name!r} from {self.package} into {path} (once)")
-            tmp = path + ".partial"
-            importlib.import_module(self.package).assemble(tmp, overwrite=True)
-            os.replace(tmp, path)
+            # a name of this process's own: two processes assembling at once (parallel test
+            # workers, two engines started together) must not write into one file
+            tmp = f"{path}.partial.{os.getpid()}"
+            try:
+                importlib.import_module(self.package).assemble(tmp, overwrite=True)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
         return path
 
 

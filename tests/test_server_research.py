@@ -20,9 +20,10 @@ C = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def llm(ckpt_dir):
-    # batch-invariant: one step program (the quickest engine to build), and the hooks work there too
+    # one token bucket: the fewest step programs (batch-invariant mode, tried before, compiles its
+    # interpret-mode Pallas matmuls for every hidden-state and steering variant: 4 minutes here)
     llm = LLM(ckpt_dir("llama", tokenizer=True), dtype="float32", max_model_len=64, max_num_batched_tokens=32,
-              max_num_seqs=4, batch_invariant=True, use_tqdm_on_load=False)
+              max_num_seqs=4, token_buckets=(32,), use_tqdm_on_load=False)
     yield llm
     llm.shutdown()
 
