@@ -32,7 +32,7 @@ def _close(y, ref):
 SHAPES = [(64, 96), (640, 256), (256, 1024), (1024, 64), (96, 640)]
 
 
-# each shape once, with M cycling through 1, 17 and 64 (one, two and four row blocks; every M with
+# each shape once, with M cycling through 1, 17 and 64 (row blocks of 16, 32 and 64; every M with
 # every shape cost 15 interpret-mode runs for no new path), plus the odd M of a partial row block
 @pytest.mark.parametrize("M,K,N", [((1, 17, 64)[i % 3], K, N) for i, (K, N) in enumerate(SHAPES)] + [(3, 640, 256), (40, 96, 640)])
 def test_fp8_decode_form_matches_xla(M, K, N):

@@ -5,6 +5,9 @@
 #   spec                 spec_b1.py "oproj" workload, plain vs n-gram k=4 at the same small steps (the
 #                        plain engine's programs are the b1_default ones: run that first, same call)
 #   w1_default / w1_on   `bench throughput` at 256 seqs, buckets 256,2048, default / --batch-invariant
+#   w1_top_p             the same W1, temperature 0.8 + top_p 0.95 (issue 25: within 3% of w1_default)
+#   w1_ngram / w1_ngram_dbs   the same W1 with n-gram k=4 always on / disable_by_batch_size 32 (issue
+#                        24: not slower than w1_default)
 # Env: STAGES (b1_default spec b1_on), END (575: every run ends by then), MODEL, DTYPE, MAXLEN, C (the
 # commit for the JSONs), TAG (the tar's name), XF (XLA_FLAGS; unset: none. The session-4 figures
 # with "detflag" in their names ran with XF=--xla_gpu_exclude_nondeterministic_ops=true, which
@@ -16,6 +19,8 @@ END=${END:-575}
 M=(--model ${MODEL:-random:llama3-8b} --dtype ${DTYPE:-bfloat16})
 SMALL=(--max-num-batched-tokens 512 --max-num-seqs 4 --token-buckets 8,512)
 WIDE=(--max-num-batched-tokens 2048 --max-num-seqs 256 --token-buckets 256,2048)
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+NGRAM_DBS='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 32}'
 run() {  # name cap cmd...
   local name=$1 cap=$2; shift 2
   local l=$(( END - $(el) )); [ $l -gt $cap ] && l=$cap
@@ -29,5 +34,9 @@ for s in ${STAGES:-b1_default spec b1_on}; do case $s in
   spec) run spec_b1 200 benchmarks/spec_b1.py "${M[@]}" --max-model-len ${MAXLEN:-4096} "${SMALL[@]}" --k 4 --workloads oproj --iters 2 --output-json $OUT/spec_b1.json ;;
   w1_default) run inv_w1_default 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --no-xla-report --output-json $OUT/inv_w1_default.json ;;
   w1_on) run inv_w1_on 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --batch-invariant --no-xla-report --output-json $OUT/inv_w1_on.json ;;
+  w1_top_p) run w1_top_p 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --temperature 0.8 --top-p 0.95 --no-xla-report --output-json $OUT/w1_top_p.json ;;
+  w1_ngram) run w1_ngram 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --speculative-config "$NGRAM" --no-xla-report --output-json $OUT/w1_ngram.json ;;
+  w1_ngram_dbs) run w1_ngram_dbs 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --speculative-config "$NGRAM_DBS" --no-xla-report --output-json $OUT/w1_ngram_dbs.json ;;
+  *) echo "unknown stage $s"; exit 2 ;;
 esac; done
 cd $OUT && tar czf /tmp/call.tgz --exclude='pip*.log' * && rm -rf $OUT/* && mv /tmp/call.tgz $OUT/${TAG:-small_steps}.tgz; ls -la $OUT; echo "[$(el)] end"
