@@ -14,7 +14,7 @@
 # halved B1). Everything under $OUT goes into one $TAG.tgz (the device returns at most 8 files).
 export PYTHONUNBUFFERED=1 JVLLM_GIT_COMMIT=${C:-unknown}
 source "$(dirname "$0")/device_env.sh"  # OUT, el, install, wheels, cache dir
-export XLA_FLAGS=${XF:-}
+[ -n "${XF:-}" ] && export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$XF"
 END=${END:-575}
 M=(--model ${MODEL:-random:llama3-8b} --dtype ${DTYPE:-bfloat16})
 SMALL=(--max-num-batched-tokens 512 --max-num-seqs 4 --token-buckets 8,512)
@@ -28,15 +28,21 @@ run() {  # name cap cmd...
   timeout -s ABRT $l python -X faulthandler "$@" > $OUT/$name.log 2>&1; local rc=$?
   echo "[$(el)] $name rc=$rc"; grep -E "W1:|B1:|^\[|startup|Error|speedup" $OUT/$name.log | tail -6 | cut -c1-300
 }
+bench() {  # name cap subcommand SMALL|WIDE extra...: one `jvllm bench` run on the 8B (or MODEL)
+  local name=$1 cap=$2 sub=$3 steps=$4; shift 4
+  local -n shape=$steps
+  run "$name" "$cap" -m jvllm.cli bench "$sub" "${M[@]}" --max-model-len ${MAXLEN:-4096} "${shape[@]}" --no-xla-report \
+    --output-json "$OUT/$name.json" "$@"
+}
 for s in ${STAGES:-b1_default spec b1_on}; do case $s in
-  b1_default) run inv_b1_default 210 -m jvllm.cli bench latency "${M[@]}" --max-model-len ${MAXLEN:-4096} "${SMALL[@]}" --no-xla-report --output-json $OUT/inv_b1_default.json ;;
-  b1_on) run inv_b1_on 200 -m jvllm.cli bench latency "${M[@]}" --max-model-len ${MAXLEN:-4096} "${SMALL[@]}" --batch-invariant --no-xla-report --output-json $OUT/inv_b1_on.json ;;
+  b1_default) bench inv_b1_default 210 latency SMALL ;;
+  b1_on) bench inv_b1_on 200 latency SMALL --batch-invariant ;;
   spec) run spec_b1 200 benchmarks/spec_b1.py "${M[@]}" --max-model-len ${MAXLEN:-4096} "${SMALL[@]}" --k 4 --workloads oproj --iters 2 --output-json $OUT/spec_b1.json ;;
-  w1_default) run inv_w1_default 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --no-xla-report --output-json $OUT/inv_w1_default.json ;;
-  w1_on) run inv_w1_on 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --batch-invariant --no-xla-report --output-json $OUT/inv_w1_on.json ;;
-  w1_top_p) run w1_top_p 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --temperature 0.8 --top-p 0.95 --no-xla-report --output-json $OUT/w1_top_p.json ;;
-  w1_ngram) run w1_ngram 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --speculative-config "$NGRAM" --no-xla-report --output-json $OUT/w1_ngram.json ;;
-  w1_ngram_dbs) run w1_ngram_dbs 240 -m jvllm.cli bench throughput "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --speculative-config "$NGRAM_DBS" --no-xla-report --output-json $OUT/w1_ngram_dbs.json ;;
+  w1_default) bench inv_w1_default 240 throughput WIDE ;;
+  w1_on) bench inv_w1_on 240 throughput WIDE --batch-invariant ;;
+  w1_top_p) bench w1_top_p 240 throughput WIDE --temperature 0.8 --top-p 0.95 ;;
+  w1_ngram) bench w1_ngram 240 throughput WIDE --speculative-config "$NGRAM" ;;
+  w1_ngram_dbs) bench w1_ngram_dbs 240 throughput WIDE --speculative-config "$NGRAM_DBS" ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
 cd $OUT && tar czf /tmp/call.tgz --exclude='pip*.log' * && rm -rf $OUT/* && mv /tmp/call.tgz $OUT/${TAG:-small_steps}.tgz; ls -la $OUT; echo "[$(el)] end"
