@@ -3,8 +3,13 @@
 function into JSON, so design questions (small kernels around the matmuls at batch 1, attention
 share at batch 256, what the host blocks on in a step call) are settled by a profile.
 
-    [jvllm launch --nproc 2 --] python benchmarks/profile_steps.py --workload b1|w1 --model random:llama3-8b --dtype bfloat16 \
+    [jvllm launch --nproc 2 --] python benchmarks/profile_steps.py --workload b1|w1|copy --model random:llama3-8b --dtype bfloat16 \
         [--steps 20] [--out $OUT/profile_b1.json] [--keep-trace] [engine flags, as for jvllm bench]
+
+`copy`: B1 on spec_workload.py's "oproj" weights with a prompt that holds its own greedy
+continuation (every --corrupt-every-th copied token changed), so that an engine with
+--speculative-config ngram speculates as in spec_b1.py's headline case; without it, the plain
+steps of the same request.
 
 JSON: per device track, busy time per step (the union of its kernels' intervals) and the top
 kernels (total / per-step ms, calls, share of busy time); for the host's Python thread and the
@@ -103,10 +108,12 @@ def summarize(trace: dict, steps: int, top: int = 40) -> dict:
 
 def main(argv=None):
     from jvllm.bench import build_llm, one_prompt, sampling_params, versions, w1_prompts
+    from jvllm.bench.run import settle
     from jvllm.cli import add_engine_args, engine_kwargs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", choices=("b1", "w1"), default="b1")
+    ap.add_argument("--workload", choices=("b1", "w1", "copy"), default="b1")
+    ap.add_argument("--corrupt-every", type=int, default=6, help="copy: J (spec_workload.make_case)")
     ap.add_argument("--model", default="random:llama3-8b")
     add_engine_args(ap)
     ap.add_argument("--steps", type=int, default=20)
@@ -122,10 +129,22 @@ def main(argv=None):
     import jax
 
     llm, st = build_llm(a.model, ekw)
+    settle(llm, st)  # the background warm-up's compiles would be in the trace and block step calls
     eng = llm.llm_engine
     vocab = eng.model_config.vocab_size
     big = a.steps * 4 + 64
-    if a.workload == "b1":
+    if a.workload == "copy":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from spec_b1 import continuations
+        from spec_workload import apply, make_case
+
+        apply(llm, "oproj")
+        seed = one_prompt(64, vocab, seed=7)
+        cont = continuations(llm, [seed], big + 8, want_gaps=False)[0][0]
+        eng.add_request("p0", {"prompt_token_ids": make_case(seed, cont, big, a.corrupt_every, vocab).prompt},
+                        sampling_params(big))
+        warm = 8
+    elif a.workload == "b1":
         eng.add_request("p0", {"prompt_token_ids": one_prompt(a.input_len, vocab, seed=7)}, sampling_params(big))
         warm = 8
     else:
