@@ -200,3 +200,26 @@ def test_async_steps_without_possible_drafts_dispatch_ahead(target, base):
         assert any(ahead) and not all(ahead)  # both paths taken in one batched run
     finally:
         llm.shutdown()
+
+
+def test_all_drafted_micro_batch_launches_no_sampler(base, ngram):
+    """A micro-batch whose every row has drafts takes all its tokens from spec_verify: the sampler
+    program (and its LM-head matmul) is not launched for it; batch 1 is the B1 case. Outputs stay
+    the plain engine's."""
+    runner = ngram.llm_engine.runner
+    ex = runner.executor
+    calls = []
+    orig = ex.launch_sample
+
+    def spy(w, out):
+        calls.append([bool(s.spec_token_ids) for s in w.sched])
+        return orig(w, out)
+
+    ex.launch_sample = spy
+    try:
+        before = _spec(ngram)["spec_num_drafts"]
+        assert _ids(ngram, [PROMPTS[0]]) == _ids(base, [PROMPTS[0]])
+        assert _spec(ngram)["spec_num_drafts"] > before  # some steps were verified
+        assert calls and not any(all(c) for c in calls)  # none of them launched a sampler
+    finally:
+        ex.launch_sample = orig

@@ -31,7 +31,7 @@ from jvllm.sampling import NUM_TOP_LOGPROBS, SamplerImpl, SamplerVariant
 from jvllm.worker import logits_processors, microbatches, programs, sampler
 from jvllm.worker.attention_modes import attention_modes
 from jvllm.worker.batch_invariant import StepVariants
-from jvllm.worker.executors import Pending, Work, make_executor
+from jvllm.worker.executors import MicrobatchResult, Pending, Work, make_executor
 from jvllm.worker.inputs import InputLayout
 from jvllm.worker.stage import Stage, put, to_host
 
@@ -256,8 +256,16 @@ class ModelRunner:
         # launch order: micro-batch by micro-batch, each through all stages, then its sampler
         pending, spec = [], []
         for w in work:
-            pending.append(self.executor.launch(w))
-            if any(getattr(s, "spec_token_ids", None) for s in w.sched):
+            drafted = [bool(getattr(s, "spec_token_ids", None)) for s in w.sched]
+            if all(drafted) and not any(s.req.needs_prompt_logprobs for s in w.sched):
+                # every row's tokens come from spec_verify: no sampler program (nor its LM-head
+                # matmul); its ids are never read, and a speculating step is never a later
+                # dispatch's `prev` (those run synchronously), so no tok_pad either
+                self.executor.forward(w)
+                pending.append(Pending(w.group, MicrobatchResult(w.group, np.zeros(w.R, np.int32), None, None, None)))
+            else:
+                pending.append(self.executor.launch(w))
+            if any(drafted):
                 spec.append(self._launch_verify(w, spec_q))
         return DispatchedStep(len(scheduled), pending, spec=spec)
 
