@@ -116,6 +116,17 @@ def test_tensor_parallel_shards_scales_with_their_output_axis(tiny, engines):
         np.testing.assert_allclose(_logits(llm), _logits(engines["fp8"]), rtol=2e-3, atol=2e-3)
     finally:
         llm.shutdown()
+    llm = LLM(tiny, quantization="int8", tensor_parallel_size=2, **KW)  # group scales: [in / 16, out...]
+    try:
+        a = llm.get_weights()["layers"]["0"]
+        spec = {k: tuple(a[p][k].sharding.spec) + (None,) * (a[p][k].ndim - len(a[p][k].sharding.spec))
+                for p, k in (("self_attn", "o_proj_scale"), ("mlp", "down_proj_scale"), ("mlp", "gate_proj_scale"))}
+        assert spec == {"o_proj_scale": ("tensor", None, None),   # heads, head_dim / 16, out
+                        "down_proj_scale": ("tensor", None),      # intermediate / 16, out
+                        "gate_proj_scale": (None, "tensor")}      # hidden / 16, mlp
+        np.testing.assert_allclose(_logits(llm), _logits(engines["int8"]), rtol=2e-3, atol=2e-3)
+    finally:
+        llm.shutdown()
 
 
 def test_w8a8_engine_where_fp8_matmuls_exist(tiny, engines, ref_logits, monkeypatch):

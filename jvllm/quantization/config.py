@@ -8,7 +8,8 @@ both end in one `QuantConfig`, applied once by `apply_quantization`; the engine 
 `QuantConfig` to `load_checkpoint`, so the scales are quantized into the layout it declared.
 
 Methods (the weight layout of each is `jvllm.quantization.schemes`):
-  fp8        float8_e4m3fn weights, one float32 scale per output channel, weight-only by default
+  fp8        float8_e4m3fn weights, one float32 scale per output channel (or per group: below),
+             weight-only by default
              (the fp8 values are converted inside the dot). `fp8_activations` (W8A8: activations
              quantized to fp8 per token at run time, an fp8 x fp8 dot with float32 accumulation,
              vLLM's fp8 on Hopper) exists, but only where the device has fp8 matmuls (NVIDIA
@@ -24,9 +25,15 @@ Methods (the weight layout of each is `jvllm.quantization.schemes`):
              where fp8 casts run natively (NVIDIA compute capability >= 8.9), xla elsewhere.
   int8       int8 weights, weight-only (the int8 values are converted to the activation dtype
              inside the dot).
+  fp8_block  float8_e4m3fn weights with one float32 scale per (input block, output channel),
+             weight-only: the layout HF FP8 (`weight_scale_inv`) block-scaled checkpoints load
+             into without requantizing. Not selectable by `quantization=`: it comes from such a
+             checkpoint.
+What is quantized: the attention q/k/v/o and the MLP gate/up/down projections. The embedding,
+the LM head and the norms stay in the model dtype. Mixture-of-experts models are refused.
 Scale layout of fp8 / int8 (`QuantConfig.group_size`, from the engine option
-`quantization_group_size`, decided once here): None = one float32 scale per output channel;
-g = one float32 scale per (g rows of the projection's last contracted dim, output channel), which
+`quantization_group_size`, decided once here; why these defaults: benchmarks/README.md):
+None = one float32 scale per output channel; g = one float32 scale per (g rows of the projection's last contracted dim, output channel), which
 must divide hidden_size, head_dim and intermediate_size (`schemes.GroupScaled`: fp8_block's
 layout; fp8 groups search a few clipping ratios per group). "auto" (the default): int8 takes
 32 (or the largest divisor of 32 dividing those dims, per channel below 8), fp8 one scale per
@@ -36,12 +43,6 @@ fp8_matmul_backend="pallas" an explicit group size is a ValueError naming both o
 (int8 at 32: +12.5%, fp8 at 16: +25%), and on accelerators the dequantizing multiply sits in the
 dot's operand path instead of after it. Hazard: tensor parallelism shards down_proj's scale
 along intermediate_size / g, which must then divide by the tensor-parallel size.
-  fp8_block  float8_e4m3fn weights with one float32 scale per (input block, output channel),
-             weight-only: the layout HF FP8 (`weight_scale_inv`) block-scaled checkpoints load
-             into without requantizing. Not selectable by `quantization=`: it comes from such a
-             checkpoint.
-What is quantized: the attention q/k/v/o and the MLP gate/up/down projections. The embedding,
-the LM head and the norms stay in the model dtype. Mixture-of-experts models are refused.
 """
 from __future__ import annotations
 
