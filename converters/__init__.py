@@ -178,25 +178,30 @@ class Checkpoint:
 
 def load_checkpoint(spec: ModelSpec | str, dtype="float32",
                     put: Callable[[str, np.ndarray], object] | None = None,
-                    shardings: dict | None = None, quantization: str | None = None) -> Checkpoint:
+                    shardings: dict | None = None, quantization=None) -> Checkpoint:
     """Read and convert a checkpoint. `put(name, np_array)` places each tensor as it is converted
     (default: `jax.device_put` to the default device, optionally into `shardings[name]`).
 
-    `quantization` ("fp8" | "int8", `jvllm.quantization`): each projection weight is quantized
-    on its device(s) right after it is placed (`LoadQuantizer`), whatever the source; a
-    pre-quantized checkpoint's values and scales are placed as they are. The params then hold
-    the quantized weights and their `<name>_scale` arrays; `shardings` must be those of the
-    quantized model (`param_specs` of `config`)."""
+    `quantization` ("fp8" | "int8" with the defaults of `jvllm.quantization.apply_quantization`,
+    or the `QuantConfig` it resolved for this checkpoint, as the engine passes it so that the
+    scales' layout is the engine's): each projection weight is quantized on its device(s) right
+    after it is placed (`LoadQuantizer`), whatever the source; a pre-quantized checkpoint's values
+    and scales are placed as they are. The params then hold the quantized weights and their
+    `<name>_scale` arrays; `shardings` must be those of the quantized model (`param_specs` of
+    `config`)."""
     import jax
     import jax.numpy as jnp
 
     from jvllm.models import param_specs
-    from jvllm.quantization import apply_quantization
+    from jvllm.quantization import QuantConfig, apply_quantization
 
     if isinstance(spec, str):
         spec = resolve_model(spec)
     t0 = time.perf_counter()
-    cfg = apply_quantization(model_config(spec), quantization)
+    if isinstance(quantization, QuantConfig):
+        cfg = dataclasses.replace(model_config(spec), quant=quantization)
+    else:
+        cfg = apply_quantization(model_config(spec), quantization)
     jdtype = jnp.dtype(dtype)
     specs = param_specs(cfg, jdtype)
     quantizer = None

@@ -29,6 +29,15 @@ def _speculative_config(s: str) -> dict:
     return d
 
 
+def _group_size(s: str):
+    if s in ("auto", "channel"):
+        return s
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, channel or an integer, got {s!r}") from None
+
+
 def add_engine_args(p: argparse.ArgumentParser):
     """Every LLM(...) engine option as a flag (shared by generate, chat, serve, bench)."""
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -36,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="quantized projection weights: fp8 | int8 (default: none, or the checkpoint's own)")
     p.add_argument("--fp8-matmul-backend", default="auto", choices=("auto", "xla", "pallas"),
                    help="weight-only fp8 projections: auto (pallas on fp8-capable NVIDIA GPUs, xla elsewhere)")
+    p.add_argument("--quantization-group-size", type=_group_size, default="auto",
+                   help="scales of quantized projections: auto (int8: one per 32 input rows per output channel, "
+                        "fp8: per channel) | channel | input rows per scale (an integer >= 2)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (None: the model's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of device memory jvllm may use")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -90,7 +102,7 @@ def engine_kwargs(a) -> dict:
                 tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                 data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
                 expert_parallel_size=a.expert_parallel_size, quantization=a.quantization,
-                fp8_matmul_backend=a.fp8_matmul_backend,
+                fp8_matmul_backend=a.fp8_matmul_backend, quantization_group_size=a.quantization_group_size,
                 moe_backend=a.moe_backend, dtype=a.dtype, max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
                 block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, kv_cache_dtype=a.kv_cache_dtype,

@@ -10,7 +10,11 @@ IDS = [int(t) for t in np.random.default_rng(0).integers(3, 256, 40)]
 KW = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(64,),
           use_tqdm_on_load=False, background_compile=False)
 # max |logit - f32 logit| / max |f32 logit| on the tiny random model (transformers' init, std 0.02)
-TOL = {"int8": 0.02, "fp8": 0.08}
+TOL = {"int8": 0.02, "fp8": 0.08, "fp8_g16": 0.08}
+# engine name -> (quantization, quantization_group_size): "auto" gives int8 groups of 16 here (32 does
+# not divide head_dim 16) and fp8 one scale per output channel; fp8_g16 is the opt-in fp8 groups
+VARIANTS = {"fp8": ("fp8", "auto"), "int8": ("int8", "auto"), "fp8_g16": ("fp8", 16)}
+GROUP = {"fp8": None, "int8": 16, "fp8_g16": 16}
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +24,8 @@ def tiny(ckpt_dir):
 
 @pytest.fixture(scope="module")
 def engines(tiny):
-    out = {q: LLM(tiny, quantization=q, **KW) for q in (None, "fp8", "int8")}
+    out = {None: LLM(tiny, **KW)}
+    out.update({name: LLM(tiny, quantization=q, quantization_group_size=g, **KW) for name, (q, g) in VARIANTS.items()})
     yield out
     for llm in out.values():
         llm.shutdown()
@@ -35,8 +40,9 @@ def ref_logits(engines):
     return _logits(engines[None])
 
 
-@pytest.mark.parametrize("q", ["fp8", "int8"])
+@pytest.mark.parametrize("q", list(VARIANTS))
 def test_logits_close_to_float32(engines, ref_logits, q):
+    assert engines[q].llm_engine.model_config.quant.group_size == GROUP[q]
     z = _logits(engines[q])
     rel = float(np.abs(z - ref_logits).max() / np.abs(ref_logits).max())
     print(f"{q}: max |dlogit| / max |logit| = {rel:.4f}")
@@ -46,14 +52,17 @@ def test_logits_close_to_float32(engines, ref_logits, q):
     assert top1 >= 0.9, top1
 
 
-@pytest.mark.parametrize("q,dtype", [("fp8", "float8_e4m3fn"), ("int8", "int8")])
+@pytest.mark.parametrize("q,dtype", [("fp8", "float8_e4m3fn"), ("int8", "int8"), ("fp8_g16", "float8_e4m3fn")])
 def test_weights_are_stored_quantized_and_smaller(engines, q, dtype):
     from jvllm.bench import param_stats
 
     w = engines[q].get_weights()
     attn, mlp = w["layers"]["0"]["self_attn"], w["layers"]["1"]["mlp"]
-    assert str(attn["q_proj"].dtype) == dtype and attn["q_proj_scale"].shape == attn["q_proj"].shape[1:]
-    assert attn["o_proj_scale"].shape == attn["o_proj"].shape[2:] and str(mlp["down_proj"].dtype) == dtype
+    g = GROUP[q]
+    (d, h, k), (ho, ko, do) = attn["q_proj"].shape, attn["o_proj"].shape
+    assert str(attn["q_proj"].dtype) == dtype and str(mlp["down_proj"].dtype) == dtype
+    assert attn["q_proj_scale"].shape == ((h, k) if g is None else (d // g, h, k))
+    assert attn["o_proj_scale"].shape == ((do,) if g is None else (ho, ko // g, do))  # groups along head_dim
     assert str(w["embed"].dtype) == "float32" and str(w["norm"]["weight"].dtype) == "float32"
     full, small = param_stats(engines[None])["weight_bytes"], param_stats(engines[q])["weight_bytes"]
     mc = engines[None].llm_engine.model_config
@@ -63,9 +72,10 @@ def test_weights_are_stored_quantized_and_smaller(engines, q, dtype):
                                               for part in layer.values() for k, a in part.items() if k.endswith("_scale"))
 
 
-def test_update_weights_requantizes_full_precision(engines, ref_logits):
+@pytest.mark.parametrize("q", ["fp8", "fp8_g16"])
+def test_update_weights_requantizes_full_precision(engines, ref_logits, q):
     f32 = engines[None].get_weights()
-    fp8 = engines["fp8"]
+    fp8 = engines[q]
     before = _logits(fp8)
     layer = {k: np.asarray(v) * 0.5 for k, v in f32["layers"]["0"]["mlp"].items() if k.endswith("_proj")}
     fp8.update_weights({"layers": {"0": {"mlp": layer}}})
@@ -106,6 +116,17 @@ def test_tensor_parallel_shards_scales_with_their_output_axis(tiny, engines):
         np.testing.assert_allclose(_logits(llm), _logits(engines["fp8"]), rtol=2e-3, atol=2e-3)
     finally:
         llm.shutdown()
+    llm = LLM(tiny, quantization="int8", tensor_parallel_size=2, **KW)  # group scales: [in / 16, out...]
+    try:
+        a = llm.get_weights()["layers"]["0"]
+        spec = {k: tuple(a[p][k].sharding.spec) + (None,) * (a[p][k].ndim - len(a[p][k].sharding.spec))
+                for p, k in (("self_attn", "o_proj_scale"), ("mlp", "down_proj_scale"), ("mlp", "gate_proj_scale"))}
+        assert spec == {"o_proj_scale": ("tensor", None, None),   # heads, head_dim / 16, out
+                        "down_proj_scale": ("tensor", None),      # intermediate / 16, out
+                        "gate_proj_scale": (None, "tensor")}      # hidden / 16, mlp
+        np.testing.assert_allclose(_logits(llm), _logits(engines["int8"]), rtol=2e-3, atol=2e-3)
+    finally:
+        llm.shutdown()
 
 
 def test_w8a8_engine_where_fp8_matmuls_exist(tiny, engines, ref_logits, monkeypatch):
@@ -131,6 +152,10 @@ def test_w8a8_engine_where_fp8_matmuls_exist(tiny, engines, ref_logits, monkeypa
 def test_unknown_quantization_is_refused(tiny):
     with pytest.raises(ValueError, match=r"quantization must be one of fp8, int8 \(or None\); got 'gptq'"):
         LLM(tiny, quantization="gptq", **KW)
+    with pytest.raises(ValueError, match=r"quantization_group_size=32 must divide .*head_dim \(o_proj\) = 16"):
+        LLM(tiny, quantization="int8", quantization_group_size=32, **KW)
+    with pytest.raises(ValueError, match=r"quantization_group_size=16 is weight-only on XLA; fp8_matmul_backend='pallas'"):
+        LLM(tiny, quantization="fp8", quantization_group_size=16, fp8_matmul_backend="pallas", **KW)
 
 
 def test_cli_flag_reaches_the_engine_config():
@@ -142,6 +167,11 @@ def test_cli_flag_reaches_the_engine_config():
     add_engine_args(p)
     assert p.parse_args(["--quantization", "int8"]).quantization == "int8"
     assert p.parse_args([]).quantization is None
+    assert p.parse_args([]).quantization_group_size == "auto"
+    assert p.parse_args(["--quantization-group-size", "16"]).quantization_group_size == 16
+    assert p.parse_args(["--quantization-group-size", "channel"]).quantization_group_size == "channel"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization-group-size", "rows"])
 
 
 def test_sleep_level_2_restores_quantized_weights(tiny):

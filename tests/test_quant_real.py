@@ -3,12 +3,14 @@ unquantized (float32) model over a few hundred positions of English text, and th
 difference of the actual next token's log-probability (printed; run with -s to see them).
 
 Issue 21's targets: SmolLM2 135M (fragile: a per-channel torch reference agrees 92% for fp8
-weights, 97.7% for int8) >= 90% for fp8 and >= 96% for int8, met here (CPU, this text: fp8
-weight-only 91.7%, int8 96.4%); Gemma 3 270M >= 98% for every variant, NOT met by per-channel
-scales (measured 93.5% fp8 weight-only, 97.5% int8), so its thresholds below are the measured
-figures less a margin, guarding against regressions, not the issue's target. The opt-in W8A8 path
-(per-token fp8 activations, forced on CPU) measured SmolLM2 89.2%, Gemma 3 90.6%; its engine path is
-tested on a tiny model in test_quant_engine.py.
+weights, 97.7% for int8) >= 90% for fp8 and >= 96% for int8; Gemma 3 270M >= 98% for every
+variant. Each variant here is the engine's default layout (jvllm.quantization.config): int8 with
+one scale per 32 input rows per output channel meets Gemma 3's 0.98; fp8 (per output channel by
+default) does NOT, and neither does the opt-in group-scaled fp8 (e4m3's 3 mantissa bits leave
+about 2% RMS weight error whatever the scale), so Gemma 3's fp8 threshold is the measured figure
+less a margin, guarding against regressions, not the issue's target. Measured figures:
+benchmarks/README.md. The opt-in W8A8 path and the group-scaled fp8 engine are tested on a tiny
+model in test_quant_engine.py.
 Each model is read from its GGUF once (an Orbax copy serves the other engines)."""
 import importlib.util
 
@@ -34,7 +36,7 @@ TEXT = (
     "flour and ask why the wheel sits so far from the water. The answer is written in the accounts."
 )
 MODELS = {"smollm2": {"fp8": 0.90, "int8": 0.96},
-          "gemma3": {"fp8": 0.92, "int8": 0.965}}
+          "gemma3": {"fp8": 0.92, "int8": 0.98}}
 KW = dict(dtype="float32", max_model_len=512, max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,),
           use_tqdm_on_load=False, background_compile=False)
 
@@ -50,7 +52,7 @@ def _run(model, quantization, ids=None):
     try:
         if ids is None:
             ids = llm.get_tokenizer().encode(TEXT)
-        return ids, llm.llm_engine.runner.sequence_logits(ids)
+        return ids, llm.llm_engine.runner.sequence_logits(ids), llm.llm_engine.model_config.quant
     finally:
         llm.shutdown()
 
@@ -68,7 +70,7 @@ def reference(request, tmp_path_factory):
         pytest.skip(f"built-in model {request.param!r} is not installed")
     path = str(tmp_path_factory.mktemp(request.param) / "orbax")
     convert_to_orbax(request.param, path, dtype="float32")
-    ids, z = _run(path, None)
+    ids, z, _ = _run(path, None)
     assert len(ids) >= 250, len(ids)
     return request.param, path, ids, _log_softmax(z[:-1])
 
@@ -76,12 +78,13 @@ def reference(request, tmp_path_factory):
 @pytest.mark.parametrize("q", ["fp8", "int8"])
 def test_teacher_forced_top1_agreement(reference, q):
     model, path, ids, ref = reference
-    _, z = _run(path, q, ids)
+    _, z, quant = _run(path, q, ids)
+    assert quant.group_size == {"fp8": None, "int8": 32}[q]  # the default layout, as measured
     lp = _log_softmax(z[:-1])
     agree = float(np.mean(lp.argmax(-1) == ref.argmax(-1)))
     nxt = np.asarray(ids[1:])
     rows = np.arange(len(nxt))
     dlp = np.abs(lp[rows, nxt] - ref[rows, nxt])
-    print(f"\n{model} {q}: top-1 agreement {agree:.1%} over {len(nxt)} positions; next-token logprob "
+    print(f"\n{model} {q} (group_size {quant.group_size}): top-1 agreement {agree:.1%} over {len(nxt)} positions; next-token logprob "
           f"difference max {dlp.max():.3f}, mean {dlp.mean():.4f}")
     assert agree >= MODELS[model][q]

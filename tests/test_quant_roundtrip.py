@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jvllm.quantization import QuantConfig, apply_quantization
-from jvllm.quantization.fp8 import FP8_MAX, Fp8Block, Fp8Channel
-from jvllm.quantization.int8 import Int8Channel
+from jvllm.quantization.fp8 import FP8_MAX, Fp8Block, Fp8Channel, Fp8Group
+from jvllm.quantization.int8 import Int8Channel, Int8Group
 from jvllm.quantization.schemes import DENSE, num_contracted
 
 # (shape, n_in, spec): the model's q/k/v, o and MLP projection layouts
@@ -63,6 +63,46 @@ def test_fp8_block_needs_divisible_rows():
         Fp8Block(128).scale_shape((4, 64, 256), 2)
 
 
+def _per_group(a, p, n_in):  # [..., last, out...] -> [..., last / group, group, out...]
+    return p._groups(a, n_in)
+
+
+@pytest.mark.parametrize("shape,n_in,spec", LAYOUTS)
+def test_int8_group_round_trip_is_within_half_a_group_step(shape, n_in, spec):
+    p = Int8Group(8)
+    w = _w(shape, 6)
+    q, s = p.quantize(w, n_in)
+    assert q.dtype == jnp.int8 and s.shape == p.scale_shape(shape, n_in) and p.n_in_of(shape, s.shape) == n_in
+    err = jnp.abs(p.dequantize(q, s, n_in) - w)
+    sg = jnp.repeat(s, 8, axis=n_in - 1)  # each row's own group scale
+    assert bool(jnp.all(err <= sg * 0.5 + 1e-9))
+    assert int(jnp.max(jnp.abs(_per_group(q.astype(jnp.int32), p, n_in)), axis=n_in).min()) == 127  # every group
+    per_channel = jnp.abs(Int8Channel().dequantize(*Int8Channel().quantize(w, n_in), n_in) - w)
+    assert float(jnp.mean(err ** 2)) < 0.5 * float(jnp.mean(per_channel ** 2))  # outliers stay in their group
+
+
+@pytest.mark.parametrize("shape,n_in,spec", LAYOUTS)
+def test_fp8_group_search_never_loses_to_absmax(shape, n_in, spec):
+    w = jnp.asarray(np.random.default_rng(7).normal(0, 0.02, shape).astype(np.float32))  # outliers: absmax wins
+    g, b = Fp8Group(16), Fp8Block(16)  # the same layout; Fp8Block takes absmax per group
+    (q, s), (qb, sb) = g.quantize(w, n_in), b.quantize(w, n_in)
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == sb.shape and bool(jnp.all(jnp.isfinite(q.astype(jnp.float32))))
+    sse = jnp.sum(_per_group((g.dequantize(q, s, n_in) - w) ** 2, g, n_in), axis=n_in)
+    sse_b = jnp.sum(_per_group((b.dequantize(qb, sb, n_in) - w) ** 2, g, n_in), axis=n_in)
+    assert bool(jnp.all(sse <= sse_b * (1 + 1e-6)))
+    assert float(sse.sum()) < float(sse_b.sum())  # some group found a better ratio
+    ratio = s / (jnp.max(jnp.abs(_per_group(w, g, n_in)), axis=n_in) / FP8_MAX)
+    assert bool(jnp.all((ratio > min(g.ratios) - 1e-5) & (ratio < 1 + 1e-5)))
+
+
+def test_group_layouts_refuse_bad_sizes():
+    with pytest.raises(ValueError, match=r"multiple of 48.*\(64, 96\) has 64"):
+        Int8Group(48).scale_shape((64, 96), 1)
+    for bad in (0, -16, 2.5, True):
+        with pytest.raises(ValueError, match=rf"group size must be a positive integer, got {bad!r}"):
+            Fp8Group(bad)
+
+
 @pytest.mark.parametrize("shape,n_in,spec", LAYOUTS)
 def test_projections_match_the_dequantized_einsum(shape, n_in, spec):
     from flax import nnx
@@ -72,7 +112,7 @@ def test_projections_match_the_dequantized_einsum(shape, n_in, spec):
     ref = jnp.einsum(spec, x, w)
     assert num_contracted(spec) == n_in
     for p, tol in ((Int8Channel(), 1e-5), (Fp8Block(16), 1e-5), (Fp8Channel(activations=False), 1e-5),
-                   (Fp8Channel(), None)):
+                   (Fp8Group(16), 1e-5), (Int8Group(8), 1e-5), (Fp8Channel(), None)):
         q, s = p.quantize(w, n_in)
         deq = jnp.einsum(spec, x, p.dequantize(q, s, n_in))
         y = p(spec, x, nnx.Param(q), nnx.Param(s))
@@ -122,7 +162,7 @@ def test_apply_quantization_options(monkeypatch):
 
     cfg = _cfg()
     assert apply_quantization(cfg, None) is cfg
-    assert apply_quantization(cfg, "int8").quant == QuantConfig("int8")
+    assert apply_quantization(cfg, "int8").quant == QuantConfig("int8", group_size=16)  # 32 does not divide head_dim 16
     with pytest.raises(ValueError, match=r"quantization must be one of fp8, int8 .*got 'awq'"):
         apply_quantization(cfg, "awq")
     with pytest.raises(ValueError, match=r"got 'fp8_block'"):  # only from a checkpoint
@@ -140,6 +180,42 @@ def test_apply_quantization_options(monkeypatch):
     assert apply_quantization(pre, None, fp8_matmul_backend="xla") is pre
     with pytest.raises(ValueError, match=r"already quantized \(fp8\); pass quantization=None or 'fp8'"):
         apply_quantization(pre, "int8")
+
+
+def test_group_size_option_is_resolved_and_checked(monkeypatch):
+    import jvllm.quantization.fp8 as fp8
+
+    cfg = _cfg()  # hidden 64, head_dim 16, intermediate 128
+    assert apply_quantization(cfg, "fp8").quant.group_size is None  # fp8 "auto": per channel
+    assert apply_quantization(cfg, "int8", group_size="channel").quant == QuantConfig("int8")
+    assert apply_quantization(cfg, "int8", group_size=8).quant == QuantConfig("int8", group_size=8)
+    assert apply_quantization(cfg, "fp8", group_size=16).quant == QuantConfig("fp8", group_size=16)
+    assert apply_quantization(_cfg(head_dim=12), "int8").quant.group_size is None  # gcd 4 < 8: per channel
+    for bad in (0, 1, -16, "16", 8.0, True):
+        with pytest.raises(ValueError, match=rf"quantization_group_size must be 'auto', 'channel' or an integer >= 2.*got {bad!r}"):
+            apply_quantization(cfg, "int8", group_size=bad)
+    with pytest.raises(ValueError, match=r"quantization_group_size=32 must divide.*head_dim \(o_proj\) = 16 is not a multiple of 32"):
+        apply_quantization(cfg, "int8", group_size=32)
+    with pytest.raises(ValueError, match=r"quantization_group_size=16 needs quantization='fp8' or 'int8'"):
+        apply_quantization(cfg, None, group_size=16)
+    with pytest.raises(ValueError, match=r"quantization_group_size=16 is weight-only on XLA; fp8_matmul_backend='pallas'"):
+        apply_quantization(cfg, "fp8", fp8_matmul_backend="pallas", group_size=16)
+    with pytest.raises(ValueError, match=r"fp8_matmul_backend='pallas' takes one scale per output channel, not "
+                                         r"quantization_group_size=16"):
+        QuantConfig("fp8", matmul="pallas", group_size=16)
+    with pytest.raises(ValueError, match=r"group_size must be an integer >= 2.*got 1"):
+        QuantConfig("int8", group_size=1)
+    with pytest.raises(ValueError, match=r"group_size is for methods fp8, int8, not 'fp8_block'"):
+        QuantConfig("fp8_block", block_in=128, group_size=16)
+    monkeypatch.setattr(fp8, "fp8_matmul_supported", lambda device=None: True)
+    assert apply_quantization(cfg, "fp8").quant.matmul == "pallas"  # per channel keeps the kernel
+    assert apply_quantization(cfg, "fp8", group_size=16).quant.matmul == "xla"  # groups: auto takes XLA
+    with pytest.raises(ValueError, match=r"quantization_group_size=16 is weight-only on XLA; fp8_activations=True"):
+        apply_quantization(cfg, "fp8", fp8_activations=True, group_size=16)
+    pre = _cfg(quant=QuantConfig("fp8", from_checkpoint=True))
+    assert apply_quantization(pre, None, fp8_matmul_backend="xla") is pre
+    with pytest.raises(ValueError, match=r"quantization_group_size=16: this checkpoint is already quantized"):
+        apply_quantization(pre, None, group_size=16)
 
 
 def test_moe_models_are_refused():
@@ -193,5 +269,6 @@ def test_random_preset_is_quantized_tensor_by_tensor(q):
     p = ck.params
     assert ck.config.quant.method == q
     assert str(p["layers.1.mlp.down_proj"].dtype) == ("float8_e4m3fn" if q == "fp8" else "int8")
-    assert p["layers.1.mlp.down_proj_scale"].shape == (64,) and str(p["embed"].dtype) == "bfloat16"
+    scale = (64,) if q == "fp8" else (128 // 16, 64)  # int8 "auto": groups of 16 (32 does not divide head_dim 16)
+    assert p["layers.1.mlp.down_proj_scale"].shape == scale and str(p["embed"].dtype) == "bfloat16"
     assert not any(a.is_deleted() for a in p.values())

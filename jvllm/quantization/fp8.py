@@ -1,6 +1,7 @@
 """float8_e4m3fn weights: per-output-channel scales with fp8 activations (`Fp8Channel`, the
-engine's `quantization="fp8"` and compressed-tensors FP8-dynamic checkpoints), and block scales,
-weight-only (`Fp8Block`, HF FP8 `weight_scale_inv` checkpoints).
+engine's `quantization="fp8"` and compressed-tensors FP8-dynamic checkpoints), and block / group
+scales, weight-only (`Fp8Block`, HF FP8 `weight_scale_inv` checkpoints; `Fp8Group`,
+`quantization_group_size`).
 
 Fp8Channel is W8A8 with dynamic per-token activation scales where the device has fp8 matmuls
 (`fp8_matmul_supported`; weight-only elsewhere, decided once by `apply_quantization`), because
@@ -23,10 +24,10 @@ einsum, which computes the same values up to the order of the float32 sums.
 
 Fp8Block keeps a checkpoint's block-scaled values without requantizing them: one float32 scale
 per (block of `block_in` rows of the last contracted dim, output channel), the checkpoint's
-[out_block, in_block] scales repeated over each output block. The dot dequantizes (convert and
-scale, fused by XLA into the GEMM's operand read where it can) and does not quantize activations.
-The scale keeps the weight's rank and logical axes (the last contracted dim divided by
-`block_in`), so it shards with its weight and no reshape crosses a sharded dim.
+[out_block, in_block] scales repeated over each output block (the layout and the dequantizing dot
+are `schemes.GroupScaled`'s). Fp8Group is the same layout for `quantization="fp8"` with
+`quantization_group_size`, each group's scale searched over a few clipping ratios. Neither
+quantizes activations nor runs on the pallas backend.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import math
 
 import jax.numpy as jnp
 
-from jvllm.quantization.schemes import ChannelScaled, Projection, _param, num_contracted, split_spec
+from jvllm.quantization.schemes import ChannelScaled, GroupScaled, num_contracted, split_spec
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -120,44 +121,24 @@ def _pallas_projection(spec, x, w, scale):
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Block(Projection):
-    block_in: int = 128
+class Fp8Block(GroupScaled):
+    """A checkpoint's block-scaled fp8 values (the module docstring); `group` is its block_in.
+    A full-precision update is quantized with plain absmax per block."""
+
     name = "fp8_block"
     weight_dtype = FP8
-
-    def scale_shape(self, shape, n_in):
-        last = shape[n_in - 1]
-        if last % self.block_in:
-            raise ValueError(f"fp8 block scales of {self.block_in} input rows need the projection's last "
-                             f"contracted dim to be a multiple of {self.block_in}; weight shape {tuple(shape)} "
-                             f"has {last} (a head_dim below the block size?)")
-        return (*shape[:n_in - 1], last // self.block_in, *shape[n_in:])
-
-    def n_in_of(self, shape, scale_shape):
-        return 1 + max(i for i, (a, b) in enumerate(zip(shape, scale_shape)) if a != b)
-
-    def declare(self, shape, axes, n_in, dtype):
-        return _param(shape, axes, FP8), _param(self.scale_shape(shape, n_in), axes, jnp.float32, ones=True)
-
-    def _blocks(self, w, n_in):  # [..., last, out...] -> [..., last / block, block, out...]
-        s = w.shape
-        return w.reshape(*s[:n_in - 1], s[n_in - 1] // self.block_in, self.block_in, *s[n_in:])
-
-    def dequantize(self, wq, scale, n_in, dtype=jnp.float32):
-        blocks = self._blocks(wq.astype(jnp.float32), n_in) * jnp.expand_dims(scale.astype(jnp.float32), n_in)
-        return blocks.reshape(wq.shape).astype(dtype)
-
-    def quantize(self, w, n_in):
-        self.scale_shape(w.shape, n_in)  # the divisibility check
-        b = self._blocks(w.astype(jnp.float32), n_in)
-        scale = jnp.maximum(jnp.max(jnp.abs(b), axis=n_in), 1e-12) / FP8_MAX
-        q = jnp.clip(b / jnp.expand_dims(scale, n_in), -FP8_MAX, FP8_MAX).astype(FP8)
-        return q.reshape(w.shape), scale
-
-    def __call__(self, spec, x, w, scale):
-        n_in = num_contracted(spec)
-        wd = self.dequantize(w[...], scale[...], n_in, x.dtype)
-        return jnp.einsum(spec, x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+    qmax = FP8_MAX
 
 
 FP8_BLOCK = Fp8Block
+GROUP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)  # Fp8Group's clipping ratios (GroupScaled.quantize)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Group(Fp8Block):
+    """`quantization="fp8"` with group scales (`QuantConfig.group_size`): Fp8Block's layout, each
+    group's scale searched over GROUP_RATIOS (e4m3's grid is coarse near its top, so a slightly
+    smaller scale often puts a group's values on it with less error than absmax)."""
+
+    name = "fp8_group"
+    ratios = GROUP_RATIOS

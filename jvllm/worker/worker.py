@@ -76,9 +76,10 @@ class Worker:
 
         from jvllm.quantization import apply_quantization
 
-        self.model_config: ModelConfig = configure_moe(apply_quantization(model_config(self.spec), config.quantization,
-                                                                          fp8_matmul_backend=config.fp8_matmul_backend),
-                                                       config.enable_expert_parallel, config.moe_backend)
+        quantized = apply_quantization(model_config(self.spec), config.quantization,
+                                       fp8_matmul_backend=config.fp8_matmul_backend,
+                                       group_size=config.quantization_group_size)
+        self.model_config: ModelConfig = configure_moe(quantized, config.enable_expert_parallel, config.moe_backend)
         if config.batch_invariant:  # fixed-tile projections and LM head (jvllm.worker.batch_invariant)
             self.model_config = dataclasses.replace(self.model_config, batch_invariant=True)
         self.init_parts["model_config_s"] = time.perf_counter() - t
@@ -121,7 +122,7 @@ class Worker:
     def _load_checkpoint(self, load_checkpoint, config, layout):
         try:
             return load_checkpoint(self.spec, self.dtype, shardings=layout["shardings"],
-                                   quantization=config.quantization)
+                                   quantization=self.model_config.quant)  # the layout resolved above
         except Exception as e:
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise
