@@ -2,6 +2,7 @@
 # Issues 23 and 24 on one H200 with few programs to warm (about 20 per engine instead of about 110 at
 # the default config, so an empty compile cache still fits a device call), by STAGES:
 #   b1_default / b1_on   `bench latency` small steps (4 seqs, buckets 8,512), default / --batch-invariant
+#   b1_int8 / b1_int8_channel   the same with int8 weights: group scales (the default) / one per channel
 #   spec                 spec_b1.py "oproj" workload, plain vs n-gram k=4 at the same small steps (the
 #                        plain engine's programs are the b1_default ones: run that first, same call)
 #   w1_default / w1_on   `bench throughput` at 256 seqs, buckets 256,2048, default / --batch-invariant
@@ -37,6 +38,8 @@ bench() {  # name cap subcommand SMALL|WIDE extra...: one `jvllm bench` run on t
 for s in ${STAGES:-b1_default spec b1_on}; do case $s in
   b1_default) bench inv_b1_default 210 latency SMALL ;;
   b1_on) bench inv_b1_on 200 latency SMALL --batch-invariant ;;
+  b1_int8) bench b1_int8 200 latency SMALL --quantization int8 ;;
+  b1_int8_channel) bench b1_int8_channel 200 latency SMALL --quantization int8 --quantization-group-size channel ;;
   spec) run spec_b1 200 benchmarks/spec_b1.py "${M[@]}" --max-model-len ${MAXLEN:-4096} "${SMALL[@]}" --k 4 --workloads oproj --iters 2 --output-json $OUT/spec_b1.json ;;
   w1_default) bench inv_w1_default 240 throughput WIDE ;;
   w1_on) bench inv_w1_on 240 throughput WIDE --batch-invariant ;;
