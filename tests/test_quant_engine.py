@@ -10,11 +10,11 @@ IDS = [int(t) for t in np.random.default_rng(0).integers(3, 256, 40)]
 KW = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(64,),
           use_tqdm_on_load=False, background_compile=False)
 # max |logit - f32 logit| / max |f32 logit| on the tiny random model (transformers' init, std 0.02)
-TOL = {"int8": 0.02, "fp8": 0.08, "fp8_g16": 0.08}
-# engine name -> (quantization, quantization_group_size): "auto" gives int8 groups of 16 here (32 does
-# not divide head_dim 16) and fp8 one scale per output channel; fp8_g16 is the opt-in fp8 groups
-VARIANTS = {"fp8": ("fp8", "auto"), "int8": ("int8", "auto"), "fp8_g16": ("fp8", 16)}
-GROUP = {"fp8": None, "int8": 16, "fp8_g16": 16}
+TOL = {"int8": 0.02, "int8_g16": 0.02, "fp8": 0.08, "fp8_g16": 0.08}
+# engine name -> (quantization, quantization_group_size): "auto" is one scale per output channel;
+# the _g16 engines take the opt-in groups of 16 input rows
+VARIANTS = {"fp8": ("fp8", "auto"), "int8": ("int8", "auto"), "int8_g16": ("int8", 16), "fp8_g16": ("fp8", 16)}
+GROUP = {"fp8": None, "int8": None, "int8_g16": 16, "fp8_g16": 16}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_tensor_parallel_shards_scales_with_their_output_axis(tiny, engines):
         np.testing.assert_allclose(_logits(llm), _logits(engines["fp8"]), rtol=2e-3, atol=2e-3)
     finally:
         llm.shutdown()
-    llm = LLM(tiny, quantization="int8", tensor_parallel_size=2, **KW)  # group scales: [in / 16, out...]
+    llm = LLM(tiny, quantization="int8", quantization_group_size=16, tensor_parallel_size=2, **KW)  # [in / 16, out...]
     try:
         a = llm.get_weights()["layers"]["0"]
         spec = {k: tuple(a[p][k].sharding.spec) + (None,) * (a[p][k].ndim - len(a[p][k].sharding.spec))
@@ -124,7 +124,7 @@ def test_tensor_parallel_shards_scales_with_their_output_axis(tiny, engines):
         assert spec == {"o_proj_scale": ("tensor", None, None),   # heads, head_dim / 16, out
                         "down_proj_scale": ("tensor", None),      # intermediate / 16, out
                         "gate_proj_scale": (None, "tensor")}      # hidden / 16, mlp
-        np.testing.assert_allclose(_logits(llm), _logits(engines["int8"]), rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(_logits(llm), _logits(engines["int8_g16"]), rtol=2e-3, atol=2e-3)
     finally:
         llm.shutdown()
 

@@ -4,11 +4,12 @@ difference of the actual next token's log-probability (printed; run with -s to s
 
 Issue 21's targets: SmolLM2 135M (fragile: a per-channel torch reference agrees 92% for fp8
 weights, 97.7% for int8) >= 90% for fp8 and >= 96% for int8; Gemma 3 270M >= 98% for every
-variant. Each variant here is the engine's default layout (jvllm.quantization.config): int8 with
-one scale per 32 input rows per output channel meets Gemma 3's 0.98; fp8 (per output channel by
-default) does NOT, and neither does the opt-in group-scaled fp8 (e4m3's 3 mantissa bits leave
-about 2% RMS weight error whatever the scale), so Gemma 3's fp8 threshold is the measured figure
-less a margin, guarding against regressions, not the issue's target. Measured figures:
+variant. The default layout (one scale per output channel, jvllm.quantization.config) runs on
+SmolLM2 for both methods and on Gemma 3 for fp8; Gemma 3's int8 runs with the opt-in groups of 32
+input rows (quantization_group_size=32), which meet its 0.98 (per channel does not). fp8 does NOT
+meet 0.98 on Gemma 3 per channel, nor with opt-in groups (e4m3's 3 mantissa bits leave about 2%
+RMS weight error whatever the scale), so Gemma 3's fp8 threshold is the measured figure less a
+margin, guarding against regressions, not the issue's target. Measured figures:
 benchmarks/README.md. The opt-in W8A8 path and the group-scaled fp8 engine are tested on a tiny
 model in test_quant_engine.py.
 Each model is read from its GGUF once (an Orbax copy serves the other engines)."""
@@ -35,8 +36,9 @@ TEXT = (
     "ever stood there. The mill still turns on summer weekends for visitors, who buy small bags of "
     "flour and ask why the wheel sits so far from the water. The answer is written in the accounts."
 )
-MODELS = {"smollm2": {"fp8": 0.90, "int8": 0.96},
-          "gemma3": {"fp8": 0.92, "int8": 0.98}}
+# model -> method -> (quantization_group_size, threshold)
+MODELS = {"smollm2": {"fp8": ("auto", 0.90), "int8": ("auto", 0.96)},
+          "gemma3": {"fp8": ("auto", 0.92), "int8": (32, 0.98)}}
 KW = dict(dtype="float32", max_model_len=512, max_num_seqs=2, max_num_batched_tokens=64, token_buckets=(64,),
           use_tqdm_on_load=False, background_compile=False)
 
@@ -47,8 +49,9 @@ def _available(name):
     return importlib.util.find_spec(BUILTIN_MODELS[name].package) is not None
 
 
-def _run(model, quantization, ids=None):
-    llm = logits_only_llm(model, quantization=quantization, **KW)
+def _run(model, quantization, ids=None, group_size="auto"):
+    kw = dict(KW, quantization_group_size=group_size) if quantization else KW
+    llm = logits_only_llm(model, quantization=quantization, **kw)
     try:
         if ids is None:
             ids = llm.get_tokenizer().encode(TEXT)
@@ -78,8 +81,9 @@ def reference(request, tmp_path_factory):
 @pytest.mark.parametrize("q", ["fp8", "int8"])
 def test_teacher_forced_top1_agreement(reference, q):
     model, path, ids, ref = reference
-    _, z, quant = _run(path, q, ids)
-    assert quant.group_size == {"fp8": None, "int8": 32}[q]  # the default layout, as measured
+    group, threshold = MODELS[model][q]
+    _, z, quant = _run(path, q, ids, group)
+    assert quant.group_size == (None if group == "auto" else group)
     lp = _log_softmax(z[:-1])
     agree = float(np.mean(lp.argmax(-1) == ref.argmax(-1)))
     nxt = np.asarray(ids[1:])
@@ -87,4 +91,4 @@ def test_teacher_forced_top1_agreement(reference, q):
     dlp = np.abs(lp[rows, nxt] - ref[rows, nxt])
     print(f"\n{model} {q} (group_size {quant.group_size}): top-1 agreement {agree:.1%} over {len(nxt)} positions; next-token logprob "
           f"difference max {dlp.max():.3f}, mean {dlp.mean():.4f}")
-    assert agree >= MODELS[model][q]
+    assert agree >= threshold

@@ -162,7 +162,7 @@ def test_apply_quantization_options(monkeypatch):
 
     cfg = _cfg()
     assert apply_quantization(cfg, None) is cfg
-    assert apply_quantization(cfg, "int8").quant == QuantConfig("int8", group_size=16)  # 32 does not divide head_dim 16
+    assert apply_quantization(cfg, "int8").quant == QuantConfig("int8")  # default: one scale per output channel
     with pytest.raises(ValueError, match=r"quantization must be one of fp8, int8 .*got 'awq'"):
         apply_quantization(cfg, "awq")
     with pytest.raises(ValueError, match=r"got 'fp8_block'"):  # only from a checkpoint
@@ -190,7 +190,6 @@ def test_group_size_option_is_resolved_and_checked(monkeypatch):
     assert apply_quantization(cfg, "int8", group_size="channel").quant == QuantConfig("int8")
     assert apply_quantization(cfg, "int8", group_size=8).quant == QuantConfig("int8", group_size=8)
     assert apply_quantization(cfg, "fp8", group_size=16).quant == QuantConfig("fp8", group_size=16)
-    assert apply_quantization(_cfg(head_dim=12), "int8").quant.group_size is None  # gcd 4 < 8: per channel
     for bad in (0, 1, -16, "16", 8.0, True):
         with pytest.raises(ValueError, match=rf"quantization_group_size must be 'auto', 'channel' or an integer >= 2.*got {bad!r}"):
             apply_quantization(cfg, "int8", group_size=bad)
@@ -269,6 +268,5 @@ def test_random_preset_is_quantized_tensor_by_tensor(q):
     p = ck.params
     assert ck.config.quant.method == q
     assert str(p["layers.1.mlp.down_proj"].dtype) == ("float8_e4m3fn" if q == "fp8" else "int8")
-    scale = (64,) if q == "fp8" else (128 // 16, 64)  # int8 "auto": groups of 16 (32 does not divide head_dim 16)
-    assert p["layers.1.mlp.down_proj_scale"].shape == scale and str(p["embed"].dtype) == "bfloat16"
+    assert p["layers.1.mlp.down_proj_scale"].shape == (64,)  # "auto": one scale per output channel and str(p["embed"].dtype) == "bfloat16"
     assert not any(a.is_deleted() for a in p.values())

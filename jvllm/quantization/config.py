@@ -32,27 +32,25 @@ Methods (the weight layout of each is `jvllm.quantization.schemes`):
 What is quantized: the attention q/k/v/o and the MLP gate/up/down projections. The embedding,
 the LM head and the norms stay in the model dtype. Mixture-of-experts models are refused.
 Scale layout of fp8 / int8 (`QuantConfig.group_size`, from the engine option
-`quantization_group_size`, decided once here; why these defaults: benchmarks/README.md):
-None = one float32 scale per output channel; g = one float32 scale per (g rows of the projection's last contracted dim, output channel), which
-must divide hidden_size, head_dim and intermediate_size (`schemes.GroupScaled`: fp8_block's
-layout; fp8 groups search a few clipping ratios per group). "auto" (the default): int8 takes
-32 (or the largest divisor of 32 dividing those dims, per channel below 8), fp8 one scale per
-output channel. Group scales are weight-only and run on XLA: with fp8_activations or
-fp8_matmul_backend="pallas" an explicit group size is a ValueError naming both options, and
-"auto" backend resolves to "xla" for them. Costs: float32 scales add 4/g bytes per weight
-(int8 at 32: +12.5%, fp8 at 16: +25%), and on accelerators the dequantizing multiply sits in the
-dot's operand path instead of after it. Hazard: tensor parallelism shards down_proj's scale
-along intermediate_size / g, which must then divide by the tensor-parallel size.
+`quantization_group_size`, decided once here; figures behind the defaults: benchmarks/README.md):
+None = one float32 scale per output channel (the default, "auto" or "channel", for both
+methods); g = one float32 scale per (g rows of the projection's last contracted dim, output
+channel), which must divide hidden_size, head_dim and intermediate_size (`schemes.GroupScaled`:
+fp8_block's layout; fp8 groups search a few clipping ratios per group). Groups are opt-in: they
+buy accuracy on small models (Gemma 3 270M int8 meets 98% only with them), but on a GPU the 8B's
+int8 B1 with groups of 32 ran at a third of its per-channel rate. Group scales
+are weight-only and run on XLA: with fp8_activations or fp8_matmul_backend="pallas" an explicit
+group size is a ValueError naming both options, and "auto" backend resolves to "xla" for them.
+Costs: float32 scales add 4/g bytes per weight (int8 at 32: +12.5%, fp8 at 16: +25%). Hazard:
+tensor parallelism shards down_proj's scale along intermediate_size / g, which must then divide
+by the tensor-parallel size.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 METHODS = ("fp8", "fp8_block", "int8")
 GROUP_METHODS = ("fp8", "int8")  # methods that take QuantConfig.group_size
-DEFAULT_GROUP = {"int8": 32}  # quantization_group_size="auto" (fp8: one scale per output channel)
-MIN_AUTO_GROUP = 8  # "auto" keeps one scale per output channel below this (float32 scales would cost too much)
 ENGINE_OPTIONS = ("fp8", "int8")  # what `quantization=` takes
 MATMUL_BACKENDS = ("xla", "pallas")  # weight-only fp8 projections (QuantConfig.matmul)
 
@@ -158,15 +156,9 @@ def _grouped(cfg, quant, group_size):
     divide a projection's last contracted dim)."""
     dims = {"hidden_size (q/k/v, gate/up)": cfg.hidden_size, "head_dim (o_proj)": cfg.head_dim,
             "intermediate_size (down_proj)": cfg.intermediate_size}
-    if group_size == "channel":
+    if group_size in ("auto", "channel"):  # one scale per output channel
         return cfg
     g = group_size
-    if group_size == "auto":  # the method's size, or the largest divisor of it that divides every dim
-        if quant.method not in DEFAULT_GROUP:
-            return cfg
-        g = math.gcd(DEFAULT_GROUP[quant.method], *dims.values())
-        if g < MIN_AUTO_GROUP:
-            return cfg  # one scale per output channel
     bad = {k: v for k, v in dims.items() if v % g}
     if bad:
         raise ValueError(f"quantization_group_size={g} must divide each projection's last contracted dim; "
