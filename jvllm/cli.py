@@ -46,8 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--fp8-matmul-backend", default="auto", choices=("auto", "xla", "pallas"),
                    help="weight-only fp8 projections: auto (pallas on fp8-capable NVIDIA GPUs, xla elsewhere)")
     p.add_argument("--quantization-group-size", type=_group_size, default="auto",
-                   help="scales of quantized projections: auto (int8: one per 32 input rows per output channel, "
-                        "fp8: per channel) | channel | input rows per scale (an integer >= 2)")
+                   help="scales of quantized projections: auto | channel (one per output channel) | input rows "
+                        "per scale (an integer >= 2: more accurate, slower on GPUs)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (None: the model's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of device memory jvllm may use")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

@@ -17,9 +17,9 @@ class EngineConfig:
     # xla) | xla | pallas (jvllm.ops.pallas_matmul for decode-sized steps; interpret mode off GPUs);
     # pallas without fp8 weights is an error (jvllm.quantization.config)
     fp8_matmul_backend: str = "auto"
-    # scales of quantized projections: auto (int8: one per 32 input rows per output channel; fp8:
-    # one per output channel) | channel | an integer >= 2 dividing every projection's last
-    # contracted dim (weight-only, XLA; jvllm.quantization.config)
+    # scales of quantized projections: auto / channel (one per output channel) | an integer >= 2
+    # dividing every projection's last contracted dim: one per that many input rows per output
+    # channel (weight-only, XLA; jvllm.quantization.config)
     quantization_group_size: int | str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9

@@ -1,5 +1,5 @@
 """int8 weights with per-output-channel scales (`Int8Channel`) or one scale per group of input
-rows per output channel (`Int8Group`, the `quantization="int8"` default: config.py), weight-only.
+rows per output channel (`Int8Group`, opt-in by `quantization_group_size`: config.py), weight-only.
 
 Symmetric: wq = round(w / s) in [-127, 127], s = max|w| over the input dims (or the group) / 127.
 The dot converts wq to the activation dtype (XLA fuses the convert into the GEMM's operand read
