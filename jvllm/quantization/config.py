@@ -37,8 +37,8 @@ None = one float32 scale per output channel (the default, "auto" or "channel", f
 methods); g = one float32 scale per (g rows of the projection's last contracted dim, output
 channel), which must divide hidden_size, head_dim and intermediate_size (`schemes.GroupScaled`:
 fp8_block's layout; fp8 groups search a few clipping ratios per group). Groups are opt-in: they
-buy accuracy on small models (Gemma 3 270M int8 meets 98% only with them), but on a GPU the 8B's
-int8 B1 with groups of 32 ran at a third of its per-channel rate. Group scales
+buy accuracy on small models but cost decode speed on GPUs, where the per-channel layout keeps
+the int8 projection at the bf16 rate (both: benchmarks/README.md). Group scales
 are weight-only and run on XLA: with fp8_activations or fp8_matmul_backend="pallas" an explicit
 group size is a ValueError naming both options, and "auto" backend resolves to "xla" for them.
 Costs: float32 scales add 4/g bytes per weight (int8 at 32: +12.5%, fp8 at 16: +25%). Hazard:
