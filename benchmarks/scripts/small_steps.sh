@@ -2,7 +2,7 @@
 # Issues 23 and 24 on one H200 with few programs to warm (about 20 per engine instead of about 110 at
 # the default config, so an empty compile cache still fits a device call), by STAGES:
 #   b1_default / b1_on   `bench latency` small steps (4 seqs, buckets 8,512), default / --batch-invariant
-#   b1_int8 / b1_int8_channel   the same with int8 weights: group scales (the default) / one per channel
+#   b1_int8 / b1_int8_g32   the same with int8 weights: one scale per channel (the default) / per 32 input rows
 #   spec                 spec_b1.py "oproj" workload, plain vs n-gram k=4 at the same small steps (the
 #                        plain engine's programs are the b1_default ones: run that first, same call)
 #   w1_default / w1_on   `bench throughput` at 256 seqs, buckets 256,2048, default / --batch-invariant
@@ -24,8 +24,7 @@ NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, 
 NGRAM_DBS='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 32}'
 run() {  # name cap cmd...
   local name=$1 cap=$2; shift 2
-  local l=$(( END - $(el) )); [ $l -gt $cap ] && l=$cap
-  [ $l -lt 30 ] && { echo "[$(el)] no time for $name"; return; }
+  local l=$(left $cap); [ $l -lt 30 ] && { echo "[$(el)] no time for $name"; return; }
   timeout -s ABRT $l python -X faulthandler "$@" > $OUT/$name.log 2>&1; local rc=$?
   echo "[$(el)] $name rc=$rc"; grep -E "W1:|B1:|^\[|startup|Error|speedup" $OUT/$name.log | tail -6 | cut -c1-300
 }
@@ -39,7 +38,7 @@ for s in ${STAGES:-b1_default spec b1_on}; do case $s in
   b1_default) bench inv_b1_default 210 latency SMALL ;;
   b1_on) bench inv_b1_on 200 latency SMALL --batch-invariant ;;
   b1_int8) bench b1_int8 200 latency SMALL --quantization int8 ;;
-  b1_int8_channel) bench b1_int8_channel 200 latency SMALL --quantization int8 --quantization-group-size channel ;;
+  b1_int8_g32) bench b1_int8_g32 200 latency SMALL --quantization int8 --quantization-group-size 32 ;;
   spec) run spec_b1 200 benchmarks/spec_b1.py "${M[@]}" --max-model-len ${MAXLEN:-4096} "${SMALL[@]}" --k 4 --workloads oproj --iters 2 --output-json $OUT/spec_b1.json ;;
   w1_default) bench inv_w1_default 240 throughput WIDE ;;
   w1_on) bench inv_w1_on 240 throughput WIDE --batch-invariant ;;

@@ -15,8 +15,7 @@ ARGS=(--workload copy --model ${MODEL:-random:llama3-8b} --dtype ${DTYPE:-bfloat
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 prof() {  # name cap extra...
   local name=$1 cap=$2; shift 2
-  local l=$(( END - $(el) )); [ $l -gt $cap ] && l=$cap
-  [ $l -lt 30 ] && { echo "[$(el)] no time for $name"; return; }
+  local l=$(left $cap); [ $l -lt 30 ] && { echo "[$(el)] no time for $name"; return; }
   timeout -s ABRT $l python -X faulthandler benchmarks/profile_steps.py "${ARGS[@]}" --steps ${STEPS:-40} \
     --out $OUT/prof_$name.json "$@" > $OUT/prof_$name.log 2>&1; local rc=$?
   echo "[$(el)] $name rc=$rc"; grep -vE "Warning|^\s*$" $OUT/prof_$name.log | tail -40 | cut -c1-200
