@@ -138,10 +138,9 @@ class GroupScaled(Projection):
 
     The dot dequantizes inside the einsum: the weight reshaped to [..., last / group, group, out...],
     converted and multiplied by its scale in float32, reshaped back and cast to the activation dtype,
-    then the einsum with float32
-    accumulation. Seen on CPU (jax 0.10.2, compiled HLO): one loop fusion (convert, broadcast
-    multiply) writes the dequantized weight, in the activation dtype, which the dot reads: the
-    same one weight-sized temporary as the per-channel path's convert, no second copy."""
+    then the einsum with float32 accumulation. Hazard: XLA may materialize the dequantized weight
+    (one weight-sized temporary per projection, as on CPU) instead of fusing it into the GEMM; on
+    GPUs that makes group scales much slower than per-channel ones (benchmarks/README.md)."""
 
     group: int = 128
     ratios = (1.0,)
