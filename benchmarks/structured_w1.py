@@ -57,10 +57,17 @@ def main(argv=None):
     p.add_argument("--fraction", type=float, default=0.5, help="share of requests under the schema")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--token-buckets", default=None, help="comma-separated, as for jvllm bench (fewer programs to warm)")
     a = p.parse_args(argv)
     if not 0.0 < a.fraction <= 1.0:
         raise SystemExit(f"--fraction must be in (0, 1], got {a.fraction}")
-    llm, init = build_llm(a.model, dict(dtype=a.dtype, max_model_len=a.max_model_len))
+    shape = dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                 token_buckets=[int(b) for b in a.token_buckets.split(",")] if a.token_buckets else None)
+    # no prefix cache: both runs send the same prompts, and the second would find them cached
+    llm, init = build_llm(a.model, dict(dtype=a.dtype, max_model_len=a.max_model_len, enable_prefix_caching=False,
+                                        **{k: v for k, v in shape.items() if v is not None}))
     e = llm.llm_engine
     e.wait_for_warmup()  # the background warm-up's compiles stay out of both runs
     tok = tokenizer(a.tokenizer)
@@ -104,7 +111,7 @@ def main(argv=None):
     mixed, outs = run(params)
     n_so = sum(1 for q in params if q is so)
     res = dict(workload="W1 with a share of requests under a JSON schema", model=a.model, dtype=a.dtype,
-               num_prompts=a.num_prompts, output_len=a.output_len, constrained_requests=n_so, input_len=list(lens),
+               num_prompts=a.num_prompts, engine_shape=shape, output_len=a.output_len, constrained_requests=n_so, input_len=list(lens),
                input_len_note=note, unconstrained=base, mixed=mixed, ratio=mixed["output_tok_s"] / base["output_tok_s"],
                schema_first_compile_s=first_compile_s, schema_compile_ms=1e3 * compile_s, init=init,
                sample_constrained_output_ids=outs[0].outputs[0].token_ids[:40], **versions())

@@ -25,5 +25,6 @@ fi
 python -c "import llguidance" 2>/dev/null || { echo "llguidance is not importable: carry .whl with its wheel"; exit 2; }
 timeout ${LIMIT_S:-560} python benchmarks/structured_w1.py --model random:llama3-8b --dtype bfloat16 \
   --max-model-len 4096 --num-prompts ${N:-256} --output-len ${OUTPUT_LEN:-256} --fraction ${FRACTION:-0.5} \
+  --max-num-seqs 256 --max-num-batched-tokens 2048 --token-buckets 256,2048 \
   "${TOK_ARG[@]}" --output-json "$OUT/structured_w1.json" > "$OUT/structured_w1.log" 2>&1
 echo "rc=$? after $(el)s"; tail -25 "$OUT/structured_w1.log"
