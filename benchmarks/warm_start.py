@@ -1,7 +1,7 @@
 """Start-up with an empty cache, a warm JAX persistent cache only, and jvllm's executable cache.
 
     python benchmarks/warm_start.py [--model smollm2] [--max-model-len 512] [--dtype auto] [--out PATH]
-        [--build before=/tmp/site_before --build after=/tmp/site_after]
+        [--build before=/tmp/site_before --build after=/tmp/site_after] [--runs empty_cache,...] [--no-fill]
 
 Each configuration runs in a fresh child process against one fresh temporary cache directory
 per build (in order: empty -> fills both caches; warm with JVLLM_EXECUTABLE_CACHE=0 -> JAX's
@@ -58,6 +58,7 @@ print(json.dumps(dict(process_start_to_first_tokens_s=time.time() - t_start, cpu
                       init_parts=dict(getattr(llm.llm_engine.worker, "init_parts", {})), compiles=jc.compile_count(),
                       tokenizer_thread_s=getattr(llm.llm_engine.worker, "tokenizer_seconds", None),
                       programs_lowered=lowered, executable_cache=jc.executable_cache_stats(),
+                      device=__import__("jvllm.bench", fromlist=["device_info"]).device_info(),
                       jvllm_file=jvllm.__file__, ids=out[0].outputs[0].token_ids)), flush=True)
 if fill:  # let the background warm-up put every program into the caches (not timed)
     t3 = time.perf_counter()
@@ -67,12 +68,20 @@ os._exit(0)  # a warm run's background warm-up may still be loading: its seconds
 '''
 
 
+RUNS = {"empty_cache": "1", "warm_jax_cache_only": "0", "warm_executable_cache": "1"}  # -> JVLLM_EXECUTABLE_CACHE
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="benchmarks/results/warm_start.json")
+    ap.add_argument("--runs", default="empty_cache,warm_jax_cache_only,warm_executable_cache",
+                    help="which of the three runs, comma-separated, in that order")
+    ap.add_argument("--no-fill", action="store_true",
+                    help="the empty-cache run exits at its first tokens instead of waiting for the background "
+                         "warm-up (a new user's first start; the warm runs then find only what it stored)")
     ap.add_argument("--build", action="append", default=[], metavar="LABEL=SITE",
                     help="a build to run (repeatable): SITE first on PYTHONPATH, empty = the installed jvllm")
     a = ap.parse_args()
@@ -84,24 +93,32 @@ def main():
         if site and not os.path.isdir(os.path.join(site, "jvllm")):
             ap.error(f"--build {spec!r}: {site} holds no jvllm package")
         builds[label] = os.path.abspath(site) if site else ""
-    import jax
+    runs = [r for r in a.runs.split(",") if r]
+    bad = [r for r in runs if r not in RUNS]
+    if bad:
+        ap.error(f"--runs: unknown {bad}; choose from {list(RUNS)}")
+    import jax  # the version only: the parent never initializes a backend (on a GPU it would claim the memory)
 
-    res = dict(model=a.model, max_model_len=a.max_model_len, dtype=a.dtype, jax=jax.__version__, python=platform.python_version(),
-               backend=os.environ.get("JAX_PLATFORMS") or jax.default_backend(), cpus=os.cpu_count(),
+    res = dict(device=None, no_fill=a.no_fill, model=a.model, max_model_len=a.max_model_len, dtype=a.dtype, jax=jax.__version__, python=platform.python_version(),
+               backend=os.environ.get("JAX_PLATFORMS"), cpus=os.cpu_count(),
                time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), builds=builds, runs={b: {} for b in builds})
     with tempfile.TemporaryDirectory() as d:
-        for name, exe_cache in (("empty_cache", "1"), ("warm_jax_cache_only", "0"), ("warm_executable_cache", "1")):
+        for name in (r for r in RUNS if r in runs):
+            exe_cache = RUNS[name]
             for label, site in builds.items():
                 env = dict(os.environ, JVLLM_EXECUTABLE_CACHE=exe_cache)
                 if site:
                     env["PYTHONPATH"] = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH")) if x)
                 cache = os.path.join(d, "cache_" + label)
-                fill = "fill" if name == "empty_cache" else "no"
+                fill = "fill" if name == "empty_cache" and not a.no_fill else "no"
                 p = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.max_model_len), cache, repr(time.time()),
                                     fill, a.dtype],
                                    env=env, cwd=d, capture_output=True, text=True, check=False)
                 line = [x for x in p.stdout.splitlines() if x.startswith("{")]
                 run = json.loads(line[0]) if line else dict(error=p.stderr[-2000:])
+                if run.get("device"):
+                    res["device"] = run.pop("device")
+                    res["backend"] = res["backend"] or res["device"]["backend"]
                 filled = [x for x in p.stdout.splitlines() if x.startswith("filled ")]
                 if filled:
                     secs, compiles = filled[0].split()[1:]

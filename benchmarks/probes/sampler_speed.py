@@ -47,6 +47,7 @@ def load_old(base: str | None, old_file: str | None):
             f.write(src)
     spec = importlib.util.spec_from_file_location("old_sampling", old_file)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses with string annotations look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -76,6 +77,33 @@ def timed(fn, *args, reps: int) -> tuple[float, object]:
     return ts[len(ts) // 2], out
 
 
+def time_parts(mod, logits, reps: int) -> dict:
+    """ms per call of the pieces of a temperature 0.8 + top_p 0.95 draw, each its own jitted program
+    (so each pays one launch and one read of its inputs: an upper bound on its share when fused)."""
+    import jax
+    import jax.numpy as jnp
+
+    R, V = logits.shape
+    sb = batch(mod, R, V, dict(temperature=0.8, top_p=0.95))
+
+    def pre(x):
+        x = x / 0.8
+        mx = jnp.max(x, axis=-1)
+        e = jnp.exp(x - mx[:, None])
+        return mod._ukey(x), e, 0.95 * jnp.sum(e, axis=-1)
+
+    out = {"pre_ms": 1e3 * timed(jax.jit(pre), logits, reps=reps)[0]}
+    u, e, target = jax.jit(pre)(logits)
+    for bits in (4, 2, 1):
+        f = jax.jit(functools.partial(mod._radix_search, bits=bits))
+        out[f"search_radix{bits}_ms"] = 1e3 * timed(f, u, e, target, reps=reps)[0]
+    noise = jax.jit(lambda x: jnp.argmax(x + mod._gumbel(sb, V), axis=-1))
+    out["gumbel_argmax_ms"] = 1e3 * timed(noise, logits, reps=reps)[0]
+    out["argmax_ms"] = 1e3 * timed(jax.jit(lambda x: jnp.argmax(x, axis=-1)), logits, reps=reps)[0]
+    print(json.dumps(out), file=sys.stderr, flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--R", type=int, default=256)
@@ -87,6 +115,9 @@ def main(argv=None):
     ap.add_argument("--both-old", action="store_true", help="the old sampler with branchless True and False")
     ap.add_argument("--base", default="e64adcb", help="git revision of the old jvllm/sampling.py")
     ap.add_argument("--old-file", default=None, help="the old jvllm/sampling.py as a file (no git)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the draw's parts: the pre-pass (temperature, max, exp, keys), one threshold "
+                         "search per radix width, the Gumbel noise + argmax")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -115,11 +146,19 @@ def main(argv=None):
         row = dict(case=c, **case)
         if c == "greedy":
             row["argmax_ms"] = 1e3 * timed(argmax, logits, reps=a.reps)[0]
-        for bl in old_modes:
-            f = jax.jit(functools.partial(old.sample, branchless=bl))
-            s, (tok_old, _) = timed(f, logits, batch(old, a.R, a.V, case), None, reps=a.reps)
-            row[f"old_branchless_{bl}_ms"] = 1e3 * s
         k, p = case.get("top_k", a.V) < a.V, case.get("top_p", 1.0) < 1.0
+        if hasattr(old, "SamplerImpl"):  # a build with SamplerImpl: its platform impl, smallest variant
+            oi = old.SamplerImpl.for_platform(platform)
+            ov = old.SamplerVariant(2, True) if oi.branchy else old.SamplerVariant(
+                2 if (k and p) else 1 if (k or p) else 0, logprobs=False)
+            f = jax.jit(functools.partial(old.sample, variant=ov, impl=oi))
+            s, (tok_old, _) = timed(f, logits, batch(old, a.R, a.V, case), None, reps=a.reps)
+            row["old_platform_ms"] = 1e3 * s
+        else:
+            for bl in old_modes:
+                f = jax.jit(functools.partial(old.sample, branchless=bl))
+                s, (tok_old, _) = timed(f, logits, batch(old, a.R, a.V, case), None, reps=a.reps)
+                row[f"old_branchless_{bl}_ms"] = 1e3 * s
         for name, impl in impls.items():
             v = SamplerVariant(2 if (k and p) else 1 if (k or p) else 0, logprobs=False)
             if impl.branchy:
@@ -130,9 +169,10 @@ def main(argv=None):
             row[f"new_{name}_same_ids_as_old"] = bool(np.array_equal(np.asarray(tok_new), np.asarray(tok_old)))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
+    parts = time_parts(new, logits, a.reps) if a.parts else None
     from jvllm.bench import device_info, versions
 
-    out = dict(probe="sampler_speed", platform=platform, device=device_info(), versions=versions(), R=a.R, V=a.V,
+    out = dict(parts=parts, probe="sampler_speed", platform=platform, device=device_info(), versions=versions(), R=a.R, V=a.V,
                reps=a.reps, scale=a.scale, base=a.old_file or a.base, impls={n: vars(i) for n, i in impls.items()},
                cases=rows)
     text = json.dumps(out, indent=1)
