@@ -12,7 +12,9 @@ smallest variant for the case with this platform's `SamplerImpl`, and with --imp
 (radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), cpu (radix 1, conds), tpu (radix 4,
 conds). Times are medians of --reps calls after one untimed call (compile), each ending with
 block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
-passes) would be faster there.
+passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
+programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax). A build whose
+sampler has `SamplerImpl` runs as its platform's impl; --both-old applies to older builds only.
 """
 from __future__ import annotations
 
@@ -112,7 +114,7 @@ def main(argv=None):
     ap.add_argument("--scale", type=float, default=1.0, help="logits ~ N(0, scale)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {','.join(CASES)}")
     ap.add_argument("--impls", default="", help="new-sampler impls besides this platform's: gpu,gpu2,gpu1,cpu,tpu")
-    ap.add_argument("--both-old", action="store_true", help="the old sampler with branchless True and False")
+    ap.add_argument("--both-old", action="store_true", help="the old sampler with branchless True and False (builds before SamplerImpl)")
     ap.add_argument("--base", default="e64adcb", help="git revision of the old jvllm/sampling.py")
     ap.add_argument("--old-file", default=None, help="the old jvllm/sampling.py as a file (no git)")
     ap.add_argument("--parts", action="store_true",
