@@ -41,6 +41,23 @@ def test_pack_round_trip_is_exact():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_pack_takes_small_quantization_scales():
+    """Per-channel scales of quantized projections (any rank, shaped as the output dims) are packed
+    with the norms of their dtype; one over MAX_PACKED elements and a 2-D non-scale stay as they are."""
+    from jvllm.worker.param_pack import MAX_PACKED
+
+    leaves = [jnp.ones((4, 8), jnp.float32), jnp.full((2, 3), 0.5, jnp.float32), jnp.arange(4.0),
+              jnp.ones((MAX_PACKED + 1,), jnp.float32), jnp.full((5,), 3.0, jnp.float32), jnp.ones((2, 2))]
+    names = ["['q_proj']", "['q_proj_scale']", "['input_layernorm']", "['down_proj_scale']",
+             "['gate_proj_scale']", "['rope_norm_table']"]
+    pack = ParamPack.plan(leaves, names)
+    assert pack.big == (0, 3, 5) and [i for i, _, _ in pack.groups[0].members] == [1, 2, 4]
+    back = jax.jit(lambda xs: [x * 1 for x in pack.unpack(xs)])(pack.pack(leaves))
+    for a, b in zip(leaves, back):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_pack_leaves_sharded_vectors_alone():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 

@@ -8,6 +8,8 @@
 #     sampled  the same through the general sampler (temperature 0.8, top_p 0.95) -> {before,after}_sampled.json
 #     startup  `jvllm bench latency --cold-start` (process start to first token, empty and warm cache;
 #              a short B1 after it), each build in ORDER                      -> {before,after}_startup.json
+#     b1       `jvllm bench latency` (B1) with small step shapes (4 seqs, buckets 8,512) and B1ARGS
+#              (e.g. "--quantization fp8 --fp8-matmul-backend xla")        -> {before,after}_b1$TAG.json
 #   ORDER (default "before after"), BEFORE (default .before), MODEL (default random:llama3-8b),
 #   BEFORE_COMMIT / AFTER_COMMIT: each build's commit for its JSON (the device copy's own git HEAD is
 #   the session's base commit, not the tree it carries).
@@ -35,6 +37,9 @@ for stage in ${STAGES:-greedy}; do
     greedy) for b in ${ORDER:-before after}; do run $b greedy all $COMMON --no-xla-report; done ;;
     sampled) for b in ${ORDER:-before after}; do
                run $b sampled all $COMMON --no-xla-report --temperature 0.8 --top-p 0.95; done ;;
+    b1) for b in ${ORDER:-before after}; do
+          run $b b1${TAG:-} latency $COMMON --no-xla-report --max-num-batched-tokens 512 --max-num-seqs 4 \
+            --token-buckets 8,512 ${B1ARGS:-}; done ;;
     startup) for b in ${ORDER:-before after}; do
                run $b startup latency $COMMON --no-xla-report --cold-start --output-len 16 --num-iters 1 \
                  --num-iters-warmup 0; done ;;

@@ -2,13 +2,14 @@
 
 Calling an executable costs host time per argument array (the dispatch checks each one's type
 and sharding, the runtime takes a hold on and records a use of each buffer), not per byte. A
-model's tree has many tiny 1-D leaves (norm scales: two per layer for Llama, six for Gemma 3), so
-`ParamPack.plan` concatenates every norm scale (a 1-D leaf whose path names a norm) that is fully
-replicated and fully addressable into one flat array per (dtype, sharding), once; the program
-slices them back (`unpack`, static slices of a parameter that fuse into the norms' elementwise
-code: no copy, the same values). Everything else travels as it is: matrices, sharded vectors,
-and the 1-D leaves that feed matmuls or their epilogues (biases, quantization scales, where
-XLA's GPU rewrites match a parameter, not a slice of one).
+model's tree has many tiny leaves (norm scales: two per layer for Llama, six for Gemma 3; with
+quantized weights, one per-channel scale per projection: seven per layer), so `ParamPack.plan`
+concatenates every such leaf (`packable`: a 1-D leaf whose path names a norm, or a quantized
+projection's scale `*_proj_scale` of at most `MAX_PACKED` elements) that is fully replicated and
+fully addressable into one flat array per (dtype, sharding), once; the program slices them back
+(`unpack`, static slices of a parameter that fuse into their consumers' elementwise code: no copy,
+the same values). Everything else travels as it is: matrices, sharded vectors (tensor-parallel
+scales), large group scales, and the other 1-D leaves (biases).
 
 Contract: `pack(leaves)` gives the program's argument list (big leaves in tree order, then one
 array per group); `unpack(args)` inside the program gives the leaves in tree order again.
@@ -20,6 +21,17 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+MAX_PACKED = 1 << 16  # elements: a larger scale (groups of a big projection) travels as it is
+
+
+def packable(name: str, a) -> bool:
+    """Whether the leaf `a` at path `name` is one of the small leaves `ParamPack` packs: a norm's
+    1-D scale, or a quantized projection's scale (`*_proj_scale`) of at most MAX_PACKED elements."""
+    n = name.lower()
+    ndim = getattr(a, "ndim", None)
+    return ((ndim == 1 and "norm" in n) or (ndim is not None and "proj_scale" in n
+                                            and int(np.prod(a.shape)) <= MAX_PACKED))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,16 +49,15 @@ class ParamPack:
 
     @staticmethod
     def plan(leaves, names) -> "ParamPack":
-        """Group the norm scales among `leaves` (`names`: each leaf's path, e.g. from
-        `jax.tree_util.keystr`; a name containing "norm" is a norm's) that are 1-D, fully
-        replicated and fully addressable by (dtype, sharding) (a group of one leaf is not worth a
-        copy and stays as it is)."""
+        """Group the `packable` leaves among `leaves` (`names`: each leaf's path, e.g. from
+        `jax.tree_util.keystr`) that are fully replicated and fully addressable by (dtype,
+        sharding) (a group of one leaf is not worth a copy and stays as it is)."""
         if len(names) != len(leaves):
             raise ValueError(f"param pack: {len(names)} names for {len(leaves)} leaves")
         by_key: dict[tuple, list[int]] = {}  # (dtype, sharding) -> leaf indices
         for i, (a, name) in enumerate(zip(leaves, names)):
             sh = getattr(a, "sharding", None)
-            if ("norm" in name.lower() and getattr(a, "ndim", None) == 1 and sh is not None and sh.is_fully_replicated
+            if (packable(name, a) and sh is not None and sh.is_fully_replicated
                     and getattr(a, "is_fully_addressable", False)):
                 by_key.setdefault((np.dtype(a.dtype).name, sh), []).append(i)
         groups, packed = [], set()
