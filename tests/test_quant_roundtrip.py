@@ -174,7 +174,8 @@ def test_apply_quantization_options(monkeypatch):
     assert apply_quantization(cfg, "fp8").quant.fp8_activations is False  # still weight-only unless asked
     assert apply_quantization(cfg, "fp8", fp8_activations=True).quant.fp8_activations
     pre = _cfg(quant=QuantConfig("fp8", from_checkpoint=True))
-    assert apply_quantization(cfg, "fp8").quant.matmul == "pallas"  # auto: the Pallas kernel where fp8 casts run
+    assert apply_quantization(cfg, "fp8").quant.matmul == "xla"  # auto: xla even where fp8 casts run (measured)
+    assert apply_quantization(cfg, "fp8", fp8_matmul_backend="pallas").quant.matmul == "pallas"
     assert apply_quantization(cfg, "fp8", fp8_activations=True).quant.matmul == "xla"  # W8A8: XLA's fp8 GEMM
     assert apply_quantization(pre, "fp8", fp8_matmul_backend="xla") is pre
     assert apply_quantization(pre, None, fp8_matmul_backend="xla") is pre
@@ -207,7 +208,7 @@ def test_group_size_option_is_resolved_and_checked(monkeypatch):
     with pytest.raises(ValueError, match=r"group_size is for methods fp8, int8, not 'fp8_block'"):
         QuantConfig("fp8_block", block_in=128, group_size=16)
     monkeypatch.setattr(fp8, "fp8_matmul_supported", lambda device=None: True)
-    assert apply_quantization(cfg, "fp8").quant.matmul == "pallas"  # per channel keeps the kernel
+    assert apply_quantization(cfg, "fp8", fp8_matmul_backend="pallas").quant.matmul == "pallas"  # per channel: the kernel if asked
     assert apply_quantization(cfg, "fp8", group_size=16).quant.matmul == "xla"  # groups: auto takes XLA
     with pytest.raises(ValueError, match=r"quantization_group_size=16 is weight-only on XLA; fp8_activations=True"):
         apply_quantization(cfg, "fp8", fp8_activations=True, group_size=16)

@@ -3,10 +3,11 @@ engine's `quantization="fp8"` and compressed-tensors FP8-dynamic checkpoints), a
 scales, weight-only (`Fp8Block`, HF FP8 `weight_scale_inv` checkpoints; `Fp8Group`,
 `quantization_group_size`).
 
-Fp8Channel is W8A8 with dynamic per-token activation scales where the device has fp8 matmuls
-(`fp8_matmul_supported`; weight-only elsewhere, decided once by `apply_quantization`), because
-the dot then reads fp8 operands on both sides, which is the pattern XLA's GPU GEMM rewriter turns
-into one cuBLASLt fp8 GEMM on Hopper (`__cublas$lt$matmul$f8`; benchmarks/probes/fp8_gemm_hlo.py checks
+Fp8Channel is weight-only by default; W8A8 with dynamic per-token activation scales is opt-in
+(`fp8_activations=True`, only where the device has fp8 matmuls: `fp8_matmul_supported`; decided
+once by `apply_quantization`, which says why it is not the default). W8A8's dot reads fp8
+operands on both sides, which is the pattern XLA's GPU GEMM rewriter turns into one cuBLASLt fp8
+GEMM on Hopper (`__cublas$lt$matmul$f8`; benchmarks/probes/fp8_gemm_hlo.py checks
 the optimized HLO of both formulations): x is scaled per token to the fp8 range (a max over the
 contracted dims: under tensor parallelism over heads, o_proj's needs an all-reduce of T floats),
 cast, multiplied as fp8 x fp8 with float32 accumulation, and both scales are applied to the
