@@ -94,10 +94,14 @@ class SamplerImpl:
     parts a batch does not use (only where conds do not block the host: not on GPUs).
     fixed_order_sums: every sum over the vocabulary (top-p mass, the threshold search's sums,
     log-softmax) in a fixed order whatever the number of rows (`jvllm.ops.fixed_order`:
-    batch-invariant mode)."""
+    batch-invariant mode). looped_passes: the search's passes run as one `lax.fori_loop` body
+    instead of unrolled (the same arithmetic, so the same ids): on CPUs, where 1-bit passes make 32
+    unrolled passes per search that XLA takes seconds to compile (benchmarks/README.md); GPUs keep
+    them unrolled (a while loop's trip test would be a device-to-host round trip per pass)."""
     radix_bits: int = 4
     branchy: bool = False
     fixed_order_sums: bool = False
+    looped_passes: bool = False
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):
@@ -105,7 +109,8 @@ class SamplerImpl:
 
     @staticmethod
     def for_platform(platform: str) -> "SamplerImpl":
-        return SamplerImpl(radix_bits=1 if platform == "cpu" else 4, branchy=platform != "gpu")
+        cpu = platform == "cpu"
+        return SamplerImpl(radix_bits=1 if cpu else 4, branchy=platform != "gpu", looped_passes=cpu)
 
 
 def apply_token_mask(logits, words):
@@ -160,17 +165,17 @@ def _row_sum(x, impl: SamplerImpl):
     return jnp.sum(x, axis=-1)
 
 
-def _radix_search(u, w, target, bits: int, fixed_order: bool = False):
+def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bool = False):
     """Per row, the largest uint32 t with sum(w where u >= t) >= target, for w >= 0 and a target
     the whole row's sum reaches (t = 0 qualifies). `bits` bits of t per pass, from the top: each
     pass sums w above the 2**bits - 1 candidate prefixes in one variadic reduction over [R, V] and
     keeps the number of candidates that reach the target (the sums fall as the candidate rises:
-    the same reduction with terms dropped). No data-dependent control flow."""
-    R = u.shape[0]
+    the same reduction with terms dropped). No data-dependent control flow; `looped`: the passes
+    as a fori_loop of a fixed trip count (`SamplerImpl.looped_passes`), unrolled otherwise."""
     n = (1 << bits) - 1
-    t = jnp.zeros((R,), jnp.uint32)
-    for shift in range(32 - bits, -1, -bits):
-        cands = [t | jnp.uint32(j << shift) for j in range(1, n + 1)]
+
+    def one_pass(t, shift):
+        cands = [t | (jnp.uint32(j) << shift) for j in range(1, n + 1)]
         ops = tuple(jnp.where(u >= c[:, None], w, 0.0) for c in cands)
         if fixed_order:  # batch-invariant mode: one fixed pairwise tree per sum (jvllm.ops.fixed_order)
             from jvllm.ops.fixed_order import tree_sum
@@ -179,7 +184,15 @@ def _radix_search(u, w, target, bits: int, fixed_order: bool = False):
         else:
             sums = jax.lax.reduce(ops, (jnp.float32(0),) * n, lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
         digit = sum((s >= target).astype(jnp.uint32) for s in sums)
-        t = t | (digit << shift)
+        return t | (digit << shift)
+
+    t = jnp.zeros((u.shape[0],), jnp.uint32)
+    passes = 32 // bits
+    if looped:
+        shift = lambda i: jnp.uint32(32 - bits) - jnp.uint32(bits) * i.astype(jnp.uint32)  # noqa: E731
+        return jax.lax.fori_loop(0, passes, lambda i, t: one_pass(t, shift(i)), t)
+    for i in range(passes):
+        t = one_pass(t, jnp.uint32(32 - bits - bits * i))
     return t
 
 
@@ -208,7 +221,8 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
         def first():
             w = jnp.where(use_k[:, None], 1.0, e)
             target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * _row_sum(e, impl))
-            return jnp.where(use_k | use_p, _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums), 0)
+            found = _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes)
+            return jnp.where(use_k | use_p, found, 0)
 
         t = _maybe(impl, jnp.any((use_k | use_p) & ~greedy), first, zeros)
     if v.search == 2:  # top_p over the top_k-filtered distribution: lands at or above top_k's threshold
@@ -216,7 +230,8 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
 
         def second():
             kept_mass = _row_sum(jnp.where(u >= t[:, None], e, 0.0), impl)
-            return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums), 0)
+            return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums,
+                                                   impl.looped_passes), 0)
 
         t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
     t = jnp.where(greedy, umax, jnp.minimum(t, umax))

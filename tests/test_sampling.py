@@ -324,8 +324,9 @@ def _mixed_batch(R, Vl, seed):
     return jnp.asarray(logits), sb
 
 
-IMPLS = {"gpu": SamplerImpl(4, False), "cpu": SamplerImpl(1, True), "tpu": SamplerImpl(4, True),
+IMPLS = {"gpu": SamplerImpl(4, False), "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
          "radix2": SamplerImpl(2, False)}
+assert IMPLS["gpu"] == SamplerImpl.for_platform("gpu") and IMPLS["cpu"] == SamplerImpl.for_platform("cpu")
 
 
 def _jit_sample(impl, variant=None):
