@@ -22,8 +22,8 @@ Methods (the weight layout of each is `jvllm.quantization.schemes`):
              (the convert fused into XLA's dot) or "pallas" (jvllm.ops.pallas_matmul, a kernel that
              streams the 1-byte weights; used for steps of at most `fp8.PALLAS_MAX_TOKENS` tokens
              on one tensor-parallel device, XLA otherwise: see `Fp8Channel`). "auto" takes xla
-             everywhere: on an H200 the 8B's B1 ran at 251.5 tok/s on xla against 147.7 on pallas
-             (benchmarks/README.md), so pallas is opt-in until its kernel is faster.
+             everywhere: it measured faster than pallas at B1 on an H200 (benchmarks/README.md),
+             so pallas is opt-in until its kernel is faster.
   int8       int8 weights, weight-only (the int8 values are converted to the activation dtype
              inside the dot).
   fp8_block  float8_e4m3fn weights with one float32 scale per (input block, output channel),
