@@ -2,8 +2,6 @@
 to build abstract models, list declared parameters and bind parameter values."""
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 from flax import nnx
 
@@ -18,21 +16,7 @@ def model_class(cfg: ModelConfig):
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32, layers: tuple[int, int] | None = None):
     """The model (or a pipeline stage of it) with abstract leaves: its declared parameters,
-    allocating nothing. Built once per (config, dtype, layers) and shared (an engine start asks
-    for it in the converters, the worker and `bind`; each build traces the whole model): callers
-    read it or `nnx.split` it and must not change it."""
-    try:
-        return _abstract_model(cfg, jnp.dtype(dtype), layers)
-    except TypeError:  # an unhashable config field: build it afresh
-        return _build_abstract(cfg, dtype, layers)
-
-
-@functools.lru_cache(maxsize=16)
-def _abstract_model(cfg, dtype, layers):
-    return _build_abstract(cfg, dtype, layers)
-
-
-def _build_abstract(cfg, dtype, layers):
+    allocating nothing."""
     cls = model_class(cfg)
     return nnx.eval_shape(lambda: cls(cfg, dtype, layers))
 
