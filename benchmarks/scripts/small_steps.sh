@@ -9,6 +9,7 @@
 #   w1_top_p             the same W1, temperature 0.8 + top_p 0.95 (issue 25: within 3% of w1_default)
 #   w1_ngram / w1_ngram_dbs   the same W1 with n-gram k=4 always on / disable_by_batch_size 32 (issue
 #                        24: not slower than w1_default)
+#   w1_kv_fp8            the same W1 with --kv-cache-dtype fp8 (issue 21: decode faster than bf16 KV)
 # Env: STAGES (b1_default spec b1_on), END (575: every run ends by then), MODEL, DTYPE, MAXLEN, C (the
 # commit for the JSONs), TAG (the tar's name), XF (XLA_FLAGS; unset: none. The session-4 figures
 # with "detflag" in their names ran with XF=--xla_gpu_exclude_nondeterministic_ops=true, which
@@ -45,6 +46,7 @@ for s in ${STAGES:-b1_default spec b1_on}; do case $s in
   w1_top_p) bench w1_top_p 240 throughput WIDE --temperature 0.8 --top-p 0.95 ;;
   w1_ngram) bench w1_ngram 240 throughput WIDE --speculative-config "$NGRAM" ;;
   w1_ngram_dbs) bench w1_ngram_dbs 240 throughput WIDE --speculative-config "$NGRAM_DBS" ;;
+  w1_kv_fp8) bench w1_kv_fp8 240 throughput WIDE --kv-cache-dtype fp8 ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
 cd $OUT && tar czf /tmp/call.tgz --exclude='pip*.log' * && rm -rf $OUT/* && mv /tmp/call.tgz $OUT/${TAG:-small_steps}.tgz; ls -la $OUT; echo "[$(el)] end"
