@@ -191,8 +191,8 @@ def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bo
     if looped:
         shift = lambda i: jnp.uint32(32 - bits) - jnp.uint32(bits) * i.astype(jnp.uint32)  # noqa: E731
         return jax.lax.fori_loop(0, passes, lambda i, t: one_pass(t, shift(i)), t)
-    for i in range(passes):
-        t = one_pass(t, jnp.uint32(32 - bits - bits * i))
+    for shift in range(32 - bits, -1, -bits):  # Python shifts: constant candidates
+        t = one_pass(t, shift)
     return t
 
 

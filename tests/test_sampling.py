@@ -326,7 +326,11 @@ def _mixed_batch(R, Vl, seed):
 
 IMPLS = {"gpu": SamplerImpl(4, False), "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
          "radix2": SamplerImpl(2, False)}
-assert IMPLS["gpu"] == SamplerImpl.for_platform("gpu") and IMPLS["cpu"] == SamplerImpl.for_platform("cpu")
+
+
+def test_impls_are_the_platforms():
+    """The "gpu" and "cpu" forms tested here are the ones `for_platform` picks (CPU: looped passes)."""
+    assert IMPLS["gpu"] == SamplerImpl.for_platform("gpu") and IMPLS["cpu"] == SamplerImpl.for_platform("cpu")
 
 
 def _jit_sample(impl, variant=None):

@@ -13,7 +13,8 @@ class EngineConfig:
     # quantized projection weights: None | "fp8" | "int8" (jvllm.quantization); a pre-quantized
     # checkpoint brings its own (None or "fp8" accepted for it)
     quantization: str | None = None
-    # weight-only fp8 projections: auto (= xla, the measured faster one) | xla | pallas (jvllm.ops.pallas_matmul for decode-sized steps; interpret mode off GPUs);
+    # weight-only fp8 projections: auto (= xla, the measured faster one) | xla | pallas
+    # (jvllm.ops.pallas_matmul for decode-sized steps; interpret mode off GPUs);
     # pallas without fp8 weights is an error (jvllm.quantization.config)
     fp8_matmul_backend: str = "auto"
     # scales of quantized projections: auto / channel (one per output channel) | an integer >= 2
