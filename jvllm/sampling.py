@@ -187,10 +187,9 @@ def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bo
         return t | (digit << shift)
 
     t = jnp.zeros((u.shape[0],), jnp.uint32)
-    passes = 32 // bits
     if looped:
-        shift = lambda i: jnp.uint32(32 - bits) - jnp.uint32(bits) * i.astype(jnp.uint32)  # noqa: E731
-        return jax.lax.fori_loop(0, passes, lambda i, t: one_pass(t, shift(i)), t)
+        shift_of = lambda i: jnp.uint32(32 - bits) - jnp.uint32(bits) * i.astype(jnp.uint32)  # noqa: E731
+        return jax.lax.fori_loop(0, 32 // bits, lambda i, t: one_pass(t, shift_of(i)), t)
     for shift in range(32 - bits, -1, -bits):  # Python shifts: constant candidates
         t = one_pass(t, shift)
     return t
