@@ -1,27 +1,49 @@
 """The fixed-tile matmul of batch-invariant mode (jvllm.ops.fixed_tile_matmul), interpret mode on
-CPU: equal to a float32 dot within rounding, and every row bit-equal whatever the number of rows and
-the row's place among them (where XLA's dot is not)."""
+CPU: close to a float64 product, and every row bit-equal whatever the number of rows and the row's
+place among them (where XLA's dot is not), with and without split-K."""
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.ops.fixed_tile_matmul import Tiles, fixed_tile_matmul, tiles
+from jvllm.ops.fixed_tile_matmul import MIN_SPLIT_STEPS, TARGET_PROGRAMS, Tiles, fixed_tile_matmul, tiles
 
 RNG = np.random.default_rng(0)
-SLICES = [(1, 0), (1, 77), (8, 3), (33, 100), (200, 50), (5, 295)]  # (rows, first row) of 300
+ROWS = 100
+SLICES = [(1, 77), (3, 5), (8, 3), (40, 60)]  # (rows, first row) of ROWS
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+# (K, N, transposed, S, dtype): S = 1 and S > 1, each with an exact and a shifted last column tile
+# (N = 40, 200), plain and transposed, float32 and bfloat16 (one dtype a shape: interpret mode
+# compiles once per row count)
+SHAPES = [(64, 256, False, 1, F32), (576, 1536, False, 1, BF16), (64, 40, False, 1, BF16), (96, 256, True, 1, F32),
+          (2048, 256, False, 4, BF16), (2048, 200, False, 4, F32), (1024, 40, True, 2, BF16), (1024, 512, True, 2, F32)]
 
 
-@pytest.mark.parametrize("K,N,transposed", [(64, 256, False), (576, 1536, False), (64, 40, False), (96, 256, True)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_rows_bit_equal_whatever_the_batch(K, N, transposed, dtype):
-    x = jnp.asarray(RNG.standard_normal((300, K)), dtype)
+@pytest.mark.parametrize("K,N,transposed,S,dtype", SHAPES)
+def test_rows_bit_equal_whatever_the_batch(K, N, transposed, S, dtype):
+    assert tiles(K, N).splits == S
+    x = jnp.asarray(RNG.standard_normal((ROWS, K)), dtype)
     w = jnp.asarray(RNG.standard_normal((N, K) if transposed else (K, N)) * 0.1, dtype)
-    full = np.asarray(fixed_tile_matmul(x, w, w_transposed=transposed, out_dtype=jnp.float32))
-    ref = np.asarray(jnp.dot(x.astype(jnp.float32), (w.T if transposed else w).astype(jnp.float32)))
+    f = functools.partial(fixed_tile_matmul, w_transposed=transposed, out_dtype=jnp.float32)
+    full = np.asarray(f(x, w))
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    ref = np.asarray(x.astype(jnp.float32), np.float64) @ (w64.T if transposed else w64)
     np.testing.assert_allclose(full, ref, rtol=1e-5, atol=1e-4)
     for m, off in SLICES:
-        got = np.asarray(fixed_tile_matmul(x[off:off + m], w, w_transposed=transposed, out_dtype=jnp.float32))
+        got = np.asarray(f(x[off:off + m], w))
         assert np.array_equal(got, full[off:off + m]), (m, off)
+
+
+def test_split_output_dtype_is_one_rounding_of_the_float32_sum():
+    """S > 1 with a bf16 output: the float32 sum of the partials, cast once."""
+    x = jnp.asarray(RNG.standard_normal((5, 2048)), jnp.bfloat16)
+    w = jnp.asarray(RNG.standard_normal((2048, 256)) * 0.1, jnp.bfloat16)
+    got = fixed_tile_matmul(x, w)
+    assert got.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(got), np.asarray(fixed_tile_matmul(x, w, out_dtype=jnp.float32).astype(jnp.bfloat16)))
 
 
 def test_xla_dot_is_not_invariant_here():
@@ -29,12 +51,23 @@ def test_xla_dot_is_not_invariant_here():
     x = jnp.asarray(RNG.standard_normal((300, 576)), jnp.float32)
     w = jnp.asarray(RNG.standard_normal((576, 1536)) * 0.1, jnp.float32)
     full = np.asarray(jnp.dot(x, w))
-    assert any(not np.array_equal(np.asarray(jnp.dot(x[o:o + m], w)), full[o:o + m]) for m, o in SLICES)
+    slices = [(1, 0), (1, 77), (8, 3), (33, 100), (200, 50), (5, 295)]
+    assert any(not np.array_equal(np.asarray(jnp.dot(x[o:o + m], w)), full[o:o + m]) for m, o in slices)
 
 
 def test_tiles_depend_on_k_and_n_only_and_bad_shapes():
-    assert tiles(4096, 14336) == Tiles(bm=32, bn=128, bk=64)
-    assert tiles(64, 40) == Tiles(bm=32, bn=32, bk=64)  # no pow2 divisor >= 16: shifted last tile
+    assert tiles(4096, 4096) == Tiles(bm=32, bn=128, bk=64, splits=8)  # decode q/o: 32 column tiles -> 256
+    assert tiles(14336, 4096).splits == 8  # down
+    assert tiles(4096, 14336).splits == 4  # gate / up: 112 column tiles -> 448
+    assert tiles(4096, 1024).splits == 8  # k / v: capped by MIN_SPLIT_STEPS (64 bk steps / 8)
+    assert tiles(4096, 128256).splits == 1  # LM head: 1002 column tiles already
+    assert tiles(64, 40) == Tiles(bm=32, bn=32, bk=64, splits=1)  # no pow2 divisor >= 16: shifted last tile
+    for K, N in [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256), (2560, 960), (4112, 4096)]:
+        t = tiles(K, N)
+        nk = K // t.bk
+        assert t.splits & (t.splits - 1) == 0 and nk % t.splits == 0
+        assert t.splits == 1 or nk // t.splits >= MIN_SPLIT_STEPS
+        assert t.splits == 1 or -(-N // t.bn) * (t.splits // 2) < TARGET_PROGRAMS  # the smallest such S
     assert fixed_tile_matmul(jnp.ones((3, 64), jnp.bfloat16), jnp.ones((64, 32), jnp.bfloat16)).dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="K=24 has no power-of-two divisor"):
         fixed_tile_matmul(jnp.ones((2, 24)), jnp.ones((24, 32)))
@@ -44,17 +77,16 @@ def test_tiles_depend_on_k_and_n_only_and_bad_shapes():
         fixed_tile_matmul(jnp.ones((2, 32)), jnp.ones((64, 32)))
 
 
-@pytest.mark.parametrize("shape,transposed", [((4096, 1024), False), ((4096, 128256), True), ((64, 40), False)])
+@pytest.mark.parametrize("shape,transposed", [((4096, 1024), False), ((4096, 128256), True), ((64, 40), False),
+                                              ((4096, 4096), False), ((2048, 200), False), ((4096, 1000), True)])
 def test_lowers_to_triton_for_cuda(shape, transposed):
     """The kernel lowers through jax's Triton backend (cuda platform, traced on this CPU; jax
-    assumes compute capability 9.0 without a GPU): catches constructs the Triton lowering refuses."""
-    import functools
-
-    import jax
-
+    assumes compute capability 9.0 without a GPU), split or not: catches constructs the Triton
+    lowering refuses. The split count is the launch's third grid axis."""
     K, N = shape
-    f = functools.partial(fixed_tile_matmul, w_transposed=transposed, out_dtype=jnp.float32, interpret=False)
+    f = functools.partial(fixed_tile_matmul, w_transposed=transposed, out_dtype=jnp.bfloat16, interpret=False)
     args = [jax.ShapeDtypeStruct((8, K), jnp.bfloat16),
             jax.ShapeDtypeStruct((N, K) if transposed else (K, N), jnp.bfloat16)]
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+    assert f"grid_z = {tiles(K, N).splits} : i32" in text
