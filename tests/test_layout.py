@@ -143,7 +143,7 @@ def test_background_warmup_compiles_the_first_request_programs_first(ckpt_dir):
     from jvllm import LLM, SamplingParams
 
     llm = LLM(ckpt_dir("llama"), dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
-              token_buckets=(8, 16, 32), use_tqdm_on_load=False)
+              token_buckets=(8, 16, 32), use_tqdm_on_load=False, warmup="all")
     try:
         eng = llm.llm_engine
         first, rest = eng.runner.warmup_keys()
@@ -162,6 +162,57 @@ def test_background_warmup_compiles_the_first_request_programs_first(ckpt_dir):
         assert llm.get_stats()["compiles_after_warmup"] == 0
     finally:
         llm.shutdown()
+
+
+def test_warmup_first_compiles_the_rest_on_first_use(ckpt_dir, monkeypatch):
+    """warmup="first": only the first request's programs compile at start-up; the others on their
+    first use, counted as deferred_compiles and not as compiles_after_warmup (which still counts a
+    compile outside the plan); the same tokens as warmup="all". A bad value names itself; the env
+    variable sets the default and --warmup reaches the config."""
+    import argparse
+
+    from jvllm import LLM, SamplingParams
+    from jvllm.cli import add_engine_args, engine_kwargs
+    from jvllm.compilation import compile_count
+    from jvllm.engine.engine_config import EngineConfig
+
+    kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8, token_buckets=(8, 16, 32),
+              use_tqdm_on_load=False)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (3, 20)]
+    sp = SamplingParams(max_tokens=5, temperature=0.8, seed=1, logprobs=1)
+    outs = []
+    for mode in ("first", "all"):
+        llm = LLM(ckpt_dir("llama"), warmup=mode, **kw)
+        try:
+            eng = llm.llm_engine
+            first, rest = eng.runner.warmup_keys()
+            if mode == "first":
+                assert set(eng.worker.compiled_programs()) == set(first) and llm.get_stats()["deferred_compiles"] == 0
+            eng.wait_for_warmup()
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+            st = llm.get_stats()
+            assert st["compiles_after_warmup"] == 0, st
+            assert (st["deferred_compiles"] > 0) == (mode == "first"), st
+            if mode == "first":
+                assert set(first) < set(eng.worker.compiled_programs()) <= set(first) | set(rest)
+                import jax
+                import jax.numpy as jnp
+
+                c0 = compile_count()
+                jax.jit(lambda x: x * 3 + 1)(jnp.zeros(13))  # a new function: a program outside the plan counts
+                assert llm.get_stats()["compiles_after_warmup"] == compile_count() - c0 > 0
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="warmup must be one of .*'lazy'"):
+        LLM(ckpt_dir("llama"), warmup="lazy", **kw)
+    monkeypatch.setenv("JVLLM_WARMUP", "all")
+    assert EngineConfig().warmup == "all"
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2")
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--warmup", "first"]))["warmup"] == "first"
+    assert "warmup" not in engine_kwargs(p.parse_args([]))
 
 
 def test_background_compile_flag_reaches_the_engine_config():

@@ -19,6 +19,7 @@ def build_llm(model: str, engine_kwargs: dict):
 
     kw = dict(engine_kwargs)
     kw.setdefault("use_tqdm_on_load", False)
+    kw.setdefault("warmup", "all")  # measured windows compile nothing, whatever JVLLM_WARMUP says
     t0 = time.perf_counter()
     llm = LLM(model, **kw)
     construct = time.perf_counter() - t0

@@ -160,6 +160,14 @@ class Programs:
         self._described: dict = {}  # id(jitted fn) -> (fn, its description): fingerprints.fingerprint's memo
         self._locks: dict = {}
         self._lock = threading.Lock()
+        self._deferred: set = set()  # planned (kind, key)s left to their first use (`defer`)
+        self.deferred_compiles = 0   # XLA compiles those first uses made
+
+    def defer(self, keys: list[tuple]):
+        """Mark planned programs that the warm-up leaves to their first use (EngineConfig.warmup
+        "first"): the XLA compiles `get` then makes for them are counted in `deferred_compiles`, so
+        a caller can tell them from compiles outside the plan (a stray program: a bug)."""
+        self._deferred.update(keys)
 
     def keys(self) -> list[tuple]:
         """Every (kind, key) this process compiles before serving, kind by kind."""
@@ -179,8 +187,13 @@ class Programs:
         with lock:
             exe = self._compiled.get((name, key))
             if exe is None:
+                deferred = (name, key) in self._deferred
+                c0 = compile_count() if deferred else 0
                 exe = self._compile(name, key)
                 self._compiled[(name, key)] = exe
+                if deferred:
+                    with self._lock:
+                        self.deferred_compiles += compile_count() - c0
         return exe
 
     def lower(self, name: str, key):

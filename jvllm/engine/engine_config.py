@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+
+WARMUPS = ("all", "first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,12 @@ class EngineConfig:
     # (LLMEngine.wait_for_warmup waits for them); False compiles everything before returning.
     # Multi-process runs always compile in the foreground.
     background_compile: bool = True
+    # which programs the warm-up compiles: "all" (every bucket and sampler variant, so nothing
+    # compiles once it is done) | "first" (only what a first request needs; every other program
+    # compiles on its first use, counted in compiles_after_warmup): for short sessions on small
+    # machines that use few buckets (a notebook on a laptop, the test suite). Default from the
+    # environment variable JVLLM_WARMUP, else "all".
+    warmup: str = dataclasses.field(default_factory=lambda: os.environ.get("JVLLM_WARMUP") or "all")
     # a request's tokens and logprobs bit-identical whatever else is in its batch, however its
     # prompt was chunked and whether its prefix was cached: fixed-tile matmuls, no decode-only
     # variant, one sampler program (jvllm.worker.batch_invariant states what holds where)

@@ -33,6 +33,10 @@ def check_options(config: EngineConfig, model_config, data_parallel_replica: boo
     from jvllm.worker.attention_modes import attention_modes
 
     attention_modes(config.attention_backend, platform="any")
+    from jvllm.engine.engine_config import WARMUPS
+
+    if config.warmup not in WARMUPS:
+        raise ValueError(f"warmup must be one of {WARMUPS}, got {config.warmup!r}")
     from jvllm.worker.logits_processors import check_registry
 
     check_registry(config.logits_processors)
@@ -138,7 +142,8 @@ class LLMEngine:
         # step's sampling inputs while that step's forward was already enqueued (num_late_steps)
         self.stats = dict(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0, num_requests=0,
                           host_seconds=0.0, device_wait_seconds=0.0, overlap_host_seconds=0.0, num_late_steps=0)
-        self.warmup_seconds, self._warmup = worker.warm_up(config.background_compile, use_tqdm=config.use_tqdm_on_load)
+        self.warmup_seconds, self._warmup = worker.warm_up(config.background_compile, use_tqdm=config.use_tqdm_on_load,
+                                                                first_only=config.warmup == "first")
         self.compiles_after_warmup_base = (self._warmup.compile_count_at_end if self._warmup.done() else None)
         self.init_seconds = time.perf_counter() - t0
 
@@ -445,18 +450,20 @@ class LLMEngine:
         return self.worker.kv_bytes_per_block()
 
     def get_stats(self) -> dict:
-        """Counters and gauges; `compiles_after_warmup` counts from the end of the background
-        warm-up (0 while it runs: `warmup_pending`)."""
+        """Counters and gauges; `compiles_after_warmup` counts XLA compiles from the end of the
+        background warm-up (0 while it runs: `warmup_pending`) outside the warm-up's plan: with
+        warmup "first" the planned programs compiling on their first use are `deferred_compiles`."""
         pool = self.kv_manager.pool
         base = self.compiles_after_warmup_base
         if base is None and self._warmup.done():
             base = self.compiles_after_warmup_base = self._warmup.compile_count_at_end
+        deferred = self.runner.programs.deferred_compiles if self.runner is not None else 0
         return dict(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=pool.usage(), num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
             prefix_cache_hit_rate=self.kv_manager.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
-            compiles_after_warmup=self.worker.compile_count() - base if base is not None else 0,
-            warmup_pending=base is None,
+            compiles_after_warmup=self.worker.compile_count() - base - deferred if base is not None else 0,
+            deferred_compiles=deferred, warmup_pending=base is None,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
             **self.stats, **(self.runner.timers if self.runner is not None else {}))
 

@@ -269,12 +269,17 @@ class Worker:
         return bool(self.runner is not None and self.runner.multiprocess)
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, background: bool, use_tqdm: bool = True) -> tuple[float, WarmUp]:
+    def warm_up(self, background: bool, use_tqdm: bool = True, first_only: bool = False) -> tuple[float, WarmUp]:
         """Compile every program ahead of serving: with `background` the ones a first request
         needs now and the rest in a daemon thread (never across processes: all must compile the
-        same programs in the same order). Returns (foreground seconds, handle of the rest)."""
+        same programs in the same order). `first_only` (EngineConfig.warmup "first"): only the
+        first request's; the others compile on first use (in every process alike: they run the
+        same steps). Returns (foreground seconds, handle of the rest)."""
         r = self.runner
         first, rest = r.warmup_keys()
+        if first_only:
+            r.programs.defer(rest)
+            rest = []
         if not background or self.process_count > 1:
             first, rest = first + rest, []
         progress = None
