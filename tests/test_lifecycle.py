@@ -125,7 +125,7 @@ def test_executable_cache_warm_start(ckpt_dir, tmp_path):
 
     path = ckpt_dir("llama")
     kw = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, token_buckets=(8, 16),
-              use_tqdm_on_load=False, compilation_cache_dir=str(tmp_path / "xla"))
+              use_tqdm_on_load=False, compilation_cache_dir=str(tmp_path / "xla"), warmup="all")
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": [11, 12]}]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     try:

@@ -107,7 +107,8 @@ def small_pool_llm():
     from jvllm import LLM
 
     llm = LLM("smollm2", dtype="float32", max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4,
-              token_buckets=(8, 32), block_size=8, num_gpu_blocks_override=9, use_tqdm_on_load=False)
+              token_buckets=(8, 32), block_size=8, num_gpu_blocks_override=9, use_tqdm_on_load=False,
+              warmup="all")  # the masked variants' warm-up is under test
     llm.llm_engine.wait_for_warmup()
     yield llm
     llm.shutdown()
