@@ -97,25 +97,15 @@ class SamplerImpl:
     batch-invariant mode). looped_passes: the search's passes run as one `lax.fori_loop` body
     instead of unrolled (the same arithmetic, so the same ids): on CPUs, where 1-bit passes make 32
     unrolled passes per search that XLA takes seconds to compile (benchmarks/README.md); GPUs keep
-    them unrolled (a while loop's trip test would be a device-to-host round trip per pass).
-    vocab_chunks: the vocabulary reductions (sums, the search's sums, max, argmax) in two stages,
-    [R, C, V / C] then [R, C], with C the largest power of two <= vocab_chunks dividing V: R row
-    reductions of 128k elements are too few to fill a GPU, R * C of V / C are not. Max and argmax
-    (first index of the maximum) are exact either way; sums round in another order."""
+    them unrolled (a while loop's trip test would be a device-to-host round trip per pass)."""
     radix_bits: int = 4
     branchy: bool = False
     fixed_order_sums: bool = False
     looped_passes: bool = False
-    vocab_chunks: int = 1
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):
             raise ValueError(f"SamplerImpl.radix_bits must be 1, 2 or 4, got {self.radix_bits!r}")
-        if self.vocab_chunks < 1 or self.vocab_chunks & (self.vocab_chunks - 1):
-            raise ValueError(f"SamplerImpl.vocab_chunks must be a power of two >= 1, got {self.vocab_chunks!r}")
-        if self.vocab_chunks > 1 and self.fixed_order_sums:
-            raise ValueError("SamplerImpl: vocab_chunks and fixed_order_sums exclude each other (the fixed "
-                             "order is one tree over the whole vocabulary)")
 
     @staticmethod
     def for_platform(platform: str) -> "SamplerImpl":
@@ -166,58 +156,23 @@ def _ukey(x):
     return jax.lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
-def _chunks(V: int, most: int) -> int:
-    """The largest power of two <= `most` dividing V (1: one-stage reductions)."""
-    c = most
-    while V % c:
-        c //= 2
-    return c
-
-
-def _split(x, c: int):
-    """[R, V] -> [R, c, V / c] (c divides V)."""
-    return x.reshape(x.shape[0], c, x.shape[1] // c)
-
-
 def _row_sum(x, impl: SamplerImpl):
-    """Sum over the vocabulary axis (fixed order with `impl.fixed_order_sums`, two stages with
-    `impl.vocab_chunks`)."""
+    """Sum over the vocabulary axis (fixed order with `impl.fixed_order_sums`)."""
     if impl.fixed_order_sums:
         from jvllm.ops.fixed_order import tree_sum
 
         return tree_sum(x)
-    c = _chunks(x.shape[-1], impl.vocab_chunks)
-    return jnp.sum(x, axis=-1) if c == 1 else jnp.sum(jnp.sum(_split(x, c), axis=-1), axis=-1)
+    return jnp.sum(x, axis=-1)
 
 
-def _row_max(x, impl: SamplerImpl):
-    c = _chunks(x.shape[-1], impl.vocab_chunks)
-    return jnp.max(x, axis=-1) if c == 1 else jnp.max(jnp.max(_split(x, c), axis=-1), axis=-1)
-
-
-def _row_argmax(x, impl: SamplerImpl):
-    """int32 [R]: the first index of each row's maximum (NaN counts as the maximum), as jnp.argmax."""
-    R, V = x.shape
-    c = _chunks(V, impl.vocab_chunks)
-    if c == 1:
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    xc = _split(x, c)
-    i = jnp.argmax(xc, axis=-1)  # [R, c]: first index of each chunk's maximum
-    j = jnp.argmax(jnp.take_along_axis(xc, i[..., None], axis=-1)[..., 0], axis=-1)  # first chunk holding it
-    return (j * (V // c) + jnp.take_along_axis(i, j[:, None], axis=-1)[:, 0]).astype(jnp.int32)
-
-
-def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bool = False, chunks: int = 1):
+def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bool = False):
     """Per row, the largest uint32 t with sum(w where u >= t) >= target, for w >= 0 and a target
     the whole row's sum reaches (t = 0 qualifies). `bits` bits of t per pass, from the top: each
     pass sums w above the 2**bits - 1 candidate prefixes in one variadic reduction over [R, V] and
     keeps the number of candidates that reach the target (the sums fall as the candidate rises:
     the same reduction with terms dropped). No data-dependent control flow; `looped`: the passes
-    as a fori_loop of a fixed trip count (`SamplerImpl.looped_passes`), unrolled otherwise;
-    `chunks`: each pass's sums in two stages (`SamplerImpl.vocab_chunks`)."""
+    as a fori_loop of a fixed trip count (`SamplerImpl.looped_passes`), unrolled otherwise."""
     n = (1 << bits) - 1
-    c = _chunks(u.shape[1], chunks)
-    add = lambda a, b: tuple(x + y for x, y in zip(a, b))  # noqa: E731
 
     def one_pass(t, shift):
         cands = [t | (jnp.uint32(j) << shift) for j in range(1, n + 1)]
@@ -226,11 +181,8 @@ def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bo
             from jvllm.ops.fixed_order import tree_sum
 
             sums = tuple(tree_sum(o) for o in ops)
-        elif c == 1:
-            sums = jax.lax.reduce(ops, (jnp.float32(0),) * n, add, (1,))
         else:
-            part = jax.lax.reduce(tuple(_split(o, c) for o in ops), (jnp.float32(0),) * n, add, (2,))
-            sums = jax.lax.reduce(part, (jnp.float32(0),) * n, add, (1,))
+            sums = jax.lax.reduce(ops, (jnp.float32(0),) * n, lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
         digit = sum((s >= target).astype(jnp.uint32) for s in sums)
         return t | (digit << shift)
 
@@ -254,7 +206,7 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
     R, V = x.shape
     greedy = sb.temperature <= 0.0
     x = x / jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, 1e-5))[:, None]
-    mx = _row_max(x, impl)
+    mx = jnp.max(x, axis=-1)
     e = jnp.exp(x - mx[:, None])
     drop = e < sb.min_p[:, None]  # min_p: p < min_p * p_max
     x = jnp.where(drop, -jnp.inf, x)
@@ -268,8 +220,7 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
         def first():
             w = jnp.where(use_k[:, None], 1.0, e)
             target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * _row_sum(e, impl))
-            found = _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes,
-                                  impl.vocab_chunks)
+            found = _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes)
             return jnp.where(use_k | use_p, found, 0)
 
         t = _maybe(impl, jnp.any((use_k | use_p) & ~greedy), first, zeros)
@@ -279,12 +230,12 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
         def second():
             kept_mass = _row_sum(jnp.where(u >= t[:, None], e, 0.0), impl)
             return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums,
-                                                   impl.looped_passes, impl.vocab_chunks), 0)
+                                                   impl.looped_passes), 0)
 
         t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
     t = jnp.where(greedy, umax, jnp.minimum(t, umax))
     g = jnp.where(greedy[:, None], 0.0, _gumbel(sb, V))
-    return _row_argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, impl)
+    return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1).astype(jnp.int32)
 
 
 def logprob_outputs(logits, tokens, fixed_order: bool = False):
@@ -326,7 +277,7 @@ def sample(logits, sb: SamplingBatch, ex: SamplingExtras | None = None, mask: Vo
         logits = jnp.where(allowed, logits, -jnp.inf)
     greedy_all = jnp.all(sb.temperature <= 0.0)
     tok = _maybe(impl, ~greedy_all, lambda: _draw(logits, sb, v, impl),
-                 lambda: _row_argmax(logits, impl))
+                 lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
     if not v.logprobs:
         return tok, None
     R = logits.shape[0]

@@ -325,7 +325,7 @@ def _mixed_batch(R, Vl, seed):
 
 
 IMPLS = {"gpu": SamplerImpl(4, False), "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
-         "radix2": SamplerImpl(2, False), "gpu_chunked": SamplerImpl(4, False, vocab_chunks=8)}
+         "radix2": SamplerImpl(2, False)}
 
 
 def test_impls_are_the_platforms():
@@ -333,33 +333,11 @@ def test_impls_are_the_platforms():
     assert IMPLS["gpu"] == SamplerImpl.for_platform("gpu") and IMPLS["cpu"] == SamplerImpl.for_platform("cpu")
 
 
-def test_chunked_reductions_equal_one_stage():
-    """Two-stage max / argmax are exact (ties: the first index; NaN wins; an all -inf row gives 0);
-    sums agree to rounding; the chunk count falls to a power of two dividing V."""
-    from jvllm.sampling import _chunks, _row_argmax, _row_max, _row_sum
-
-    assert (_chunks(128256, 32), _chunks(3000, 32), _chunks(151937, 32)) == (32, 8, 1)
-    rng = np.random.default_rng(3)
-    x = rng.integers(-3, 4, (6, 3000)).astype(np.float32)  # many ties of the maximum
-    x[1, :] = -np.inf
-    x[2, 2999] = np.nan
-    x[3, [5, 2000]] = 9.0  # the same maximum in two chunks
-    one, two = SamplerImpl(), SamplerImpl(vocab_chunks=8)
-    xj = jnp.asarray(x)
-    np.testing.assert_array_equal(np.asarray(_row_argmax(xj, two)), np.asarray(jnp.argmax(xj, axis=-1)))
-    assert int(_row_argmax(xj, two)[3]) == 5
-    np.testing.assert_array_equal(np.asarray(_row_max(xj, two)), np.asarray(_row_max(xj, one)))
-    f = jnp.asarray(rng.random((4, 3000), np.float32))
-    np.testing.assert_allclose(np.asarray(_row_sum(f, two)), np.asarray(_row_sum(f, one)), rtol=1e-6)
-    with pytest.raises(ValueError, match="vocab_chunks"):
-        SamplerImpl(vocab_chunks=6)
-
-
 def _jit_sample(impl, variant=None):
     return jax.jit(functools.partial(sample, impl=impl, variant=variant))
 
 
-@pytest.mark.parametrize("impl", ["gpu", "cpu", "tpu", "gpu_chunked"])
+@pytest.mark.parametrize("impl", ["gpu", "cpu", "tpu"])
 def test_threshold_path_matches_full_sort(impl):
     """Every row -- top_k of any size, a nucleus from narrow to nearly the whole vocabulary, both,
     min_p, temperatures -- draws the token a full sort draws with the same noise."""

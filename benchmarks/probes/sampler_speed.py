@@ -9,9 +9,8 @@ Cases: greedy (argmax, the reference cost), temperature 0.8 alone, + top_p 0.95,
 flat rows by default; --scale 4 gives peaked rows). The old sampler runs as each platform ran it
 (`branchless`: True on GPUs, False elsewhere) and both ways with --both-old; the new one in its
 smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of gpu
-(radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), cpu (radix 1, conds, looped), tpu (radix
-4, conds), gpu_c8 / gpu_c32 / gpu_c128 / gpu2_c32 (vocabulary reductions in two stages of 8 / 32 /
-128 chunks). Times are medians of --reps calls after one untimed call (compile), each ending with
+(radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), cpu (radix 1, conds), tpu (radix 4,
+conds). Times are medians of --reps calls after one untimed call (compile), each ending with
 block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
 passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
 programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax). A build whose
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import inspect
 import json
 import os
 import subprocess
@@ -38,10 +36,7 @@ CASES = {
     "min_p": dict(temperature=0.8, min_p=0.05),
     "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95),
 }
-IMPLS = {"gpu": dict(radix_bits=4), "gpu2": dict(radix_bits=2), "gpu1": dict(radix_bits=1),
-         "cpu": dict(radix_bits=1, branchy=True, looped_passes=True), "tpu": dict(radix_bits=4, branchy=True),
-         "gpu_c8": dict(radix_bits=4, vocab_chunks=8), "gpu_c32": dict(radix_bits=4, vocab_chunks=32),
-         "gpu_c128": dict(radix_bits=4, vocab_chunks=128), "gpu2_c32": dict(radix_bits=2, vocab_chunks=32)}
+IMPLS = {"gpu": (4, False), "gpu2": (2, False), "gpu1": (1, False), "cpu": (1, True), "tpu": (4, True)}
 
 
 def load_old(base: str | None, old_file: str | None):
@@ -104,12 +99,6 @@ def time_parts(mod, logits, reps: int) -> dict:
     for bits in (4, 2, 1):
         f = jax.jit(functools.partial(mod._radix_search, bits=bits))
         out[f"search_radix{bits}_ms"] = 1e3 * timed(f, u, e, target, reps=reps)[0]
-    if "chunks" in inspect.signature(mod._radix_search).parameters:
-        for c in (8, 32, 128):
-            f = jax.jit(functools.partial(mod._radix_search, bits=4, chunks=c))
-            out[f"search_radix4_c{c}_ms"] = 1e3 * timed(f, u, e, target, reps=reps)[0]
-            impl = mod.SamplerImpl(vocab_chunks=c)
-            out[f"argmax_c{c}_ms"] = 1e3 * timed(jax.jit(lambda x: mod._row_argmax(x, impl)), logits, reps=reps)[0]
     noise = jax.jit(lambda x: jnp.argmax(x + mod._gumbel(sb, V), axis=-1))
     out["gumbel_argmax_ms"] = 1e3 * timed(noise, logits, reps=reps)[0]
     out["argmax_ms"] = 1e3 * timed(jax.jit(lambda x: jnp.argmax(x, axis=-1)), logits, reps=reps)[0]
@@ -151,7 +140,7 @@ def main(argv=None):
     old_modes = [True, False] if a.both_old else [platform == "gpu"]
     impls = {"platform": SamplerImpl.for_platform(platform)}
     for name in (i for i in a.impls.split(",") if i):
-        impls[name] = SamplerImpl(**IMPLS[name])
+        impls[name] = SamplerImpl(*IMPLS[name])
     argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
     rows = []
     for c in cases:
