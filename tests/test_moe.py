@@ -372,7 +372,8 @@ def test_grouped_matmul_probe_dry_run(tmp_path):
 
 
 def test_bench_active_weight_bytes():
-    """jvllm bench's B1 bytes per step for a MoE model count the top_k experts a token reads."""
+    """jvllm bench's B1 bytes per step and P1 FLOPs for a MoE model count the top_k experts a token
+    reads and multiplies by."""
     from types import SimpleNamespace
 
     from jvllm.bench import param_stats
@@ -386,3 +387,4 @@ def test_bench_active_weight_bytes():
     expert_bytes = 6 * 8 * 64 * 32 * 4
     assert ps["weight_bytes"] == (512 * 64 + 64 * 512) * 4 + expert_bytes
     assert ps["active_weight_bytes"] == ps["weight_bytes"] - expert_bytes + expert_bytes * 2 // 8
+    assert ps["active_params"] == ps["num_params"] - expert_bytes // 4 + expert_bytes // 4 * 2 // 8

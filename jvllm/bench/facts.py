@@ -8,7 +8,8 @@ import time
 
 def param_stats(llm) -> dict:
     """Unique parameter arrays of the runner (state leaves + head, tied head counted once). For a
-    mixture of experts also `active_weight_bytes`: what one decode token reads (its top_k experts)."""
+    mixture of experts also `active_weight_bytes` and `active_params`: what one token reads and
+    multiplies by (its top_k experts: B1's floor, P1's FLOPs)."""
     import jax
 
     r = llm.llm_engine.runner
@@ -25,8 +26,10 @@ def param_stats(llm) -> dict:
     if getattr(mc, "moe", None) is not None:
         m = mc.moe
         sparse = sum(m.is_sparse(i) for i in range(mc.num_layers))
-        experts = sparse * 3 * mc.hidden_size * m.expert_size * m.num_experts * r.head_w.dtype.itemsize
+        expert_params = sparse * 3 * mc.hidden_size * m.expert_size * m.num_experts
+        experts = expert_params * r.head_w.dtype.itemsize
         out["active_weight_bytes"] = nbytes - experts + experts * m.top_k // m.num_experts
+        out["active_params"] = count - expert_params + expert_params * m.top_k // m.num_experts
     return out
 
 

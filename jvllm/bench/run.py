@@ -180,7 +180,7 @@ def run_latency(llm, input_len: int = 512, output_len: int = 256, num_iters: int
 def run_prefill(llm, input_len: int = 2048, num_iters: int = 3, num_iters_warmup: int = 1,
                 matmul_flops_per_s: float | None = None, sampling: Sampling = GREEDY) -> dict:
     """P1: one prompt, one output token; the median iteration's prefill tokens/s, and MFU =
-    2 x params x tokens / time / matmul rate when the rate is given."""
+    2 x params (MoE: active_params) x tokens / time / matmul rate when the rate is given."""
     vocab = llm.llm_engine.model_config.vocab_size
     iters = []
     for i in range(num_iters_warmup + num_iters):
@@ -191,8 +191,8 @@ def run_prefill(llm, input_len: int = 2048, num_iters: int = 3, num_iters_warmup
     ps = param_stats(llm)
     out = dict(input_len=input_len, num_iters=num_iters, iterations=iters, prefill_s=best["prefill_s"],
                steps=best["steps"], tok_s=best["tok_s"], **ps,
-               mfu_definition="2 x num_params x tokens / prefill seconds / measured matmul rate")
+               mfu_definition="2 x num_params (MoE: active_params) x tokens / prefill seconds / measured matmul rate")
     if matmul_flops_per_s:
-        out["achieved_flops_per_s"] = 2 * ps["num_params"] * best["tok_s"]
+        out["achieved_flops_per_s"] = 2 * ps.get("active_params", ps["num_params"]) * best["tok_s"]
         out["mfu"] = out["achieved_flops_per_s"] / matmul_flops_per_s
     return out
