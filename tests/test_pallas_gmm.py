@@ -60,6 +60,13 @@ def test_tile_table_covers_each_group_once():
     assert sum(int(e > f) for _, f, e, _ in t) == sum(-(-s // bm) for s in sizes)  # empty groups: no tile
 
 
+def test_tile_table_has_no_loop():
+    """No while loop in the tile table's program: on GPUs XLA runs one by copying its predicate to
+    the host each trip, so a MoE step (three tables a layer) would block its dispatch."""
+    text = jax.jit(lambda s: tile_table(s, 4096, 64)).lower(jnp.ones((128,), jnp.int32)).as_text()
+    assert "while" not in text
+
+
 def test_precision_is_refused():
     x = jnp.ones((4, 32), jnp.float32)
     with pytest.raises(ValueError, match="precision=.*not supported"):

@@ -56,7 +56,7 @@ def launch_defaults(M: int, G: int) -> tuple[int, int, int, int]:
 def tile_table(group_sizes: jax.Array, M: int, bm: int) -> jax.Array:
     """[ceil(M / bm) + G, 4] int32 rows (group, first row, end row, window start) of the row tiles;
     unused rows have first == end (a no-op tile). Window start = min(first, M - bm) keeps the bm-row
-    load window inside the (padded to >= bm) lhs."""
+    load window inside the (padded to >= bm) lhs. No loop in the program (see the search below)."""
     G = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
@@ -65,7 +65,9 @@ def tile_table(group_sizes: jax.Array, M: int, bm: int) -> jax.Array:
     tcum = jnp.cumsum(tiles)
     n = -(-M // bm) + G
     t = jnp.arange(n, dtype=jnp.int32)
-    g = jnp.searchsorted(tcum, t, side="right").astype(jnp.int32)
+    # compare_all: jnp.searchsorted's default method is a fori_loop, a while loop that an XLA GPU
+    # program runs by copying its predicate to the host each trip (the step call then blocks)
+    g = jnp.searchsorted(tcum, t, side="right", method="compare_all").astype(jnp.int32)
     real = g < G
     gc = jnp.minimum(g, G - 1)
     j = t - (tcum[gc] - tiles[gc])
