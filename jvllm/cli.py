@@ -71,9 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile what a first request needs at start-up and the other programs in a background "
                         "thread (--no-background-compile: every program before serving)")
-    p.add_argument("--warmup", choices=("all", "first"), default=None,
-                   help="programs compiled at start-up: all (default; env JVLLM_WARMUP) or first (only what a first "
-                        "request needs, the rest on first use)")
+    p.add_argument("--warmup", choices=("all", "first"), default=argparse.SUPPRESS,
+                   help="programs compiled at start-up: all (default: $JVLLM_WARMUP, else all) or first (only what a "
+                        "first request needs, the rest on first use)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs bit-identical whatever else is in its batch (fixed-tile "
                         "matmuls, no decode-only program, the full sampler for every batch)")
@@ -101,7 +101,7 @@ def engine_kwargs(a) -> dict:
     from jvllm.sharding import initialize_distributed
 
     initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
-    kw = {} if a.warmup is None else dict(warmup=a.warmup)  # None: EngineConfig's default (JVLLM_WARMUP)
+    kw = {"warmup": a.warmup} if hasattr(a, "warmup") else {}  # absent: EngineConfig's default (JVLLM_WARMUP)
     return dict(attention_backend=a.attention_backend, async_scheduling=a.async_scheduling, query_tile=a.query_tile,
                 tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                 data_parallel_size=a.data_parallel_size, enable_expert_parallel=a.enable_expert_parallel,
