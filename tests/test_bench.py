@@ -21,8 +21,6 @@ FAST = ["--num-iters", "2", "--num-iters-warmup", "1", "--copy-bytes", str(8 << 
 
 @pytest.fixture(scope="module")
 def shared_engine():
-    from jvllm.compilation import compile_count
-
     cache = {}
     real = bench.run.build_llm
 
@@ -34,7 +32,7 @@ def shared_engine():
             llm.shutdown = lambda: None
         else:
             llm, st, _ = cache[key]
-            llm.llm_engine.compiles_after_warmup_base = compile_count()
+            llm.llm_engine.compiles_after_warmup_base = llm.llm_engine.worker.compile_count()
         return llm, dict(st)
 
     mp = pytest.MonkeyPatch()

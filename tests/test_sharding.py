@@ -449,7 +449,7 @@ def test_executable_cache_on_meshes(base, kw, tmp_path):
         stats = []
         for _ in range(2):
             s0 = jc.executable_cache_stats()
-            llm = _llm(path, compilation_cache_dir=str(tmp_path / "xla"), **kw)
+            llm = _llm(path, compilation_cache_dir=str(tmp_path / "xla"), warmup="all", **kw)
             llm.llm_engine.wait_for_warmup()
             n = sum(map(len, llm.llm_engine.runner.warmup_keys()))
             try:

@@ -101,13 +101,24 @@ class WarmUp:
 
     def _finish(self, t0: float):
         self.seconds = time.perf_counter() - t0
-        self.compile_count_at_end = compile_count()
+        self.compile_count_at_end = planned_compile_count()
         self._event.set()
 
 
 _running: "weakref.WeakSet[WarmUp]" = weakref.WeakSet()
 _lowered = [0]  # programs this process traced and lowered through a `Programs` (lowering_count)
 _lowered_lock = threading.Lock()
+
+
+_deferred_total = [0]  # XLA compiles of deferred programs on their first use, every `Programs` of the process
+
+
+def planned_compile_count() -> int:
+    """`compile_count()` less the compiles of deferred programs (`Programs.defer`): process-wide,
+    as the counter is, so "compiles after warm-up" counted with it means compiles outside every
+    engine's plan."""
+    with _lowered_lock:
+        return compile_count() - _deferred_total[0]
 
 
 def lowering_count() -> int:
@@ -166,7 +177,8 @@ class Programs:
     def defer(self, keys: list[tuple]):
         """Mark planned programs that the warm-up leaves to their first use (EngineConfig.warmup
         "first"): the XLA compiles `get` then makes for them are counted in `deferred_compiles`, so
-        a caller can tell them from compiles outside the plan (a stray program: a bug)."""
+        a caller can tell them from compiles outside the plan (a stray program: a bug); the
+        process-wide `planned_compile_count()` leaves them out."""
         self._deferred.update(keys)
 
     def keys(self) -> list[tuple]:
@@ -192,8 +204,11 @@ class Programs:
                 exe = self._compile(name, key)
                 self._compiled[(name, key)] = exe
                 if deferred:
+                    n = compile_count() - c0
                     with self._lock:
-                        self.deferred_compiles += compile_count() - c0
+                        self.deferred_compiles += n
+                    with _lowered_lock:
+                        _deferred_total[0] += n
         return exe
 
     def lower(self, name: str, key):

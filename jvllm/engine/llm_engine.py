@@ -462,7 +462,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=pool.usage(), num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
             prefix_cache_hit_rate=self.kv_manager.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
-            compiles_after_warmup=self.worker.compile_count() - base - deferred if base is not None else 0,
+            compiles_after_warmup=self.worker.compile_count() - base if base is not None else 0,
             deferred_compiles=deferred, warmup_pending=base is None,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
             **self.stats, **(self.runner.timers if self.runner is not None else {}))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm import compilation
-from jvllm.compilation.registry import WarmUp
+from jvllm.compilation.registry import WarmUp, planned_compile_count
 from jvllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from jvllm.memory import kv_cache, sizing
 from jvllm.worker.stage import Stage
@@ -294,7 +294,8 @@ class Worker:
         return fg, r.programs.warm_up(rest, background=bool(rest))
 
     def compile_count(self) -> int:
-        return compilation.compile_count()
+        """Process-wide XLA compiles, less deferred programs' first-use compiles (warmup "first")."""
+        return planned_compile_count()
 
     def compiled_programs(self) -> dict:
         return self.runner.programs.compiled() if self.runner is not None else {}
