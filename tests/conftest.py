@@ -14,8 +14,9 @@ os.environ.setdefault("JVLLM_CACHE_DIR", "off")
 # done) pass warmup="all".
 os.environ.setdefault("JVLLM_WARMUP", "first")
 # 8 fake CPU devices for the sharding tests (single-device engines use device 0); LLVM at -O0:
-# XLA:CPU compiles are most of the suite's time and -O0 cuts them by a fifth, with the same IEEE
-# float semantics (XLA:CPU uses no fast-math, so no reassociation at any level)
+# XLA:CPU compiles are much of the suite's time (benchmarks/README.md has the figure). XLA:CPU
+# runs without fast-math, so -O0 does not reassociate float sums; the tests compare within a
+# tolerance or between runs of one build, and the notebooks' committed outputs still match.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"

@@ -111,13 +111,14 @@ _lowered_lock = threading.Lock()
 
 
 _deferred_total = [0]  # XLA compiles of deferred programs on their first use, every `Programs` of the process
+_deferred_lock = threading.Lock()
 
 
 def planned_compile_count() -> int:
     """`compile_count()` less the compiles of deferred programs (`Programs.defer`): process-wide,
     as the counter is, so "compiles after warm-up" counted with it means compiles outside every
     engine's plan."""
-    with _lowered_lock:
+    with _deferred_lock:
         return compile_count() - _deferred_total[0]
 
 
@@ -207,7 +208,7 @@ class Programs:
                     n = compile_count() - c0
                     with self._lock:
                         self.deferred_compiles += n
-                    with _lowered_lock:
+                    with _deferred_lock:
                         _deferred_total[0] += n
         return exe
 

@@ -74,8 +74,9 @@ class EngineConfig:
     # Multi-process runs always compile in the foreground.
     background_compile: bool = True
     # which programs the warm-up compiles: "all" (every bucket and sampler variant, so nothing
-    # compiles once it is done) | "first" (only what a first request needs; every other program
-    # compiles on its first use, counted in compiles_after_warmup): for short sessions on small
+    # compiles once it is done) | "first" (only what a first request needs; every other planned
+    # program compiles on its first use, counted in get_stats()["deferred_compiles"], not in
+    # compiles_after_warmup, which still counts compiles outside the plan): for short sessions on small
     # machines that use few buckets (a notebook on a laptop, the test suite). Default from the
     # environment variable JVLLM_WARMUP, else "all".
     warmup: str = dataclasses.field(default_factory=lambda: os.environ.get("JVLLM_WARMUP") or "all")
