@@ -10,6 +10,7 @@
 #              a short B1 after it), each build in ORDER                      -> {before,after}_startup.json
 #     b1       `jvllm bench latency` (B1) with small step shapes (4 seqs, buckets 8,512) and B1ARGS
 #              (e.g. "--quantization fp8 --fp8-matmul-backend xla")        -> {before,after}_b1$TAG.json
+#     w1       `jvllm bench throughput` (W1) at 256 seqs, buckets 256,2048, and W1ARGS -> {before,after}_w1$TAG.json
 #   ORDER (default "before after"), BEFORE (default .before), MODEL (default random:llama3-8b),
 #   BEFORE_COMMIT / AFTER_COMMIT: each build's commit for its JSON (the device copy's own git HEAD is
 #   the session's base commit, not the tree it carries).
@@ -40,6 +41,9 @@ for stage in ${STAGES:-greedy}; do
     b1) for b in ${ORDER:-before after}; do
           run $b b1${TAG:-} latency $COMMON --no-xla-report --max-num-batched-tokens 512 --max-num-seqs 4 \
             --token-buckets 8,512 ${B1ARGS:-}; done ;;
+    w1) for b in ${ORDER:-before after}; do
+          run $b w1${TAG:-} throughput $COMMON --no-xla-report --max-num-batched-tokens 2048 --max-num-seqs 256 \
+            --token-buckets 256,2048 ${W1ARGS:-}; done ;;
     startup) for b in ${ORDER:-before after}; do
                run $b startup latency $COMMON --no-xla-report --cold-start --output-len 16 --num-iters 1 \
                  --num-iters-warmup 0; done ;;

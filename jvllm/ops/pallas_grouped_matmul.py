@@ -43,13 +43,13 @@ def _pow2_divisor(n: int, cap: int) -> int | None:
 
 
 def launch_defaults(M: int, G: int) -> tuple[int, int, int, int]:
-    """(bm, bn, bk, num_stages) by rows per group: decode-sized batches (a few rows per expert) take
-    16-row tiles, so each active expert is read once by one tile; prefill-sized ones take up to 128.
-    The decode launch is the best of a small H200 sweep at one token (benchmarks/README.md); the
-    others are untuned."""
+    """(bm, bn, bk, num_stages) by rows per group: decode-sized batches (up to 16 rows per expert
+    on average) take 64-row tiles, so nearly every active expert is read once by one tile; prefill-
+    sized ones take up to 128. The decode launch is the best of an H200 sweep at one token
+    (benchmarks/README.md); the others are untuned."""
     per_group = max(1, M // max(G, 1))
     if per_group <= 16:  # decode: narrower column tiles, deeper K steps (more programs stream weights)
-        return 16, 64, 128, 4
+        return 64, 64, 128, 4
     return (64 if per_group <= 64 else 128), 128, 64, 3
 
 
