@@ -9,7 +9,8 @@ How kernels are attributed: jvllm.ops.grouped_matmul runs the expert matmuls und
 GMM_SCOPE and the routing (router, top-k, sort, gathers, combine) under ROUTING_SCOPE; the scopes
 end up in the `op_name` metadata of the optimized HLO. Each device event of the trace names its
 HLO module and instruction (`hlo_module`, `hlo_op` args); the instruction's op_name in the engine's
-compiled programs gives its class. A fusion carries the op_name of its root, so a fusion that
+compiled programs gives its class (command buffers are off for the run: each kernel its own event,
+so the step is somewhat slower than in the engine). A fusion carries the op_name of its root, so a fusion that
 merges routing with neighbouring work counts where its root is (a bound, not an exact split).
 
 JSON: per class (grouped_matmul, routing, other) ms per step and share of all device kernel time,
@@ -80,6 +81,12 @@ def attribute(trace: dict, names: dict, steps: int) -> dict:
 
 
 def main(argv=None):
+    # XLA GPU runs a step's kernels as one command buffer (a CUDA graph), which a trace shows as a
+    # single `command_buffer_N` event naming no HLO instruction (h200_moe_share_w1_922a88d.json
+    # attributed 100% to it): this probe turns command buffers off, so each kernel is its own event
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_command_buffer" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_enable_command_buffer=").strip()
     import jax
 
     from jvllm.bench import build_llm, one_prompt, sampling_params, w1_prompts
