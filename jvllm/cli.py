@@ -168,6 +168,10 @@ def cmd_generate(a):
     print(f"\n[jvllm] {len(outs)} prompt(s), {n} tokens in {dt:.2f}s = {n / dt:.1f} tokens/s "
           f"(start-up {t_load:.1f}s incl. load + compile)", file=sys.stderr)
     llm.shutdown()
+    failed = sum(c.finish_reason == "error" for o in outs for c in o.outputs)
+    if failed:  # the engine logged the error; the output above is cut short, so the exit status says so
+        say(f"{failed} of {len(outs)} prompt(s) failed in the engine (the error is logged above)")
+        sys.exit(1)
 
 
 def cmd_chat(a):
@@ -203,6 +207,8 @@ def cmd_chat(a):
                     n += len(out.outputs[0].token_ids)
                     reply.append(piece)
                     print(piece, end="", flush=True)
+                    if out.outputs[0].finish_reason == "error":
+                        say("the engine failed on this reply (the error is logged above)")
         print(f"\n[{n / max(time.perf_counter() - t0, 1e-9):.1f} tok/s]", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(reply)})
     llm.shutdown()

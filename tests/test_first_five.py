@@ -232,3 +232,22 @@ def test_gguf_without_the_gguf_package_is_one_line(smollm2_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(MissingDependencyError, match=r"needs the gguf package: pip install 'jvllm\[gguf\]'$"):
         gguf_hf_config(smollm2_path)
+
+
+def test_generate_exits_nonzero_when_the_engine_fails(ckpt_dir, monkeypatch, capsys):
+    """An engine error fails the request (finish_reason "error"); `jvllm generate` then says so and
+    exits 1 instead of printing an empty completion with status 0."""
+    from jvllm import cli
+    from jvllm.worker.model_runner import ModelRunner
+
+    def boom(self, handle):
+        raise RuntimeError("injected device failure")
+
+    monkeypatch.setattr(ModelRunner, "collect", boom)
+    path = ckpt_dir("llama", tokenizer=True)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hello", "--model", path, "--dtype", "float32", "--max-model-len", "64",
+                  "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--token-buckets", "8,16",
+                  "--max-tokens", "4"])
+    assert e.value.code == 1
+    assert "1 of 1 prompt(s) failed in the engine" in capsys.readouterr().err

@@ -24,7 +24,7 @@ SP = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 @pytest.fixture
 def cache_dir(tmp_path):
     yield str(tmp_path / "xla")
-    jax.config.update("jax_compilation_cache_dir", None)
+    jc.disable_persistent_cache()
 
 
 def _start(path, cache, **kw):
@@ -46,7 +46,7 @@ def test_warm_start_neither_traces_nor_lowers(ckpt_dir, cache_dir):
     cold = _start(path, cache_dir)
     warm = _start(path, cache_dir)
     assert cold[1]["stored"] > 0 and cold[2] >= cold[1]["stored"]
-    assert warm[1] == dict(loaded=cold[1]["stored"], stored=0, failed=0)
+    assert warm[1] == dict(loaded=cold[1]["stored"], stored=0, failed=0, skipped=0)
     assert warm[2] == 0  # every program came from its fingerprint
     assert warm[0] == cold[0]
     other = _start(path, cache_dir, block_size=8)  # another page size: new steps; the samplers are shared
@@ -170,7 +170,7 @@ def test_unfingerprintable_programs_fall_back_to_the_lowered_key(cache_dir):
     again = Programs(object(), family="test_startup").get("test_startup_user", 4)(jnp.ones(4, jnp.float32))
     s1 = jc.executable_cache_stats()
     assert (out == 2).all() and (again == 2).all()
-    assert {k: s1[k] - s0[k] for k in s1} == dict(loaded=1, stored=1, failed=0)
+    assert {k: s1[k] - s0[k] for k in s1} == dict(loaded=1, stored=1, failed=0, skipped=0)
     assert os.path.isfile(os.path.join(cache_dir, "executables", progs.cache_key("test_startup_user", 4) + ".exe"))
 
 
@@ -207,3 +207,53 @@ def test_gguf_header_is_parsed_once_per_file_version(tmp_path, smollm2_path):
     os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     b = gguf._reader(str(p))
     assert b is not a and b.fields == a.fields
+
+
+_JAX_CACHE_HIT = r"""
+import sys, jax, jax.numpy as jnp
+from jvllm.compilation import counter, executable_cache as ec
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])  # a user's own JAX cache
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+counter.enable_persistent_cache(sys.argv[2])
+assert jax.config.jax_compilation_cache_dir == sys.argv[1]  # jvllm leaves the user's setting alone on CPU
+f = lambda x: jnp.tanh(x @ x.T + jnp.broadcast_to(x.sum(0), x.shape)[:, :8]).sum(1)
+x, devs = jnp.ones((8, 16)), jax.devices()[:1]
+want = f(x)
+fresh, ok = ec.compile_for_cache(jax.jit(f).lower(x), devs)      # compiled: JAX's cache stores it
+jax.clear_caches()
+served, ok2 = ec.compile_for_cache(jax.jit(f).lower(x), devs)    # served by JAX's cache
+assert (ok, ok2) == (True, False) and ec.stats()["skipped"] == 1, (ok, ok2, ec.stats())
+assert ec.store("fresh", fresh) and ec.store("served", served)
+assert bool(jnp.allclose(ec.load("fresh", devs)(x), want))
+try:  # the XLA:CPU hazard the refusal guards against
+    ec.load("served", devs)(x).block_until_ready()
+    print("SERVED_COPY_WORKS")
+except Exception as e:
+    print("SERVED_COPY_BROKEN", type(e).__name__, str(e)[:120])
+"""
+
+
+def test_jax_cache_served_cpu_executables_are_not_stored(tmp_path):
+    """On CPU an executable that JAX's persistent cache served serializes without its kernels (the
+    next start failed at its first call: "Function ... not found"): jvllm keeps JAX's cache off on
+    CPU, and where a user turned it on, compile_for_cache refuses to store what it served. The
+    subprocess also shows the hazard is real; if a jax release fixes it, this test says so."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _JAX_CACHE_HIT, str(tmp_path / "jax"), str(tmp_path / "jvllm")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SERVED_COPY_BROKEN" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_cpu_engines_keep_jax_cache_off(cache_dir):
+    """jvllm's cache on a CPU does not point JAX's persistent cache at itself; 'off' turns both off."""
+    assert jc.enable_persistent_cache(cache_dir) == cache_dir
+    from jvllm.compilation import executable_cache
+
+    assert jax.config.jax_compilation_cache_dir is None
+    assert executable_cache.cache_dir() == os.path.join(cache_dir, "executables")
+    assert jc.enable_persistent_cache("off") is None and executable_cache.cache_dir() is None

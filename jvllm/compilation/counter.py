@@ -38,21 +38,54 @@ def compile_count() -> int:
     return _count
 
 
-def enable_persistent_cache(path: str | None = None) -> str | None:
-    """Turn on JAX's persistent compilation cache (default ~/.cache/jvllm/xla, env JVLLM_CACHE_DIR;
-    'off' disables). Returns the directory in use. The directory must be trusted: jvllm's
-    executable cache under it stores pickles (`jvllm.compilation.executable_cache`)."""
+_cache_root: str | None = None  # jvllm's cache directory (enable_persistent_cache), None = off
+_jax_dir_set = False  # whether jvllm pointed JAX's persistent cache there
+
+
+def enable_persistent_cache(path: str | None = None, jax_cache: bool | None = None) -> str | None:
+    """Turn on jvllm's persistent cache (default ~/.cache/jvllm/xla, env JVLLM_CACHE_DIR; 'off'
+    disables): its executable cache (`jvllm.compilation.executable_cache`, under `executables/`)
+    and, with `jax_cache` (default: on accelerators, not on CPU), JAX's own persistent compilation
+    cache in the same directory. Returns the directory in use, or None.
+
+    Why not JAX's cache on CPU: an XLA:CPU executable that JAX's cache loaded serializes without
+    its kernels, so jvllm's copy of it fails on the next start ("Function ... not found");
+    jvllm's executable cache alone holds every engine program there (executable_cache.compile_for_cache
+    refuses to store such a copy where JAX's cache is on anyway). Hazard: the directory must be
+    trusted: jvllm's executable cache stores pickles."""
+    global _cache_root, _jax_dir_set
     path = path or os.environ.get("JVLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jvllm", "xla")
+    disable_persistent_cache()  # what an earlier engine of this process turned on
     if path == "off":
         return None
+    if jax_cache is None:
+        jax_cache = jax.default_backend() != "cpu"
     try:
         os.makedirs(path, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        if jax_cache:
+            jax.config.update("jax_compilation_cache_dir", path)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+            _jax_dir_set = True
     except Exception:  # read-only home, old jax: run without the cache
         return None
+    _cache_root = path
     return path
+
+
+def disable_persistent_cache():
+    """Undo enable_persistent_cache: jvllm's cache off, and JAX's cache dir unset if jvllm set it
+    (a directory the user gave JAX is left alone)."""
+    global _cache_root, _jax_dir_set
+    if _jax_dir_set:
+        jax.config.update("jax_compilation_cache_dir", None)
+        _jax_dir_set = False
+    _cache_root = None
+
+
+def cache_root() -> str | None:
+    """The directory enable_persistent_cache turned on (None: not called, or off)."""
+    return _cache_root
 
 
 def temp_bytes(compiled) -> int | None:

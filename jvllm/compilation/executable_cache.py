@@ -12,7 +12,9 @@ plus the same environment, at the price of a trace and a lowering.
 Hazards: entries are pickles, so the cache directory must be trusted (whoever can write it can run
 code in every process that loads from it). Single-process runs only (a serialized executable
 carries its device assignment, and every process of a multi-process run would need the same entry
-at once); any failure to load or store falls back to compiling and is counted in `stats()`.
+at once); any failure to load or store falls back to compiling and is counted in `stats()`. On
+CPU, JAX's own cache stays off (counter.enable_persistent_cache says why) and a program JAX's cache
+served anyway is not stored (`compile_for_cache`).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import jax
 from jvllm.compilation.counter import temp_bytes
 
 _lock = threading.Lock()
-_stats = dict(loaded=0, stored=0, failed=0)
+_stats = dict(loaded=0, stored=0, failed=0, skipped=0)
 
 
 def _bump(name: str):
@@ -37,9 +39,40 @@ def _bump(name: str):
 
 
 def cache_dir() -> str | None:
-    """<persistent cache dir>/executables, or None when the persistent cache is off."""
-    path = jax.config.jax_compilation_cache_dir
+    """<jvllm's cache dir>/executables (counter.enable_persistent_cache), else under JAX's
+    persistent cache dir when a user set one; None when neither is on."""
+    from jvllm.compilation.counter import cache_root
+
+    path = cache_root() or jax.config.jax_compilation_cache_dir
     return os.path.join(path, "executables") if path else None
+
+
+_tls = threading.local()  # per compiling thread: JAX persistent-cache hits seen
+_listening = False
+
+
+def _on_event(event: str, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+        _tls.hits = getattr(_tls, "hits", 0) + 1
+
+
+def compile_for_cache(lowered, devices):
+    """(lowered.compile(), whether jvllm may store it). Not storable: an XLA:CPU executable that
+    JAX's persistent cache served (its serialized copy lacks the kernels, so loading it on the next
+    start fails at the first call with "Function ... not found"); counted as `skipped`. Hits are
+    seen through jax.monitoring in the compiling thread (the event fires there, synchronously)."""
+    global _listening
+    with _lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
+    before = getattr(_tls, "hits", 0)
+    exe = lowered.compile()
+    served = getattr(_tls, "hits", 0) > before
+    if served and any(d.platform == "cpu" for d in devices):
+        _bump("skipped")
+        return exe, False
+    return exe, True
 
 
 def enabled() -> bool:

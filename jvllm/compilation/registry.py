@@ -258,8 +258,10 @@ class Programs:
             exe = executable_cache.load(ck, sig.devices)
             if exe is not None:
                 return exe
-        exe = lowered.compile()
-        if ck is not None:
+        if ck is None:
+            return lowered.compile()
+        exe, storable = executable_cache.compile_for_cache(lowered, sig.devices)
+        if storable:
             executable_cache.store(ck, exe)
         return exe
 

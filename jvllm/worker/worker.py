@@ -57,9 +57,6 @@ class Worker:
 
         claim_device_memory(config.gpu_memory_utilization)  # before anything touches a device
         compilation.install_counter()
-        self.cache_dir = None  # jvllm's persistent cache dir (XLA programs, executables, tokenizers); None = off
-        if config.compilation_cache_dir != "off":
-            self.cache_dir = compilation.enable_persistent_cache(config.compilation_cache_dir)
         self.config = config
         self.devices = devices
         self.init_parts: dict = {}  # start-up seconds by phase (the bench reports them)
@@ -68,6 +65,9 @@ class Worker:
         self.on_accelerator = on_accelerator()  # the first backend call: initializes the device(s)
         self.process_count = jax.process_count()
         self.init_parts["backend_init_s"] = time.perf_counter() - t
+        # jvllm's persistent cache dir (XLA programs, executables, tokenizers), None = off; JAX's own
+        # cache on accelerators only (counter.enable_persistent_cache says why)
+        self.cache_dir = compilation.enable_persistent_cache(config.compilation_cache_dir, jax_cache=self.on_accelerator)
         t = time.perf_counter()
         self.spec = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype)
