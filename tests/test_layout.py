@@ -226,3 +226,23 @@ def test_background_compile_flag_reaches_the_engine_config():
     add_engine_args(p)
     assert engine_kwargs(p.parse_args([]))["background_compile"] is True
     assert engine_kwargs(p.parse_args(["--no-background-compile"]))["background_compile"] is False
+
+
+def test_cpu_default_buckets_begin_with_one_token(ckpt_dir):
+    """On a CPU the default token buckets begin with a 1-token one (one prompt's decode steps run
+    as matrix-vector products there); its greedy tokens are the 8-token bucket's."""
+    from jvllm import LLM, SamplingParams
+
+    kw = dict(dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, use_tqdm_on_load=False)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    toks = []
+    for buckets in (None, (8, 16)):
+        llm = LLM(ckpt_dir("llama"), token_buckets=buckets, **kw)
+        try:
+            eng = llm.llm_engine
+            assert eng.runner.token_buckets == (buckets or (1, 8, 16))
+            toks.append(llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], sp, use_tqdm=False)[0].outputs[0].token_ids)
+            assert (("step", (0, 1, True)) in eng.worker.compiled_programs()) == (buckets is None)
+        finally:
+            llm.shutdown()
+    assert toks[0] == toks[1] and len(toks[0]) == 6

@@ -92,7 +92,11 @@ class LLMEngine:
         n_mb = (config.num_microbatches or self.num_stages) if self.num_stages > 1 else 1
         self.sched_config = SchedulerConfig(max_num_batched_tokens=mnbt, max_num_seqs=mns, max_model_len=max_model_len,
                                             num_microbatches=n_mb)
-        buckets = tuple(sorted(set(config.token_buckets or pow2_buckets(8, mnbt))))
+        # CPUs get a 1-token bucket too: XLA:CPU runs a 1-row dot as a matrix-vector product that
+        # reads each weight once, where 2+ rows take a GEMM that packs the weights first (one
+        # prompt's decode steps, benchmarks/README.md has the figure)
+        default = pow2_buckets(8, mnbt) if acc else (1,) + pow2_buckets(8, mnbt)
+        buckets = tuple(sorted(set(config.token_buckets or default)))
         if buckets[-1] < mnbt:
             buckets = buckets + (mnbt,)
         bs = config.block_size
