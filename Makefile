@@ -25,9 +25,12 @@ setup-test: setup
 generate: setup
 	$(PY) -m jvllm generate "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
-# pyproject's addopts already has -q: one more would make -qq and hide pytest's "N passed" line
+# pyproject's addopts already has -q: one more would make -qq and hide pytest's "N passed" line.
+# JOBS pytest-xdist workers (whole files per worker, so a module's fixtures load once): most of the
+# suite is single-threaded XLA:CPU compiles, so 2 workers on 2 cores finish sooner (benchmarks/README.md).
+JOBS ?= 2
 test: setup-test
-	JAX_PLATFORMS=cpu $(PY) -m pytest tests -p no:cacheprovider --durations=15
+	JAX_PLATFORMS=cpu $(PY) -m pytest tests -p no:cacheprovider -n $(JOBS) --dist loadfile --durations=15
 
 bench-cpu: setup-test
 	$(PY) benchmarks/cpu_vs_hf.py
