@@ -38,8 +38,9 @@ def _group_size(s: str):
         raise argparse.ArgumentTypeError(f"expected auto, channel or an integer, got {s!r}") from None
 
 
-def add_engine_args(p: argparse.ArgumentParser):
-    """Every LLM(...) engine option as a flag (shared by generate, chat, serve, bench)."""
+def add_engine_args(p: argparse.ArgumentParser, warmup: str | None = None):
+    """Every LLM(...) engine option as a flag (shared by generate, chat, serve, bench). `warmup`:
+    this command's own default for --warmup ($JVLLM_WARMUP still wins); None: EngineConfig's."""
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantized projection weights: fp8 | int8 (default: none, or the checkpoint's own)")
@@ -71,9 +72,11 @@ def add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile what a first request needs at start-up and the other programs in a background "
                         "thread (--no-background-compile: every program before serving)")
-    p.add_argument("--warmup", choices=("all", "first"), default=argparse.SUPPRESS,
-                   help="programs compiled at start-up: all (default: $JVLLM_WARMUP, else all) or first (only what a "
-                        "first request needs, the rest on first use)")
+    p.add_argument("--warmup", choices=("all", "first"),
+                   default=(os.environ.get("JVLLM_WARMUP") or warmup) if warmup else argparse.SUPPRESS,
+                   help="programs compiled at start-up: all, or first (only what a first request needs, the rest "
+                        "on first use); " + ("$JVLLM_WARMUP sets the default" if warmup else
+                                             "default: $JVLLM_WARMUP, else all"))
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs bit-identical whatever else is in its batch (fixed-tile "
                         "matmuls, no decode-only program, the full sampler for every batch)")
@@ -274,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompt", nargs="*", help="prompts (none: one example prompt)")
     g.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, checkpoint folder or .gguf file")
-    add_engine_args(g)
+    # one batch of prompts, then exit: compiling every other bucket in the background would only
+    # compete with the generation for the cores
+    add_engine_args(g, warmup="first")
     add_sampling_args(g, max_tokens=64)
     g.set_defaults(func=cmd_generate)
 

@@ -251,3 +251,17 @@ def test_generate_exits_nonzero_when_the_engine_fails(ckpt_dir, monkeypatch, cap
                   "--max-tokens", "4"])
     assert e.value.code == 1
     assert "1 of 1 prompt(s) failed in the engine" in capsys.readouterr().err
+
+
+def test_generate_warms_up_first_only(monkeypatch):
+    """`jvllm generate` runs one batch and exits: it compiles what its requests use (warmup
+    "first"), unless $JVLLM_WARMUP or --warmup says otherwise; other commands keep EngineConfig's."""
+    from jvllm.cli import build_parser, engine_kwargs
+
+    monkeypatch.delenv("JVLLM_WARMUP", raising=False)
+    a = build_parser().parse_args(["generate", "hi"])
+    assert engine_kwargs(a)["warmup"] == "first"
+    assert build_parser().parse_args(["generate", "--warmup", "all"]).warmup == "all"
+    assert "warmup" not in engine_kwargs(build_parser().parse_args(["chat"]))
+    monkeypatch.setenv("JVLLM_WARMUP", "all")
+    assert build_parser().parse_args(["generate"]).warmup == "all"
