@@ -11,8 +11,10 @@ engine compiles in the background by default, so these are seconds to the first 
 rest still compiling; the empty-cache run then waits for that background warm-up to end before
 it exits, so that both caches hold every program (a run that exited at its first tokens would
 leave the programs still compiling out of the cache, and the warm runs would lower and compile
-them again in the background, beside the request they time); `--no-fill` measures exactly that
-case, a new user's first start that ends at its first tokens. Figures: process start to the
+them again in the background, beside the request they time). On CPU jvllm leaves JAX's cache
+off, so there the JAX-cache-only run is a second empty start: pass `--runs
+empty_cache,warm_executable_cache`. `--no-fill` measures exactly that case, a new user's first
+start that ends at its first tokens. Figures: process start to the
 first 8 generated tokens (imports included), to the end of construction, `LLM(...)` to the
 first tokens (`llm_to_first_tokens_s`, wall) and the process's CPU seconds over that span
 (`llm_cpu_s`, all threads; a loaded machine inflates them far less than wall time), compile
