@@ -82,8 +82,8 @@ def attribute(trace: dict, names: dict, steps: int) -> dict:
 
 def main(argv=None):
     # XLA GPU runs a step's kernels as one command buffer (a CUDA graph), which a trace shows as a
-    # single `command_buffer_N` event naming no HLO instruction (h200_moe_share_w1_922a88d.json
-    # attributed 100% to it): this probe turns command buffers off, so each kernel is its own event
+    # single `command_buffer_N` event naming no HLO instruction: this probe turns command buffers
+    # off, so each kernel is its own event
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_enable_command_buffer" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_enable_command_buffer=").strip()
