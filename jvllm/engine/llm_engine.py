@@ -92,9 +92,9 @@ class LLMEngine:
         n_mb = (config.num_microbatches or self.num_stages) if self.num_stages > 1 else 1
         self.sched_config = SchedulerConfig(max_num_batched_tokens=mnbt, max_num_seqs=mns, max_model_len=max_model_len,
                                             num_microbatches=n_mb)
-        # CPUs get a 1-token bucket too: XLA:CPU runs a 1-row dot as a matrix-vector product that
-        # reads each weight once, where 2+ rows take a GEMM that packs the weights first (one
-        # prompt's decode steps, benchmarks/README.md has the figure)
+        # CPUs get a 1-token bucket too: one prompt's decode steps (and their sampler) as 1-row
+        # programs, matrix-vector products on XLA:CPU, ran much faster there than in the 8-row
+        # bucket (benchmarks/README.md has the figure; the cause inside XLA:CPU is not profiled)
         default = pow2_buckets(8, mnbt) if acc else (1,) + pow2_buckets(8, mnbt)
         buckets = tuple(sorted(set(config.token_buckets or default)))
         if buckets[-1] < mnbt:
