@@ -45,7 +45,7 @@ def _pow2_divisor(n: int, cap: int) -> int | None:
 def launch_defaults(M: int, G: int) -> tuple[int, int, int, int]:
     """(bm, bn, bk, num_stages) by rows per group: decode-sized batches (up to 16 rows per expert
     on average) take 64-row tiles, so nearly every active expert is read once by one tile; prefill-
-    sized ones take up to 128. The decode launch is the best of an H200 sweep at one token
+    sized ones take up to 128. The decode launch is the best of H200 sweeps at 1 and 256 tokens
     (benchmarks/README.md); the others are untuned."""
     per_group = max(1, M // max(G, 1))
     if per_group <= 16:  # decode: narrower column tiles, deeper K steps (more programs stream weights)
