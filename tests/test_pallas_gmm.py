@@ -14,6 +14,7 @@ CASES = [
     (7, 32, 32, [1, 1, 1, 1, 1]),     # fewer rows than a tile (lhs padded), one row per group
     (100, 32, 16, [30, 2, 17, 0, 1, 50]),  # several tiles in one group, tile straddling group ends
     (24, 48, 32, [0, 0, 0]),          # no rows in any group: all zeros
+    (5, 32, 32, [0, 1, 0, 0, 2, 0, 0, 0, 1, 0, 1, 0]),  # fewer rows than groups (a decode step)
 ]
 
 
@@ -44,11 +45,18 @@ def test_bfloat16_and_output_dtype():
     np.testing.assert_allclose(np.asarray(f32), np.asarray(want), atol=1e-3, rtol=1e-3)
 
 
-def test_tile_table_covers_each_group_once():
-    sizes = np.array([30, 0, 17, 1, 52])
-    M, bm = int(sizes.sum()) + 3, 16
-    t = np.asarray(tile_table(jnp.asarray(sizes, jnp.int32), M, bm))
-    assert t.shape == (-(-M // bm) + len(sizes), 4)
+@pytest.mark.parametrize("sizes,extra,bm", [
+    ([30, 0, 17, 1, 52], 3, 16),
+    ([0, 1, 0, 0, 2, 0, 0, 0, 1, 0, 1, 0] * 4, 0, 16),   # fewer rows than groups: the table's bound is rows
+    ([17] * 6, 0, 16),                                   # every group one row past a tile: 2 tiles each
+    ([1] * 9 + [0] * 23, 0, 64),                          # one token's top-9 of 32 experts, 64-row tiles
+])
+def test_tile_table_covers_each_group_once(sizes, extra, bm):
+    sizes = np.array(sizes)
+    rows = int(sizes.sum()) + extra
+    M = max(rows, bm)  # the kernel pads lhs to a tile
+    t = np.asarray(tile_table(jnp.asarray(sizes, jnp.int32), M, bm, rows=rows))
+    assert t.shape == (-(-rows // bm) + min(len(sizes), rows), 4)
     covered = np.zeros(M, int)
     for g, first, end, window in t:
         assert 0 <= window <= M - bm and window <= first and end <= window + bm
@@ -58,6 +66,16 @@ def test_tile_table_covers_each_group_once():
             assert lo <= first and end <= lo + sizes[g]  # a tile never leaves its group
     assert covered[:sizes.sum()].tolist() == [1] * int(sizes.sum()) and not covered[sizes.sum():].any()
     assert sum(int(e > f) for _, f, e, _ in t) == sum(-(-s // bm) for s in sizes)  # empty groups: no tile
+
+
+def test_decode_launch_by_rows_against_experts():
+    """Few rows over many experts keep 64-column tiles (more programs per active tile); from one
+    row per expert on, 128 columns and 8 warps (the H200 sweeps in benchmarks/README.md)."""
+    from jvllm.ops.pallas_grouped_matmul import launch_defaults
+
+    assert launch_defaults(8, 128) == (64, 64, 128, 4, 4)      # one token, top-8 of 128
+    assert launch_defaults(2048, 128) == (64, 128, 128, 3, 8)  # 256 tokens: 16 rows per expert
+    assert launch_defaults(8192, 128)[:2] == (64, 128)         # prefill-sized
 
 
 def test_tile_table_has_no_loop():

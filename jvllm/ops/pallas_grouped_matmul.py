@@ -13,8 +13,11 @@ so a decode step would read all experts' weights; this kernel reads only the exp
 Work decomposition (the megablox / tokamax "group metadata" tiling, written here for Triton): row
 tiles of `bm` rows are laid out per group (a group of s rows gets ceil(s / bm) tiles, starting at its
 first row), so no tile spans two groups' outputs and an empty group gets no tile. The tile table is
-built on the device from `group_sizes` with a static length (ceil(M / bm) + G, an upper bound on the
-tile count); tiles past the real count do nothing. The grid is (tile, N / bn); each program walks K
+built on the device from `group_sizes` with a static length (ceil(M / bm) + min(G, M), an upper
+bound on the tile count: a group of s > 0 rows takes fewer than s / bm + 1 tiles, and at most min(G,
+M) groups own rows); tiles past the real count do nothing, so the bound is the grid a decode step of
+few rows over many experts launches (with G in its place, a 1-token step of a top-8-of-128 layer ran
+129 row tiles for 9 possible ones). The grid is (tile, N / bn); each program walks K
 in `bk` steps, loading a [bm, bk] block of lhs and the [bk, bn] block of its group's rhs, and stores
 only its own rows (masked). The lhs window of a tile is shifted to stay inside [0, M) (rows of
 neighbouring groups are loaded and computed, never stored), so no load or store is out of bounds,
@@ -42,28 +45,32 @@ def _pow2_divisor(n: int, cap: int) -> int | None:
     return None
 
 
-def launch_defaults(M: int, G: int) -> tuple[int, int, int, int]:
-    """(bm, bn, bk, num_stages) by rows per group: decode-sized batches (up to 16 rows per expert
-    on average) take 64-row tiles, so nearly every active expert is read once by one tile; prefill-
-    sized ones take up to 128. The decode launch is the best of H200 sweeps at 1 and 256 tokens
-    (benchmarks/README.md); the others are untuned."""
+def launch_defaults(M: int, G: int) -> tuple[int, int, int, int, int]:
+    """(bm, bn, bk, num_stages, num_warps) by rows per group: decode-sized batches (up to 16 rows
+    per expert on average) take 64-row tiles, so nearly every active expert is read once by one
+    tile; prefill-sized ones take up to 128. Decode batches with fewer rows than experts (a few
+    tokens: few active tiles) keep 64-column tiles, so that more programs stream the weights; from
+    one row per expert on, 128 columns and 8 warps. The decode launches are the best of H200 sweeps
+    at 1 and 256 tokens (benchmarks/README.md); the others are untuned."""
     per_group = max(1, M // max(G, 1))
-    if per_group <= 16:  # decode: narrower column tiles, deeper K steps (more programs stream weights)
-        return 64, 64, 128, 4
-    return (64 if per_group <= 64 else 128), 128, 64, 3
+    if per_group <= 16:
+        return (64, 64, 128, 4, 4) if M < G else (64, 128, 128, 3, 8)
+    return (64 if per_group <= 64 else 128), 128, 64, 3, 4
 
 
-def tile_table(group_sizes: jax.Array, M: int, bm: int) -> jax.Array:
-    """[ceil(M / bm) + G, 4] int32 rows (group, first row, end row, window start) of the row tiles;
-    unused rows have first == end (a no-op tile). Window start = min(first, M - bm) keeps the bm-row
-    load window inside the (padded to >= bm) lhs. No loop in the program (see the search below)."""
+def tile_table(group_sizes: jax.Array, M: int, bm: int, rows: int | None = None) -> jax.Array:
+    """[ceil(rows / bm) + min(G, rows), 4] int32 rows (group, first row, end row, window start) of
+    the row tiles; unused rows have first == end (a no-op tile). `rows` (default M) bounds
+    sum(group_sizes); M is the lhs's row count (padded to >= bm). Window start = min(first, M - bm)
+    keeps the bm-row load window inside the lhs. No loop in the program (see the search below)."""
     G = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     tiles = (sizes + bm - 1) // bm
     tcum = jnp.cumsum(tiles)
-    n = -(-M // bm) + G
+    rows = M if rows is None else rows
+    n = -(-rows // bm) + min(G, rows)
     t = jnp.arange(n, dtype=jnp.int32)
     # compare_all: jnp.searchsorted's default method is a fori_loop, a while loop that an XLA GPU
     # program runs by copying its predicate to the host each trip (the step call then blocks)
@@ -105,7 +112,7 @@ def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, n
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
                    preferred_element_type=None, *, bm: int | None = None, bn: int | None = None,
-                   bk: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                   bk: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                    interpret: bool | None = None) -> jax.Array:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` (see the module docstring). Launch parameters
     left None take `launch_defaults`; `interpret` None = interpret unless the default backend is a GPU.
@@ -123,18 +130,19 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preci
     if group_sizes.shape != (G,):
         raise ValueError(f"grouped_matmul: group_sizes has shape {group_sizes.shape}, expected ({G},)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    d_bm, d_bn, d_bk, d_stages = launch_defaults(M, G)
+    d_bm, d_bn, d_bk, d_stages, d_warps = launch_defaults(M, G)
     bm = bm or d_bm
     bn = _pow2_divisor(N, bn or d_bn)
     bk = _pow2_divisor(K, bk or d_bk)
     if bn is None or bk is None or M == 0:
         return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
     num_stages = d_stages if num_stages is None else num_stages
+    num_warps = d_warps if num_warps is None else num_warps
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     Mp = max(M, bm)
     x = lhs if Mp == M else jnp.pad(lhs, ((0, Mp - M), (0, 0)))
-    meta = tile_table(group_sizes, Mp, bm)
+    meta = tile_table(group_sizes, Mp, bm, rows=M)
     kernel = functools.partial(_kernel, bm=bm, bk=bk, bn=bn, nk=K // bk)
     out = pl.pallas_call(
         kernel,
