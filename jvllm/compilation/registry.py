@@ -269,16 +269,21 @@ class Programs:
         """A snapshot {(kind, key): executable} of what is compiled so far."""
         return dict(self._compiled)
 
-    def warm_up(self, keys: list[tuple], background: bool = False, progress=None) -> WarmUp:
+    def warm_up(self, keys: list[tuple], background: bool = False, progress=None,
+                threads: int | None = None, after: threading.Event | None = None) -> WarmUp:
         """Compile `keys` in order (in daemon threads with background=True: `compile_threads()` of
         them take the keys in order, so XLA compiles several programs at once on a many-core host;
-        in the foreground one at a time, as multi-process runs need). `progress`: an optional
-        wrapper of the key list (a tqdm bar)."""
+        in the foreground one at a time, as multi-process runs need). `threads` > 1 in the
+        foreground: that many threads take the keys and the call returns once all are done (a
+        single process's first programs: XLA compiles and loads release the GIL). `after` (background
+        only): the handle ends, and takes its compile count, once that event is set too (a warm-up
+        started beside the caller's foreground one). `progress`: an optional wrapper of the key list
+        (a tqdm bar)."""
         handle = WarmUp()
         t0 = time.perf_counter()
         items = iter(progress(keys) if progress else keys)
         take = threading.Lock()
-        workers = compile_threads() if background else 1
+        workers = max(1, threads or (compile_threads() if background else 1))
         left = [workers]
 
         def run():
@@ -296,15 +301,20 @@ class Programs:
                     left[0] -= 1
                     last = left[0] == 0
                 if last:
+                    if after is not None:
+                        after.wait()
                     handle._finish(t0)
 
+        if after is not None and not background:
+            raise ValueError("warm_up: `after` needs background=True")
         if background:
             _running.add(handle)
+        if background or workers > 1:
             for i in range(workers):
                 threading.Thread(target=run, name=f"jvllm-warmup-{i}", daemon=True).start()
         else:
             run()
-        return handle
+        return handle if background else handle.wait()
 
     def clear(self):
         with self._lock:

@@ -170,7 +170,8 @@ class ModelRunner:
     def warmup_keys(self) -> tuple[list, list]:
         """(the programs every request needs: the smallest decode step and its greedy sampler;
         every other program, in the order a new workload meets them: each token bucket's prefill
-        step and greedy sampler from the smallest bucket up, then the rest), this process's only.
+        step and greedy sampler from the smallest bucket up (a 1-token prefill step after
+        them), then the rest), this process's only.
         A request whose program is not compiled yet compiles it on demand (or waits for the
         warm-up thread if that is compiling it). Batch-invariant mode: the first are its one step
         program and its sampler, and the argmax-only samplers (never used there) are left out. The
@@ -190,7 +191,8 @@ class ModelRunner:
         def order(k):
             kind, key = k
             if kind == "step" and key[2] is False:
-                return (0, key[1], 0)
+                # a 1-token prefill step (the CPU's 1-token bucket) runs only for a 1-token prompt alone
+                return (0, key[1] if key[1] > 1 else b[-1] + 1, 0)
             if kind == "greedy":
                 return (0, key, 1)
             return (1, 0, 0)

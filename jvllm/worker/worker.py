@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm import compilation
-from jvllm.compilation.registry import WarmUp, planned_compile_count
+from jvllm.compilation.registry import WarmUp, compile_threads, planned_compile_count
 from jvllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from jvllm.memory import kv_cache, sizing
 from jvllm.worker.stage import Stage
@@ -289,9 +290,19 @@ class Worker:
             def progress(keys):
                 return tqdm(keys, desc="jvllm: compiling buckets", unit="prog", leave=False)
         t0 = time.perf_counter()
-        r.programs.warm_up(first, progress=progress).wait()
-        fg = time.perf_counter() - t0
-        return fg, r.programs.warm_up(rest, background=bool(rest))
+        if self.process_count > 1:  # every process compiles the same programs in the same order
+            r.programs.warm_up(first, progress=progress).wait()
+            return time.perf_counter() - t0, r.programs.warm_up(rest)
+        # one process: the first programs load in parallel and the rest starts beside them (its head
+        # is the smallest prefill step, which a short first prompt needs next); the rest's handle
+        # ends after both, so that compiles after warm-up count from the end of all of it
+        first_done = threading.Event()
+        handle = r.programs.warm_up(rest, background=True, after=first_done) if rest else None
+        try:
+            r.programs.warm_up(first, progress=progress, threads=min(len(first), max(2, compile_threads())))
+        finally:
+            first_done.set()
+        return time.perf_counter() - t0, handle or r.programs.warm_up([])
 
     def compile_count(self) -> int:
         """Process-wide XLA compiles, less deferred programs' first-use compiles (warmup "first")."""
