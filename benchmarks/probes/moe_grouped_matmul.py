@@ -48,7 +48,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--sweep", default="",
                     help="pallas launch configs to time on the three grouped matmuls alone, e.g. "
-                         "'16x128x64x3x4,64x128x64x3x4' (bm x bn x bk x stages x warps)")
+                         "'16x128x64x3x4,64x128x64x3x4x4' (bm x bn x bk x stages x warps [x split_k])")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_gmm.json"))
     a = ap.parse_args(argv)
 
@@ -89,7 +89,7 @@ def main(argv=None):
         w = jnp.asarray(rng.random((T, k)), jnp.float32)
         touched = int(len(np.unique(np.asarray(idx))))
         need = touched * 3 * D * I * itemsize
-        for b in a.backends.split(","):
+        for b in filter(None, a.backends.split(",")):  # --backends "": the sweep alone
             try:
                 gm.ragged_dot_fn(b)
             except ImportError as e:
@@ -118,11 +118,11 @@ def main(argv=None):
             xs = x[order // k]
             hs = jnp.zeros((xs.shape[0], I), dtype)
             for cfg in a.sweep.split(","):
-                bm, bn, bk, st, nw = (int(v) for v in cfg.split("x"))
-                f = jax.jit(lambda xs, hs, sz, bm=bm, bn=bn, bk=bk, st=st, nw=nw: (
-                    grouped_matmul(xs, ws[0], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw),
-                    grouped_matmul(xs, ws[1], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw),
-                    grouped_matmul(hs, ws[2], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw)))
+                bm, bn, bk, st, nw, sk = ([int(v) for v in cfg.split("x")] + [1])[:6]
+                launch = dict(bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw, split_k=sk)
+                f = jax.jit(lambda xs, hs, sz, launch=launch: (
+                    grouped_matmul(xs, ws[0], sz, **launch), grouped_matmul(xs, ws[1], sz, **launch),
+                    grouped_matmul(hs, ws[2], sz, **launch)))
                 try:
                     ms = _time(f, (xs, hs, sizes), a.iters)
                 except Exception as e:
