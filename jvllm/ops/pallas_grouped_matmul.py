@@ -88,7 +88,8 @@ def tile_table(group_sizes: jax.Array, M: int, bm: int, rows: int | None = None)
 
 def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, nk: int, split: bool):
     """One (row tile, column tile[, K split]) program: `nk` K steps of `bk` from the split's start
-    (program_id(2) * nk * bk with `split`, else 0), stored into out[split index] or out."""
+    (program_id(2) * nk * bk with `split`, else 0), stored into out[split index] or out. Without
+    `split` the grid has two axes, the kernel as measured before split-K existed."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -97,8 +98,8 @@ def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, n
     pick = lambda i: jnp.sum(jnp.where(lane == i, meta, 0))  # noqa: E731  (vector -> scalar, Triton-safe)
     g, first, end, window = pick(0), pick(1), pick(2), pick(3)
     n0 = pl.program_id(1) * bn
-    sidx = pl.program_id(2)  # read outside pl.when: the interpreter has no program_id inside a cond
-    kbase = sidx * nk if split else 0
+    sidx = pl.program_id(2) if split else 0  # outside pl.when: the interpreter has none inside a cond
+    kbase = sidx * nk
 
     @pl.when(end > first)
     def _():
@@ -161,11 +162,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preci
     out_shape, out_block = ((S, Mp, N), jnp.float32) if S > 1 else ((Mp, N), out_dtype)
     out = pl.pallas_call(
         kernel,
-        grid=(meta.shape[0], N // bn, S),
-        in_specs=[pl.BlockSpec((None, 4), lambda t, n, s: (t, 0)),
-                  pl.BlockSpec((Mp, K), lambda t, n, s: (0, 0)),
-                  pl.BlockSpec((G, K, N), lambda t, n, s: (0, 0, 0))],
-        out_specs=pl.BlockSpec(out_shape, lambda t, n, s: (0,) * len(out_shape)),
+        grid=(meta.shape[0], N // bn) + ((S,) if S > 1 else ()),  # (tile, column tile[, K split])
+        in_specs=[pl.BlockSpec((None, 4), lambda t, *_: (t, 0)),
+                  pl.BlockSpec((Mp, K), lambda *_: (0, 0)),
+                  pl.BlockSpec((G, K, N), lambda *_: (0, 0, 0))],
+        out_specs=pl.BlockSpec(out_shape, lambda *_: (0,) * len(out_shape)),
         out_shape=jax.ShapeDtypeStruct(out_shape, out_block),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
