@@ -241,6 +241,9 @@ def test_cpu_default_buckets_begin_with_one_token(ckpt_dir):
         try:
             eng = llm.llm_engine
             assert eng.runner.token_buckets == (buckets or (1, 8, 16))
+            if buckets is None:  # the background warm-up meets the 8-token prefill step first, the 1-token one last
+                steps = [k for k in eng.runner.warmup_keys()[1] if k[0] == "step"]
+                assert steps[:3] == [("step", (0, 8, False)), ("step", (0, 16, False)), ("step", (0, 1, False))], steps
             toks.append(llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], sp, use_tqdm=False)[0].outputs[0].token_ids)
             assert (("step", (0, 1, True)) in eng.worker.compiled_programs()) == (buckets is None)
         finally:
