@@ -101,30 +101,43 @@ def test_no_cache_dir_builds_every_time(tmp_path):
 
 
 def test_worker_builds_the_tokenizer_beside_the_weights(tmp_path, monkeypatch):
-    """Worker.load: the tokenizer comes from its thread (cached under <cache dir>/tokenizers, a hit
-    on the next start), its errors are raised by load(), and skip_tokenizer_init never starts it."""
+    """Worker.load starts the tokenizer's build (cached under <cache dir>/tokenizers, a hit on the
+    next start) and Worker.tokenizer() returns it; on a CPU the build starts after the weights and
+    its errors come from tokenizer() (on accelerators from load()); skip_tokenizer_init never
+    starts it. An engine whose tokenizer fails is not built."""
     import jvllm.converters as conv
+    from jvllm import LLM
     from jvllm.engine.engine_config import EngineConfig
     from jvllm.worker.worker import Worker
 
     cfg = EngineConfig(model="smollm2", max_model_len=64, compilation_cache_dir=str(tmp_path))
     w = Worker(cfg)
-    tok, _ = w.load()
+    assert w.load() > 0
+    tok = w.tokenizer()
+    assert w.tokenizer() is tok  # waited for once
     assert len(os.listdir(tmp_path / "tokenizers")) == 1
     assert w.tokenizer_seconds > 0 and w.init_parts["tokenizer_s"] >= 0
     real = conv.load_tokenizer
     hits = []
     monkeypatch.setattr(conv, "load_tokenizer", lambda spec, d: hits.append(d) or real(spec, d))
-    tok2, _ = Worker(cfg).load()
+    w2 = Worker(cfg)
+    w2.load()
+    tok2 = w2.tokenizer()
     assert hits == [str(tmp_path / "tokenizers")] and tok2("Hi there")["input_ids"] == tok("Hi there")["input_ids"]
 
     def boom(spec, d):
         raise ValueError("tokenizer boom")
 
     monkeypatch.setattr(conv, "load_tokenizer", boom)
+    w3 = Worker(cfg)
+    w3.load()  # a CPU: the build runs after the weights
     with pytest.raises(ValueError, match="tokenizer boom"):
-        Worker(cfg).load()
+        w3.tokenizer()
+    with pytest.raises(ValueError, match="tokenizer boom"):
+        LLM("smollm2", max_model_len=64, compilation_cache_dir=str(tmp_path), use_tqdm_on_load=False)
     import dataclasses
 
-    tok3, _ = Worker(dataclasses.replace(cfg, skip_tokenizer_init=True)).load()
+    w4 = Worker(dataclasses.replace(cfg, skip_tokenizer_init=True))
+    w4.load()
+    tok3 = w4.tokenizer()
     assert tok3 is None

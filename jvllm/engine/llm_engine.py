@@ -79,9 +79,7 @@ class LLMEngine:
         # async scheduling: a whole engine (data-parallel replicas are stepped by
         # DataParallelEngine through step_dispatch / step_collect, which is synchronous)
         self.async_scheduling = devices is None if config.async_scheduling is None else bool(config.async_scheduling)
-        self.tokenizer, self.load_seconds = worker.load()
-        self.eos_token_ids = tuple(mc.eos_token_ids) or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None else ())
+        self.load_seconds = worker.load()  # the tokenizer may still be building: worker.tokenizer() waits
         self.num_stages = config.pipeline_parallel_size
         acc = worker.on_accelerator
         max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -114,7 +112,7 @@ class LLMEngine:
             if spec_cfg.uses_draft_model:  # its weights load before the target's pool is sized
                 from jvllm.spec_decode.draft import DraftProposer
 
-                draft = DraftProposer(spec_cfg, config, mc, self.tokenizer)
+                draft = DraftProposer(spec_cfg, config, mc, worker.tokenizer())
         num_blocks = worker.build_runner(self.sched_config, self.cache_config, buckets,
                                          extra_bytes_per_block=draft.kv_bytes_per_block() if draft else 0)
         if draft is not None:
@@ -127,6 +125,17 @@ class LLMEngine:
         self.scheduler = Scheduler(self.sched_config, self.kv_manager)
         if spec_cfg is not None:
             self.speculator = self._build_speculator(spec_cfg, draft)
+        # the first programs load (and the rest starts compiling) while the tokenizer may still be building
+        self.warmup_seconds, self._warmup = worker.warm_up(config.background_compile, use_tqdm=config.use_tqdm_on_load,
+                                                                first_only=config.warmup == "first")
+        self.compiles_after_warmup_base = (self._warmup.compile_count_at_end if self._warmup.done() else None)
+        try:
+            self.tokenizer = worker.tokenizer()
+        except BaseException:
+            self._warmup.cancel()  # the engine is not built: stop its background compiles
+            raise
+        self.eos_token_ids = tuple(mc.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None else ())
         refused = None
         if worker.multiprocess:
             refused = (f"logprobs are not available with pipeline stages over {worker.process_count} processes "
@@ -146,9 +155,6 @@ class LLMEngine:
         # step's sampling inputs while that step's forward was already enqueued (num_late_steps)
         self.stats = dict(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0, num_requests=0,
                           host_seconds=0.0, device_wait_seconds=0.0, overlap_host_seconds=0.0, num_late_steps=0)
-        self.warmup_seconds, self._warmup = worker.warm_up(config.background_compile, use_tqdm=config.use_tqdm_on_load,
-                                                                first_only=config.warmup == "first")
-        self.compiles_after_warmup_base = (self._warmup.compile_count_at_end if self._warmup.done() else None)
         self.init_seconds = time.perf_counter() - t0
 
     def _build_speculator(self, cfg, draft):

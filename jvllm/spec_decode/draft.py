@@ -81,7 +81,8 @@ class DraftProposer:
         dc = dataclasses.replace(engine_config, model=cfg.model, speculative_config=None, skip_tokenizer_init=None,
                                  logits_processors=None, num_gpu_blocks_override=None, kv_cache_memory_bytes=None)
         self.worker = Worker(dc, None)
-        tok, _ = self.worker.load()
+        self.worker.load()
+        tok = self.worker.tokenizer()
         check_same_vocab(target_tokenizer, tok, target_model_config.vocab_size, self.worker.model_config.vocab_size,
                          cfg.model)
         self.name = cfg.model

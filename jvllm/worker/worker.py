@@ -62,6 +62,7 @@ class Worker:
         self.devices = devices
         self.init_parts: dict = {}  # start-up seconds by phase (the bench reports them)
         self.tokenizer_seconds = 0.0  # the tokenizer thread's own seconds (`load`)
+        self._tokenizer_job = self._tokenizer = None  # `load` starts the build, `tokenizer()` waits for it
         t = time.perf_counter()
         self.on_accelerator = on_accelerator()  # the first backend call: initializes the device(s)
         self.process_count = jax.process_count()
@@ -89,12 +90,14 @@ class Worker:
         self._stages = self._head_w = None
 
     # ------------------------------------------------------------------ loading
-    def load(self):
-        """Load the weights into their stages and the tokenizer (None when the checkpoint ships
-        none or skip_tokenizer_init). Returns (tokenizer, load seconds). The tokenizer is built
-        in a thread while the weights load; its errors are raised here. `init_parts["tokenizer_s"]`
-        is what start-up waited for it after the weights (the part not hidden behind them),
-        `tokenizer_seconds` its own seconds."""
+    def load(self) -> float:
+        """Load the weights into their stages and start building the tokenizer in a thread; returns
+        the weights' load seconds. `tokenizer()` waits for the tokenizer. On accelerators the
+        build runs beside the weights (their load is mostly device transfers) and `load` waits for
+        it, so its errors come before any compile; on CPUs it starts after the weights and runs
+        beside the runner's construction and the warm-up (a CPU's weight conversion is host Python
+        and numpy, and the build's transformers import holds the GIL), so its errors come with
+        the engine's first `tokenizer()` call."""
         from jvllm.converters import load_checkpoint, load_tokenizer
 
         config = self.config
@@ -107,18 +110,40 @@ class Worker:
             self.tokenizer_seconds = time.perf_counter() - t
             return tok
 
-        with ThreadPoolExecutor(1, thread_name_prefix="jvllm-tokenizer") as pool:  # exit waits for the thread
-            job = pool.submit(tokenizer_job) if config.skip_tokenizer_init is not True else None
+        build = config.skip_tokenizer_init is not True
+        after = not self.on_accelerator
+        self.init_parts["tokenizer_s"] = 0.0
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jvllm-tokenizer")
+        try:
+            if build and not after:
+                self._tokenizer_job = pool.submit(tokenizer_job)
             ckpt = self._load_checkpoint(load_checkpoint, config, layout)
-            t = time.perf_counter()
-            tokenizer = job.result() if job is not None else None
-            self.init_parts["tokenizer_s"] = time.perf_counter() - t
-        if tokenizer is None and config.skip_tokenizer_init is False:
-            raise ValueError(f"model {config.model!r} ships no tokenizer files; pass skip_tokenizer_init=True")
+            if build and after:
+                self._tokenizer_job = pool.submit(tokenizer_job)
+        except BaseException:
+            pool.shutdown(wait=True)  # a failed load leaves no thread behind
+            raise
+        pool.shutdown(wait=False)
+        if not after:
+            self.tokenizer()
         t = time.perf_counter()
         self._stages, self._head_w = self._build_stages(layout, ckpt.params)
         self.init_parts["build_stages_s"] = time.perf_counter() - t
-        return tokenizer, ckpt.load_seconds
+        return ckpt.load_seconds
+
+    def tokenizer(self):
+        """The tokenizer `load` started (None when the checkpoint ships none or skip_tokenizer_init;
+        a ValueError when it ships none and skip_tokenizer_init is False), waiting for its thread
+        on the first call and re-raising its error. `init_parts["tokenizer_s"]` is that wait (the
+        part of the build not hidden behind other work), `tokenizer_seconds` the build's own."""
+        job, self._tokenizer_job = self._tokenizer_job, None
+        if job is not None:
+            t = time.perf_counter()
+            self._tokenizer = job.result()
+            self.init_parts["tokenizer_s"] = time.perf_counter() - t
+            if self._tokenizer is None and self.config.skip_tokenizer_init is False:
+                raise ValueError(f"model {self.config.model!r} ships no tokenizer files; pass skip_tokenizer_init=True")
+        return self._tokenizer
 
     def _load_checkpoint(self, load_checkpoint, config, layout):
         try:
