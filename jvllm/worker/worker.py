@@ -134,15 +134,16 @@ class Worker:
     def tokenizer(self):
         """The tokenizer `load` started (None when the checkpoint ships none or skip_tokenizer_init;
         a ValueError when it ships none and skip_tokenizer_init is False), waiting for its thread
-        on the first call and re-raising its error. `init_parts["tokenizer_s"]` is that wait (the
+        on the first call; a failed build re-raises its error on every call. `init_parts["tokenizer_s"]` is that wait (the
         part of the build not hidden behind other work), `tokenizer_seconds` the build's own."""
-        job, self._tokenizer_job = self._tokenizer_job, None
-        if job is not None:
+        job = self._tokenizer_job
+        if job is not None:  # kept until it succeeds: a failed build raises on every call
             t = time.perf_counter()
-            self._tokenizer = job.result()
+            tok = job.result()
             self.init_parts["tokenizer_s"] = time.perf_counter() - t
-            if self._tokenizer is None and self.config.skip_tokenizer_init is False:
+            if tok is None and self.config.skip_tokenizer_init is False:
                 raise ValueError(f"model {self.config.model!r} ships no tokenizer files; pass skip_tokenizer_init=True")
+            self._tokenizer, self._tokenizer_job = tok, None
         return self._tokenizer
 
     def _load_checkpoint(self, load_checkpoint, config, layout):
