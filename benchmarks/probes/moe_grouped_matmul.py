@@ -48,7 +48,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--sweep", default="",
                     help="pallas launch configs to time on the three grouped matmuls alone, e.g. "
-                         "'16x128x64x3x4,64x128x64x3x4x4' (bm x bn x bk x stages x warps [x split_k])")
+                         "'16x128x64x3x4,64x128x64x3x4' (bm x bn x bk x stages x warps)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_gmm.json"))
     a = ap.parse_args(argv)
 
@@ -89,7 +89,7 @@ def main(argv=None):
         w = jnp.asarray(rng.random((T, k)), jnp.float32)
         touched = int(len(np.unique(np.asarray(idx))))
         need = touched * 3 * D * I * itemsize
-        for b in filter(None, a.backends.split(",")):  # --backends "": the sweep alone
+        for b in a.backends.split(","):
             try:
                 gm.ragged_dot_fn(b)
             except ImportError as e:
@@ -118,11 +118,11 @@ def main(argv=None):
             xs = x[order // k]
             hs = jnp.zeros((xs.shape[0], I), dtype)
             for cfg in a.sweep.split(","):
-                bm, bn, bk, st, nw, sk = ([int(v) for v in cfg.split("x")] + [1])[:6]
-                launch = dict(bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw, split_k=sk)
-                f = jax.jit(lambda xs, hs, sz, launch=launch: (
-                    grouped_matmul(xs, ws[0], sz, **launch), grouped_matmul(xs, ws[1], sz, **launch),
-                    grouped_matmul(hs, ws[2], sz, **launch)))
+                bm, bn, bk, st, nw = (int(v) for v in cfg.split("x"))
+                f = jax.jit(lambda xs, hs, sz, bm=bm, bn=bn, bk=bk, st=st, nw=nw: (
+                    grouped_matmul(xs, ws[0], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw),
+                    grouped_matmul(xs, ws[1], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw),
+                    grouped_matmul(hs, ws[2], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw)))
                 try:
                     ms = _time(f, (xs, hs, sizes), a.iters)
                 except Exception as e:
@@ -132,12 +132,23 @@ def main(argv=None):
                 rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg, ms=ms,
                                  touched_weight_gb_s=need / (ms / 1e3) / 1e9))
                 print(f"T={T:5d} pallas {cfg:16s} {ms:9.3f} ms  {need / (ms / 1e3) / 1e9:8.1f} GB/s", flush=True)
-    res = dict(shape=dict(experts=E, top_k=k, hidden=D, expert_size=I, dtype=str(jnp.dtype(dtype))),
-               devices=a.devices, expert_groups=a.expert_groups, platform=jax.devices()[0].platform, device_kind=jax.devices()[0].device_kind,
-               jax=jax.__version__, rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    json.dump(res, open(a.out, "w"), indent=1)
+                dump(a, E, k, D, I, dtype, rows, partial=True)
+    dump(a, E, k, D, I, dtype, rows, partial=False)
     return 0
+
+
+def dump(a, E, k, D, I, dtype, rows, partial: bool):
+    """Write the JSON (after every sweep row too, marked partial: a probe cut off by its time limit
+    keeps what it measured)."""
+    import jax
+    import jax.numpy as jnp
+
+    res = dict(shape=dict(experts=E, top_k=k, hidden=D, expert_size=I, dtype=str(jnp.dtype(dtype))),
+               devices=a.devices, expert_groups=a.expert_groups, platform=jax.devices()[0].platform,
+               device_kind=jax.devices()[0].device_kind, jax=jax.__version__, partial=partial, rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -50,12 +50,16 @@ def launch_defaults(M: int, G: int) -> tuple[int, int, int, int, int]:
     per expert on average) take 64-row tiles, so nearly every active expert is read once by one
     tile; prefill-sized ones take up to 128. Decode batches with fewer rows than experts (a few
     tokens: few active tiles) keep 64-column tiles, so that more programs stream the weights; from
-    one row per expert on, 128 columns and 8 warps. The decode launches are the best of H200 sweeps
-    at 1 and 256 tokens (benchmarks/README.md); the others are untuned."""
+    one row per expert on, 128 columns and 8 warps. Prefill-sized batches (over 64 rows per expert)
+    take 128x256 tiles with 64-deep K steps and 8 warps. The decode and prefill launches are the
+    best of H200 sweeps at 1, 256 and 2,048 tokens (benchmarks/README.md); 17-64 rows per expert
+    are untuned."""
     per_group = max(1, M // max(G, 1))
     if per_group <= 16:
         return (64, 64, 128, 4, 4) if M < G else (64, 128, 128, 3, 8)
-    return (64 if per_group <= 64 else 128), 128, 64, 3, 4
+    if per_group <= 64:
+        return 64, 128, 64, 3, 4
+    return 128, 256, 64, 3, 8
 
 
 def tile_table(group_sizes: jax.Array, M: int, bm: int, rows: int | None = None) -> jax.Array:
@@ -86,10 +90,7 @@ def tile_table(group_sizes: jax.Array, M: int, bm: int, rows: int | None = None)
     return jnp.stack([gc, first, end, window], axis=1)
 
 
-def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, nk: int, split: bool):
-    """One (row tile, column tile[, K split]) program: `nk` K steps of `bk` from the split's start
-    (program_id(2) * nk * bk with `split`, else 0), stored into out[split index] or out. Without
-    `split` the grid has two axes, the kernel as measured before split-K existed."""
+def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, nk: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -98,13 +99,11 @@ def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, n
     pick = lambda i: jnp.sum(jnp.where(lane == i, meta, 0))  # noqa: E731  (vector -> scalar, Triton-safe)
     g, first, end, window = pick(0), pick(1), pick(2), pick(3)
     n0 = pl.program_id(1) * bn
-    sidx = pl.program_id(2) if split else 0  # outside pl.when: the interpreter has none inside a cond
-    kbase = sidx * nk
 
     @pl.when(end > first)
     def _():
         def body(kk, acc):
-            k0 = pl.multiple_of((kbase + kk) * bk, bk)
+            k0 = pl.multiple_of(kk * bk, bk)
             a = lhs_ref[pl.ds(window, bm), pl.ds(k0, bk)]
             b = rhs_ref[pl.ds(g, 1), pl.ds(k0, bk), pl.ds(n0, bn)].reshape(bk, bn)
             return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
@@ -112,21 +111,15 @@ def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, n
         acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
         rows = window + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
         mine = (rows >= first) & (rows < end)
-        if split:  # a [1, bm, bn] slice: a scalar index of the ref breaks the interpreter's store
-            plgpu.store(out_ref.at[pl.ds(sidx, 1), pl.ds(window, bm), pl.ds(n0, bn)], acc[None], mask=mine[None])
-        else:
-            plgpu.store(out_ref.at[pl.ds(window, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=mine)
+        plgpu.store(out_ref.at[pl.ds(window, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=mine)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
                    preferred_element_type=None, *, bm: int | None = None, bn: int | None = None,
                    bk: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   split_k: int = 1, interpret: bool | None = None) -> jax.Array:
+                   interpret: bool | None = None) -> jax.Array:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` (see the module docstring). Launch parameters
     left None take `launch_defaults`; `interpret` None = interpret unless the default backend is a GPU.
-    `split_k` > 1: the K steps are split over that many programs per tile (the largest count up to
-    it that divides them), whose float32 partial products are summed after the kernel: more
-    programs streaming weights when few tiles are active (a decode step's few tokens).
     `precision` is in the signature for compatibility with `ragged_dot` and must be None (the kernel's
     dot is the inputs' dtype with float32 accumulation): anything else is a ValueError."""
     from jax.experimental import pallas as pl
@@ -154,25 +147,18 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preci
     Mp = max(M, bm)
     x = lhs if Mp == M else jnp.pad(lhs, ((0, Mp - M), (0, 0)))
     meta = tile_table(group_sizes, Mp, bm, rows=M)
-    steps = K // bk
-    if split_k < 1:
-        raise ValueError(f"grouped_matmul: split_k must be >= 1, got {split_k}")
-    S = max(d for d in range(1, min(split_k, steps) + 1) if steps % d == 0)
-    kernel = functools.partial(_kernel, bm=bm, bk=bk, bn=bn, nk=steps // S, split=S > 1)
-    out_shape, out_block = ((S, Mp, N), jnp.float32) if S > 1 else ((Mp, N), out_dtype)
+    kernel = functools.partial(_kernel, bm=bm, bk=bk, bn=bn, nk=K // bk)
     out = pl.pallas_call(
         kernel,
-        grid=(meta.shape[0], N // bn) + ((S,) if S > 1 else ()),  # (tile, column tile[, K split])
-        in_specs=[pl.BlockSpec((None, 4), lambda t, *_: (t, 0)),
-                  pl.BlockSpec((Mp, K), lambda *_: (0, 0)),
-                  pl.BlockSpec((G, K, N), lambda *_: (0, 0, 0))],
-        out_specs=pl.BlockSpec(out_shape, lambda *_: (0,) * len(out_shape)),
-        out_shape=jax.ShapeDtypeStruct(out_shape, out_block),
+        grid=(meta.shape[0], N // bn),
+        in_specs=[pl.BlockSpec((None, 4), lambda t, n: (t, 0)),
+                  pl.BlockSpec((Mp, K), lambda t, n: (0, 0)),
+                  pl.BlockSpec((G, K, N), lambda t, n: (0, 0, 0))],
+        out_specs=pl.BlockSpec((Mp, N), lambda t, n: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"jvllm_grouped_matmul_bm{bm}_bn{bn}_bk{bk}" + (f"_s{S}" if S > 1 else ""),
+        name=f"jvllm_grouped_matmul_bm{bm}_bn{bn}_bk{bk}",
     )(meta, x, rhs)
-    if S > 1:
-        out = out.sum(0).astype(out_dtype)
     total = jnp.sum(group_sizes.astype(jnp.int32))
     return jnp.where((jnp.arange(M) < total)[:, None], out[:M], jnp.zeros((), out_dtype))
