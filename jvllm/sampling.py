@@ -97,22 +97,15 @@ class SamplerImpl:
     batch-invariant mode). looped_passes: the search's passes run as one `lax.fori_loop` body
     instead of unrolled (the same arithmetic, so the same ids): on CPUs, where 1-bit passes make 32
     unrolled passes per search that XLA takes seconds to compile (benchmarks/README.md); GPUs keep
-    them unrolled (a while loop's trip test would be a device-to-host round trip per pass).
-    threshold_kernel: the search (and the top-p mass) as one Pallas kernel
-    (`jvllm.ops.pallas_truncation`, GPUs) in programs of at least threshold_kernel_min_rows rows."""
+    them unrolled (a while loop's trip test would be a device-to-host round trip per pass)."""
     radix_bits: int = 4
     branchy: bool = False
     fixed_order_sums: bool = False
     looped_passes: bool = False
-    threshold_kernel: bool = False
-    threshold_kernel_min_rows: int = 1
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):
             raise ValueError(f"SamplerImpl.radix_bits must be 1, 2 or 4, got {self.radix_bits!r}")
-        if self.threshold_kernel and (self.branchy or self.fixed_order_sums):
-            raise ValueError("SamplerImpl.threshold_kernel excludes branchy and fixed_order_sums (the kernel has "
-                             "neither conds nor the fixed-order sums)")
 
     @staticmethod
     def for_platform(platform: str) -> "SamplerImpl":
@@ -207,39 +200,6 @@ def _maybe(impl: SamplerImpl, pred, fn, other):
     return jax.lax.cond(pred, fn, other) if impl.branchy else fn()
 
 
-def _thresholds(x, mx, e, u, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl, greedy):
-    """Per-row truncation keys [R] uint32 (0 = keep everything) of processed logits x [R, V] (row
-    maxima mx, weights e = exp(x - mx), keys u): the XLA radix search, or with
-    `impl.threshold_kernel` the Pallas kernel (`jvllm.ops.pallas_truncation`, same contract)."""
-    R, V = x.shape
-    use_k, use_p = sb.top_k < V, sb.top_p < 1.0
-    zeros = lambda: jnp.zeros((R,), jnp.uint32)  # noqa: E731
-    if v.search == 0:
-        return zeros()
-    if impl.threshold_kernel and R >= impl.threshold_kernel_min_rows:
-        from jvllm.ops.pallas_truncation import thresholds
-
-        return thresholds(x, mx, sb.top_k, sb.top_p, use_k & ~greedy, use_p & ~greedy, two=v.search == 2)
-
-    def first():  # top_k rows count tokens, top_p rows sum mass (renormalized: target p * sum)
-        w = jnp.where(use_k[:, None], 1.0, e)
-        target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * _row_sum(e, impl))
-        found = _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes)
-        return jnp.where(use_k | use_p, found, 0)
-
-    t = _maybe(impl, jnp.any((use_k | use_p) & ~greedy), first, zeros)
-    if v.search == 2:  # top_p over the top_k-filtered distribution: lands at or above top_k's threshold
-        both = use_k & use_p
-
-        def second():
-            kept_mass = _row_sum(jnp.where(u >= t[:, None], e, 0.0), impl)
-            return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums,
-                                                   impl.looped_passes), 0)
-
-        t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
-    return t
-
-
 def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
     """Token ids [R] from processed logits x [R, V]: greedy rows argmax, the others temperature ->
     min_p -> top_k -> top_p -> Gumbel-max over the kept tokens."""
@@ -252,8 +212,27 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
     x = jnp.where(drop, -jnp.inf, x)
     e = jnp.where(drop, 0.0, e)
     u = _ukey(x)
-    t = _thresholds(x, mx, e, u, sb, v, impl, greedy)
     umax = _ukey(mx)
+    t = jnp.zeros((R,), jnp.uint32)
+    use_k, use_p = sb.top_k < V, sb.top_p < 1.0
+    zeros = lambda: jnp.zeros((R,), jnp.uint32)  # noqa: E731
+    if v.search >= 1:  # top_k rows count tokens, top_p rows sum mass (renormalized: target p * sum)
+        def first():
+            w = jnp.where(use_k[:, None], 1.0, e)
+            target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * _row_sum(e, impl))
+            found = _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes)
+            return jnp.where(use_k | use_p, found, 0)
+
+        t = _maybe(impl, jnp.any((use_k | use_p) & ~greedy), first, zeros)
+    if v.search == 2:  # top_p over the top_k-filtered distribution: lands at or above top_k's threshold
+        both = use_k & use_p
+
+        def second():
+            kept_mass = _row_sum(jnp.where(u >= t[:, None], e, 0.0), impl)
+            return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums,
+                                                   impl.looped_passes), 0)
+
+        t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
     t = jnp.where(greedy, umax, jnp.minimum(t, umax))
     g = jnp.where(greedy[:, None], 0.0, _gumbel(sb, V))
     return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1).astype(jnp.int32)

@@ -10,9 +10,7 @@ flat rows by default; --scale 4 gives peaked rows). The old sampler runs as each
 (`branchless`: True on GPUs, False elsewhere) and both ways with --both-old; the new one in its
 smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of gpu
 (radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), cpu (radix 1, conds), tpu (radix 4,
-conds), gpuk (the Pallas truncation kernel, `jvllm.ops.pallas_truncation`). `--kernel-sweep
-bv:bits:warps:stages,...` times that kernel alone (on the top_p case's processed logits, against
-the XLA search) and the whole top_p draw with it, per launch, and checks its keys and ids. Times are medians of --reps calls after one untimed call (compile), each ending with
+conds). Times are medians of --reps calls after one untimed call (compile), each ending with
 block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
 passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
 programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax). A build whose
@@ -38,8 +36,7 @@ CASES = {
     "min_p": dict(temperature=0.8, min_p=0.05),
     "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95),
 }
-IMPLS = {"gpu": (4, False), "gpu2": (2, False), "gpu1": (1, False), "cpu": (1, True), "tpu": (4, True),
-         "gpuk": (4, False, False, False, True)}  # gpuk: the Pallas truncation kernel
+IMPLS = {"gpu": (4, False), "gpu2": (2, False), "gpu1": (1, False), "cpu": (1, True), "tpu": (4, True)}
 
 
 def load_old(base: str | None, old_file: str | None):
@@ -109,52 +106,6 @@ def time_parts(mod, logits, reps: int) -> dict:
     return out
 
 
-def kernel_sweep(mod, logits, spec: str, reps: int) -> list:
-    """Per launch `bv:bits:warps:stages`: ms of the truncation kernel alone and of a whole
-    temperature 0.8 + top_p 0.95 draw with it, against the XLA search and draw, same keys / ids."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jvllm.ops import pallas_truncation as pt
-
-    R, V = logits.shape
-    sb = batch(mod, R, V, dict(temperature=0.8, top_p=0.95))
-    x = logits / 0.8
-    mx = jnp.max(x, axis=-1)
-    e = jnp.exp(x - mx[:, None])
-    u = mod._ukey(x)
-    greedy = jnp.zeros((R,), bool)
-    v = mod.SamplerVariant(1, logprobs=False)
-    xla = jax.jit(lambda x, mx, e, u: mod._thresholds(x, mx, e, u, sb, v, mod.SamplerImpl(), greedy))
-    s_xla, t_xla = timed(xla, x, mx, e, u, reps=reps)
-    draw_xla = jax.jit(functools.partial(mod.sample, variant=v, impl=mod.SamplerImpl()))
-    s_dx, (tok_x, _) = timed(draw_xla, logits, sb, None, reps=reps)
-    rows = [dict(launch="xla", search_ms=1e3 * s_xla, draw_ms=1e3 * s_dx)]
-    default = pt.launch_defaults
-    use_k, use_p = jnp.zeros((R,), bool), jnp.ones((R,), bool)
-    for item in (i for i in spec.split(",") if i):
-        bv, bits, warps, stages = (int(z) for z in item.split(":"))
-        row = dict(launch=item)
-        try:
-            f = jax.jit(functools.partial(pt.thresholds, two=False, bv=bv, bits=bits, num_warps=warps,
-                                          num_stages=stages))
-            s_k, t_k = timed(f, x, mx, sb.top_k, sb.top_p, use_k, use_p, reps=reps)
-            row.update(search_ms=1e3 * s_k, same_keys=bool(np.array_equal(np.asarray(t_k), np.asarray(t_xla))),
-                       keys_differ=int(np.sum(np.asarray(t_k) != np.asarray(t_xla))))
-            pt.launch_defaults = lambda R, _d=dict(bv=bv, bits=bits, num_warps=warps, num_stages=stages): _d
-            draw = jax.jit(functools.partial(mod.sample, variant=v, impl=mod.SamplerImpl(threshold_kernel=True)))
-            s_d, (tok_k, _) = timed(draw, logits, sb, None, reps=reps)
-            row.update(draw_ms=1e3 * s_d, same_ids=bool(np.array_equal(np.asarray(tok_k), np.asarray(tok_x))))
-        except Exception as ex:  # a launch Triton refuses (registers, shared memory): record it, go on
-            row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-        finally:
-            pt.launch_defaults = default
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
-    return rows
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--R", type=int, default=256)
@@ -169,7 +120,6 @@ def main(argv=None):
     ap.add_argument("--parts", action="store_true",
                     help="also time the draw's parts: the pre-pass (temperature, max, exp, keys), one threshold "
                          "search per radix width, the Gumbel noise + argmax")
-    ap.add_argument("--kernel-sweep", default="", help="bv:bits:warps:stages,... launches of the truncation kernel")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -216,20 +166,15 @@ def main(argv=None):
             if impl.branchy:
                 v = SamplerVariant(2, True)
             f = jax.jit(functools.partial(new.sample, variant=v, impl=impl))
-            try:
-                s, (tok_new, _) = timed(f, logits, batch(new, a.R, a.V, case), None, reps=a.reps)
-            except Exception as ex:  # e.g. a kernel Triton refuses: record it, go on
-                row[f"new_{name}_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-                continue
+            s, (tok_new, _) = timed(f, logits, batch(new, a.R, a.V, case), None, reps=a.reps)
             row[f"new_{name}_ms"] = 1e3 * s
             row[f"new_{name}_same_ids_as_old"] = bool(np.array_equal(np.asarray(tok_new), np.asarray(tok_old)))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     parts = time_parts(new, logits, a.reps) if a.parts else None
-    sweep = kernel_sweep(new, logits, a.kernel_sweep, a.reps) if a.kernel_sweep else None
     from jvllm.bench import device_info, versions
 
-    out = dict(parts=parts, kernel_sweep=sweep, probe="sampler_speed", platform=platform, device=device_info(), versions=versions(), R=a.R, V=a.V,
+    out = dict(parts=parts, probe="sampler_speed", platform=platform, device=device_info(), versions=versions(), R=a.R, V=a.V,
                reps=a.reps, scale=a.scale, base=a.old_file or a.base, impls={n: vars(i) for n, i in impls.items()},
                cases=rows)
     text = json.dumps(out, indent=1)
