@@ -9,6 +9,7 @@ from jvllm import LLM, SamplingParams
 from jvllm.compilation import compile_count
 from jvllm.engine.engine_config import EngineConfig
 from jvllm.models.layers import FIXED_TILE_DENSE, FixedTileDense, LMHead
+from jvllm.sampling import SamplerVariant
 from jvllm.worker.batch_invariant import StepVariants
 
 RNG = np.random.default_rng(7)
@@ -117,6 +118,33 @@ def test_bit_equal_across_batches_and_chunkings(inv, temperature):
     assert buckets_seen == set(BUCKETS), buckets_seen  # and its steps ran in every bucket
 
 
+def test_greedy_tokens_equal_from_argmax_and_full_sampler(inv, monkeypatch):
+    """A greedy request without logprobs: alone (all-greedy batches: the argmax-only program) and
+    beside sampled requests (the full sampler) gives the same tokens, and both programs ran."""
+    from jvllm.worker import sampler
+
+    programs, orig = [], sampler.plan
+
+    def spy(sched, *a, **kw):
+        out = orig(sched, *a, **kw)
+        if any(s.req.prompt_token_ids == TARGET for s in sched):
+            programs.append("greedy" if out is None else out.variant)
+        return out
+
+    monkeypatch.setattr(sampler, "plan", spy)
+    tp = SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True)
+    _cold(inv)
+    alone = _run(inv, [TARGET], tp)
+    assert set(programs) == {"greedy"}, programs
+    sampled = SamplingParams(max_tokens=N_OUT, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
+    for b in BATCHES[:3]:
+        programs.clear()
+        _cold(inv)
+        got = _run(inv, b, tp, sampled)
+        assert got[0] == alone[0], f"batch {b and [len(p) for p in b]} changed the greedy target's tokens"
+        assert SamplerVariant(2, True) in programs, programs  # steps beside the sampled neighbour
+
+
 def test_bit_equal_with_prefix_cache_hit(inv):
     tp = _params(0.0)
     _cold(inv)
@@ -146,13 +174,19 @@ def test_every_bucket_fixed_tile_and_no_compile_while_serving(inv):
 
     r = inv.llm_engine.runner
     assert r.token_buckets == BUCKETS and not any(r.layout.has_decode_variant(T) for T in BUCKETS)
-    assert "greedy" not in {k for k, _ in r.warmup_keys()[0] + r.warmup_keys()[1]}
+    first, rest = r.warmup_keys()
+    assert ("greedy", r.layout.seq_bucket(BUCKETS[0])) in first  # all-greedy batches: argmax only
+    assert {(key[-1].search, key[-1].logprobs) for kind, key in first + rest if kind == "sample"} == {(2, True)}  # the largest
     model = nnx.merge(r.stages[0].graphdef, r.stages[0].state)
     assert model.layers[0].self_attn.proj is FIXED_TILE_DENSE and model.layers[1].mlp.proj is FIXED_TILE_DENSE
     assert LMHead.of(r.cfg).fixed_tile
-    before = compile_count()
-    _run(inv, [TARGET, OTHERS[1], OTHERS[4]], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert compile_count() == before
+    # the suite warms the first programs only (JVLLM_WARMUP=first): one run compiles what this
+    # batch needs, the same batch again (other prompt chunks: the prefix cache holds TARGET) none
+    batch = [TARGET, OTHERS[1], OTHERS[4]]
+    _run(inv, batch, SamplingParams(max_tokens=3, ignore_eos=True))
+    before, had = compile_count(), set(r.programs.compiled())
+    _run(inv, batch[::-1], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert compile_count() == before, set(r.programs.compiled()) - had
 
 
 def test_fixed_tile_projection_and_head_match_xla():
@@ -174,8 +208,8 @@ def test_fixed_tile_projection_and_head_match_xla():
 
 
 def test_modes_decided_once(ckpt_dir):
-    assert StepVariants.for_mode(False) == StepVariants(True, True)
-    assert StepVariants.for_mode(True) == StepVariants(decode_variants=False, greedy_program=False)
+    assert StepVariants.for_mode(False) == StepVariants(decode_variants=True, full_sampler=False)
+    assert StepVariants.for_mode(True) == StepVariants(decode_variants=False, full_sampler=True)
     assert EngineConfig(batch_invariant=True, token_buckets=(32, 8)).token_buckets == (32, 8)  # every bucket
     with pytest.raises(ValueError, match="batch_invariant=True with a mixture-of-experts model"):
         LLM(ckpt_dir("mixtral"), batch_invariant=True, use_tqdm_on_load=False)

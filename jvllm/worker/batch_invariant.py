@@ -26,10 +26,13 @@ construction; nothing is decided per step):
   chunk boundary. Chunks past a row's last key are masked, and a masked chunk leaves the
   online-softmax state bit for bit unchanged (p = 0, correction 1), so the batch's longest
   context (the loop's trip count) does not matter either.
-- The sampler program. An all-greedy batch without logprobs uses the argmax-only program; any
-  other batch the full sampler. -> the full sampler for every batch. Sampling noise is already
-  per row (the key of the request's seed folded with its output index), and every other sampler
-  op works row by row.
+- The sampler program. The default picks the smallest sampler variant that covers a batch's
+  rows (whether any row truncates, wants logprobs, ...). -> every batch that samples or wants
+  logprobs takes the largest variant. An all-greedy batch without logprobs keeps the argmax-only
+  program: a greedy row's token is the first index of its row's maximum in both programs (the
+  full sampler's greedy rows keep only the maximum's keys and take their argmax), and a maximum
+  does not depend on the reduction's order. Sampling noise is already per row (the key of the
+  request's seed folded with its output index), and every other sampler op works row by row.
 
 What holds, and where:
 
@@ -50,8 +53,9 @@ What holds, and where:
   program): those batches run other programs that compute the same math but may fuse it
   differently. Equal on CPU in the tests, not promised.
 
-Cost: the fixed-tile matmul instead of the library's best GEMM for each shape, and the mixed
-program (query tiles, no split-K) for decode-only steps.
+Cost: the fixed-tile matmul instead of the library's best GEMM for each shape, the mixed
+program (query tiles, no split-K) for decode-only steps, and the largest sampler variant for
+batches that sample.
 """
 from __future__ import annotations
 
@@ -64,12 +68,13 @@ class StepVariants:
 
     decode_variants: decode-only steps get their own one-query-tile program (False: every step
         runs the mixed program of its bucket).
-    greedy_program: all-greedy batches without logprobs use the argmax-only sampler (False: the
-        full sampler serves every batch)."""
+    full_sampler: every batch that needs the sampler takes its largest variant (False: the
+        smallest that covers the batch's rows). All-greedy batches without logprobs use the
+        argmax-only program in both modes."""
 
     decode_variants: bool = True
-    greedy_program: bool = True
+    full_sampler: bool = False
 
     @classmethod
     def for_mode(cls, batch_invariant: bool) -> "StepVariants":
-        return cls(decode_variants=False, greedy_program=False) if batch_invariant else cls()
+        return cls(decode_variants=False, full_sampler=True) if batch_invariant else cls()

@@ -27,7 +27,7 @@ import numpy as np
 from jvllm.compilation.registry import Programs
 from jvllm.config import ModelConfig, cdiv
 from jvllm.memory import kv_cache
-from jvllm.sampling import NUM_TOP_LOGPROBS, SamplerImpl, SamplerVariant
+from jvllm.sampling import NUM_TOP_LOGPROBS, SamplerImpl
 from jvllm.worker import logits_processors, microbatches, programs, sampler
 from jvllm.worker.attention_modes import attention_modes
 from jvllm.worker.batch_invariant import StepVariants
@@ -174,17 +174,14 @@ class ModelRunner:
         them), then the rest), this process's only.
         A request whose program is not compiled yet compiles it on demand (or waits for the
         warm-up thread if that is compiling it). Batch-invariant mode: the first are its one step
-        program and its sampler, and the argmax-only samplers (never used there) are left out. The
-        masked twin (mask=True) of every `sample` variant comes last."""
+        program and its greedy sampler. The masked twin (mask=True) of every `sample` variant
+        comes last."""
         keys = self.programs.keys()
         # the masked twin of every sampler variant (grammars, allowed_token_ids, bad_words)
         keys += [("sample", (key[0], dataclasses.replace(key[1], mask=True))) for kind, key in keys if kind == "sample"]
         b = self.layout.token_buckets
-        if not self.variants.greedy_program:
-            keys = [k for k in keys if k[0] != "greedy"]
         t_dec = min((T for T in b if self.layout.has_decode_variant(T)), default=b[0])
-        sampler0 = ("greedy", self.layout.seq_bucket(t_dec)) if self.variants.greedy_program else \
-            ("sample", (self.layout.seq_bucket(t_dec), SamplerVariant(2, True)))
+        sampler0 = ("greedy", self.layout.seq_bucket(t_dec))
         first = [k for k in keys if (k[0] == "step" and k[1][1:] == (t_dec, self.layout.has_decode_variant(t_dec)))
                  or k == sampler0]
 
@@ -309,9 +306,9 @@ class ModelRunner:
         masks included; logits processors' inputs) from its requests' host state."""
         tm, sched = self.timers, w.sched
         t1 = time.perf_counter()
-        # batch-invariant mode: one full sampler variant for every batch (no argmax-only program)
+        # batch-invariant mode: the largest sampler variant for every batch that samples
         w.plan = sampler.plan(sched, w.R, self.cfg.vocab_size, self.max_model_len, self.sampler_impl,
-                              full=not self.variants.greedy_program)
+                              full=self.variants.full_sampler)
         tm["grammar_mask_s"] += w.plan.mask_fill_s if w.plan is not None else 0.0
         w.procs_in = None
         if logits_processors.uses_processors(sched):

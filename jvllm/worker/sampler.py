@@ -146,9 +146,10 @@ def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = F
 def plan(scheduled, R: int, vocab_size: int, max_model_len: int, impl: SamplerImpl,
          full: bool = False) -> SamplerPlan | None:
     """The sampler inputs of `scheduled` (rows padded to R), or None when every row is plain greedy
-    and unmasked (the argmax-only program serves the batch and needs no inputs). `full`: always
-    the largest variant, never None (batch-invariant mode: one sampler program for every batch)."""
-    if not full and all(plain_greedy(s.req.params) for s in scheduled) and not any(_mask_row(s) for s in scheduled):
+    and unmasked (the argmax-only program serves the batch and needs no inputs). `full`: the
+    largest variant for every other batch (batch-invariant mode: one sampler program for every
+    batch that samples)."""
+    if all(plain_greedy(s.req.params) for s in scheduled) and not any(_mask_row(s) for s in scheduled):
         return None
     V, n = vocab_size, len(scheduled)
     lay = RowLayout(R, V, max_model_len, choose_variant(scheduled, V, impl, full))
