@@ -31,7 +31,8 @@ construction; nothing is decided per step):
   logprobs takes the largest variant. An all-greedy batch without logprobs keeps the argmax-only
   program: a greedy row's token is the first index of its row's maximum in both programs (the
   full sampler's greedy rows keep only the maximum's keys and take their argmax), and a maximum
-  does not depend on the reduction's order. Sampling noise is already per row (the key of the
+  does not depend on the reduction's order (hazard: a row whose maximum is zero held as both -0.0
+  and +0.0, or NaN, may pick another index in the two programs). Sampling noise is already per row (the key of the
   request's seed folded with its output index), and every other sampler op works row by row.
 
 What holds, and where:
