@@ -134,8 +134,9 @@ class Worker:
     def tokenizer(self):
         """The tokenizer `load` started (None when the checkpoint ships none or skip_tokenizer_init;
         a ValueError when it ships none and skip_tokenizer_init is False), waiting for its thread
-        on the first call; a failed build re-raises its error on every call. `init_parts["tokenizer_s"]` is that wait (the
-        part of the build not hidden behind other work), `tokenizer_seconds` the build's own."""
+        on the first call; a failed build re-raises its error on every call.
+        `init_parts["tokenizer_s"]` is that wait (the part of the build not hidden behind other
+        work), `tokenizer_seconds` the build's own."""
         job = self._tokenizer_job
         if job is not None:  # kept until it succeeds: a failed build raises on every call
             t = time.perf_counter()
@@ -317,7 +318,7 @@ class Worker:
                 return tqdm(keys, desc="jvllm: compiling buckets", unit="prog", leave=False)
         t0 = time.perf_counter()
         if self.process_count > 1:  # every process compiles the same programs in the same order
-            r.programs.warm_up(first, progress=progress).wait()
+            r.programs.warm_up(first, progress=progress)  # foreground: returns when done
             return time.perf_counter() - t0, r.programs.warm_up(rest)
         # one process: the first programs load in parallel and the rest starts beside them (its head
         # is the smallest prefill step, which a short first prompt needs next); the rest's handle
