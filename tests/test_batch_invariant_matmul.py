@@ -1,6 +1,7 @@
 """The fixed-tile matmul of batch-invariant mode (jvllm.ops.fixed_tile_matmul), interpret mode on
 CPU: close to a float64 product, and every row bit-equal whatever the number of rows and the row's
-place among them (where XLA's dot is not), with and without split-K."""
+place among them (where XLA's dot is not), with and without split-K, for one weight and for a
+group of weights in one launch, and the split and walk launches bit-equal."""
 import functools
 
 import jax
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.ops.fixed_tile_matmul import MIN_SPLIT_STEPS, TARGET_PROGRAMS, Tiles, fixed_tile_matmul, tiles
+from jvllm.ops.fixed_tile_matmul import (MIN_SPLIT_STEPS, TARGET_PROGRAMS, Tiles, fixed_tile_matmul, fixed_tile_matmuls,
+                                         launch_splits, tiles)
 
 RNG = np.random.default_rng(0)
 ROWS = 100
@@ -37,6 +39,47 @@ def test_rows_bit_equal_whatever_the_batch(K, N, transposed, S, dtype):
         assert np.array_equal(got, full[off:off + m]), (m, off)
 
 
+# (K, [N_i], S): q/k/v-like with a shifted tile in one member, gate/up-like
+GROUPS = [(1024, (256, 64, 40), 2), (2048, (128, 128), 4)]
+
+
+@pytest.mark.parametrize("K,Ns,S", GROUPS)
+def test_group_rows_bit_equal_whatever_the_batch(K, Ns, S):
+    assert tiles(K, *Ns).splits == S
+    x = jnp.asarray(RNG.standard_normal((ROWS, K)), BF16)
+    ws = [jnp.asarray(RNG.standard_normal((K, N)) * 0.1, BF16) for N in Ns]
+    f = functools.partial(fixed_tile_matmuls, out_dtype=F32)
+    full = [np.asarray(y) for y in f(x, ws)]
+    x64 = np.asarray(x.astype(F32), np.float64)
+    for y, w in zip(full, ws):
+        np.testing.assert_allclose(y, x64 @ np.asarray(w.astype(F32), np.float64), rtol=1e-5, atol=1e-4)
+    for m, off in SLICES:
+        for got, want in zip(f(x[off:off + m], ws), full):
+            assert np.array_equal(np.asarray(got), want[off:off + m]), (m, off)
+
+
+@pytest.mark.parametrize("K,Ns,transposed", [(2048, (200,), False), (1024, (40,), True), (1024, (256, 64, 40), False)])
+def test_split_and_walk_launches_bit_equal(K, Ns, transposed):
+    """The walk launch (each program adds its K ranges' sums in registers) computes the split
+    launch's float operations (partials stored, added in Python), so prefill-sized and
+    decode-sized steps agree bit for bit; bf16 outputs too (one rounding of the same sum)."""
+    assert tiles(K, *Ns).splits > 1
+    x = jnp.asarray(RNG.standard_normal((37, K)), BF16)
+    ws = [jnp.asarray(RNG.standard_normal((N, K) if transposed else (K, N)) * 0.1, BF16) for N in Ns]
+    for dtype in (F32, BF16):
+        f = functools.partial(fixed_tile_matmuls, x, ws, w_transposed=transposed, out_dtype=dtype)
+        for a, b in zip(f(launch="split"), f(launch="walk")):
+            assert np.array_equal(np.asarray(a.astype(F32)), np.asarray(b.astype(F32)))
+    with pytest.raises(ValueError, match="launch='tiled'"):
+        fixed_tile_matmuls(x, ws, w_transposed=transposed, launch="tiled")
+
+
+def test_launch_splits_from_the_number_of_programs():
+    t = tiles(4096, 4096)  # 32 column tiles, S = 8
+    assert [launch_splits(t, M, 32) for M in (1, 32, 224, 225, 256, 2048)] == [8, 8, 8, 1, 1, 1]
+    assert launch_splits(tiles(4096, 128256), 1, 1002) == 1  # S = 1 either way
+
+
 def test_split_output_dtype_is_one_rounding_of_the_float32_sum():
     """S > 1 with a bf16 output: the float32 sum of the partials, cast once."""
     x = jnp.asarray(RNG.standard_normal((5, 2048)), jnp.bfloat16)
@@ -61,6 +104,9 @@ def test_tiles_depend_on_k_and_n_only_and_bad_shapes():
     assert tiles(4096, 14336).splits == 4  # gate / up: 112 column tiles -> 448
     assert tiles(4096, 1024).splits == 8  # k / v: capped by MIN_SPLIT_STEPS (64 bk steps / 8)
     assert tiles(4096, 128256).splits == 1  # LM head: 1002 column tiles already
+    assert tiles(4096, 4096, 1024, 1024).splits == 8  # q/k/v in one launch: 48 column tiles -> 384
+    assert tiles(4096, 14336, 14336).splits == 2  # gate and up in one launch: 224 column tiles -> 448
+    assert tiles(64, 256, 40).bn == 32  # the group's smallest column tile
     assert tiles(64, 40) == Tiles(bm=32, bn=32, bk=64, splits=1)  # no pow2 divisor >= 16: shifted last tile
     for K, N in [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256), (2560, 960), (4112, 4096)]:
         t = tiles(K, N)
@@ -75,6 +121,8 @@ def test_tiles_depend_on_k_and_n_only_and_bad_shapes():
         fixed_tile_matmul(jnp.ones((2, 32)), jnp.ones((32, 8)))
     with pytest.raises(ValueError, match="x has K=32"):
         fixed_tile_matmul(jnp.ones((2, 32)), jnp.ones((64, 32)))
+    with pytest.raises(ValueError, match="N=8 is below"):
+        fixed_tile_matmuls(jnp.ones((2, 32)), [jnp.ones((32, 64)), jnp.ones((32, 8))])
 
 
 @pytest.mark.parametrize("shape,transposed", [((4096, 1024), False), ((4096, 128256), True), ((64, 40), False),
@@ -90,3 +138,32 @@ def test_lowers_to_triton_for_cuda(shape, transposed):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert f"grid_z = {tiles(K, N).splits} : i32" in text
+
+
+@pytest.mark.parametrize("M,launch,grid_z", [(8, "auto", 8), (512, "auto", 1), (8, "walk", 1)])
+def test_group_lowers_to_triton_for_cuda(M, launch, grid_z):
+    """q/k/v of an 8B in one launch, split (decode) and walk (prefill), through the Triton lowering."""
+    f = functools.partial(fixed_tile_matmuls, out_dtype=jnp.bfloat16, interpret=False, launch=launch)
+    args = [jax.ShapeDtypeStruct((M, 4096), jnp.bfloat16)] + [jax.ShapeDtypeStruct((4096, N), jnp.bfloat16)
+                                                               for N in (4096, 1024, 1024)]
+    text = jax.jit(lambda x, *ws: f(x, ws)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    assert "grid_y = 48 : i32" in text and f"grid_z = {grid_z} : i32" in text
+
+
+def test_gpu_probe_dry_run(tmp_path):
+    """benchmarks/probes/fixed_tile_probe.py --tiny (interpret mode): it runs, its equality counts
+    are zero, and it exercises a split launch (S > 1) as well as a walk."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "probe.json"
+    probe = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes", "fixed_tile_probe.py")
+    p = subprocess.run([sys.executable, probe, "--tiny", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["all_bit_equal"] and d["groups"]["qkv"]["tiles"]["splits"] > 1
+    assert all(v == 0 for g in d["groups"].values() for v in g["unequal_elements_vs_full_auto"].values())

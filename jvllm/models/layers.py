@@ -23,7 +23,7 @@ from flax import nnx
 from jvllm.config import ModelConfig
 from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, shard_local
 from jvllm.ops.fixed_order import tree_mean
-from jvllm.ops.fixed_tile_matmul import fixed_tile_matmul
+from jvllm.ops.fixed_tile_matmul import fixed_tile_matmul, fixed_tile_matmuls
 from jvllm.ops.pallas_attention import ragged_paged_attention
 from jvllm.quantization.schemes import Dense, Projection, num_contracted, projection_for, split_spec
 
@@ -77,21 +77,25 @@ def norm(cfg: ModelConfig, dim: int, dtype, axes=("norm",)) -> RMSNorm:
 class FixedTileDense(Dense):
     """Batch-invariant mode's projection (`jvllm.worker.batch_invariant`): unquantized weights
     through `jvllm.ops.fixed_tile_matmul`, whose per-element reduction order does not depend on
-    the number of tokens. The spec's activation must be the token axis followed by the weight's
-    contracted dims in the weight's order ("td,dhk->thk", "thk,hkd->td"); the weight and the
-    activation are viewed as 2-D (a reshape, no copy)."""
+    the number of tokens; `many` runs a group of weights (q/k/v, gate/up) as one launch. The
+    spec's activation must be the token axis followed by the weight's contracted dims in the
+    weight's order ("td,dhk->thk", "thk,hkd->td"); the weight and the activation are viewed as 2-D
+    (a reshape, no copy)."""
 
     name = "fixed_tile"
 
     def __call__(self, spec, x, w, scale):
+        return self.many(spec, x, [(w, scale)])[0]
+
+    def many(self, spec, x, weights):
         xs, ws, out = split_spec(spec)
         n = num_contracted(spec)
         if xs != out[0] + ws[:n] or out != out[0] + ws[n:]:
             raise ValueError(f"FixedTileDense: spec {spec!r} is not 'token + contracted, weight -> token + outputs'")
-        w = w[...]
-        K = int(np.prod(w.shape[:n]))
-        y = fixed_tile_matmul(x.reshape(x.shape[0], K), w.reshape(K, -1))
-        return y.reshape(x.shape[0], *w.shape[n:])
+        w_list = [w[...] for w, _ in weights]
+        K = int(np.prod(w_list[0].shape[:n]))
+        ys = fixed_tile_matmuls(x.reshape(x.shape[0], K), [w.reshape(K, -1) for w in w_list])
+        return [y.reshape(x.shape[0], *w.shape[n:]) for y, w in zip(ys, w_list)]
 
 
 FIXED_TILE_DENSE = FixedTileDense()
@@ -254,9 +258,8 @@ class Attention(nnx.Module):
         self.rope = layer_rope(cfg, local=self.window is not None)  # trace-time constants
 
     def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks, attention="xla"):
-        q = self.proj("td,dhk->thk", x, self.q_proj, self.q_proj_scale)
-        k = self.proj("td,dhk->thk", x, self.k_proj, self.k_proj_scale)
-        v = self.proj("td,dhk->thk", x, self.v_proj, self.v_proj_scale)
+        q, k, v = self.proj.many("td,dhk->thk", x, [(self.q_proj, self.q_proj_scale), (self.k_proj, self.k_proj_scale),
+                                                    (self.v_proj, self.v_proj_scale)])
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -303,8 +306,7 @@ class MLP(nnx.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def __call__(self, x):
-        g = self.proj("td,di->ti", x, self.gate_proj, self.gate_proj_scale)
-        u = self.proj("td,di->ti", x, self.up_proj, self.up_proj_scale)
+        g, u = self.proj.many("td,di->ti", x, [(self.gate_proj, self.gate_proj_scale), (self.up_proj, self.up_proj_scale)])
         if self.has_bias:
             g, u = g + self.gate_bias[...], u + self.up_bias[...]
         act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)

@@ -1,47 +1,53 @@
-"""A matmul whose every output element is reduced in one fixed order, whatever the number of rows:
+"""Matmuls whose every output element is reduced in one fixed order, whatever the number of rows:
 the projections and the LM head of batch-invariant mode (`jvllm.worker.batch_invariant`). One
 Pallas kernel (Triton lowering on NVIDIA GPUs; `interpret=True` runs the same kernel on CPU).
 
-Contract: `fixed_tile_matmul(x [M, K], w [K, N]) -> [M, N]` (or w [N, K] with `w_transposed`, the
-tied embedding as LM head), float32 accumulation, output in `out_dtype` (default x's dtype).
-Output element (r, c) depends only on row r of x, column c of w and (K, N): never on M, nor on the
+Contract: `fixed_tile_matmuls(x [M, K], [w_1 [K, N_1], ..., w_g [K, N_g]]) -> [[M, N_1], ...]`
+(one input through a group of weights in one launch: q/k/v, gate/up), and `fixed_tile_matmul(x,
+w)` for one weight (or w [N, K] with `w_transposed`, the tied embedding as LM head); float32
+accumulation, outputs in `out_dtype` (default x's dtype). Output element (r, c) of weight i depends
+only on row r of x, column c of w_i and the group's shapes (K, N_1..N_g): never on M, nor on the
 other rows. Why: XLA hands a dot to a library (cuBLAS, Eigen) that picks its algorithm, tiling and
 split-K from the whole shape, M included, so the same row summed in a batch of 8 and in a batch of
 512 may round differently.
 
-How: the tiles (bm, bn, bk) and the split count S are chosen from (K, N) only (`tiles`), never
-from M; M is padded to a multiple of bm. The grid is (M / bm, N / bn, S); program (i, j, s) walks
-its K range [s K/S, (s+1) K/S) in bk steps, adding the float32 product of a [bm, bk] block of x
-and a [bk, bn] block of w to its accumulator. S == 1: it stores the result in `out_dtype`. S > 1:
-it stores a float32 partial into an [S, Mp, N] buffer, and the partials are added in Python as
-p[0] + p[1] + ... + p[S-1] (written out: XLA does not reassociate float adds, where a reduce over
-the split axis would leave the order to the emitter), then cast. Every element is thus the same
-sequence of fixed-shape block products and adds, whatever M. When no power of two >= 16 divides
-N, the last column tile's window is shifted left to end at N (columns of its neighbour are
-computed again, never stored), so loads stay in bounds and each column is still computed by one
-fixed tile; rows past M are not stored either.
+How: the tiles (bm, bn, bk) and the split count S come from the group's shapes only (`tiles`),
+never from M. K is cut into S contiguous ranges; each range is walked in bk steps, adding the
+float32 product of a [bm, bk] block of x and a [bk, bn] block of w to an accumulator started at
+zero, and the S range sums are added left to right: p_0 + p_1 + ... + p_{S-1}, then cast once.
+Two launches compute exactly that sequence of float operations, chosen from M at trace time
+(`launch_splits`):
+- split (few row tiles: decode): grid (row tiles, column tiles, S); program (i, j, s) stores its
+  range's float32 partial into an [S, M, N] buffer and the partials are added in Python, written
+  out term by term (XLA does not reassociate float adds, where a reduce over the split axis would
+  leave the order to the emitter). At decode the grid is otherwise N / bn programs, each
+  streaming all of K: a [4096, 4096] weight is 32 programs on 132 SMs, far below HBM bandwidth.
+- walk (enough row x column tiles to fill the GPU: prefill): grid (row tiles, column tiles);
+  each program walks the S ranges itself, adding each range's sum to a running total in
+  registers, and stores the result: no partial buffer (at S = 8 that buffer would move 64 bytes
+  per output element).
+The group's column tiles are laid end to end (weight 1's, then weight 2's, ...); a program
+branches on its column index to its weight. When no power of two >= 16 divides N_i, its last
+column tile's window is shifted left to end at N_i (columns of its neighbour are computed again,
+never stored). Rows past M are neither loaded (masked loads, zeros) nor stored: no padding.
 
-Why split: at decode M is one row tile, so the grid is N / bn programs, each streaming all of K:
-a [4096, 4096] weight is 32 programs on 132 SMs, far below HBM bandwidth. S is the smallest
-power of two giving >= TARGET_PROGRAMS programs (about two waves), as far as each split keeps
->= MIN_SPLIT_STEPS bk steps; 1 for wide N (the LM head). The cost is the partial buffer,
-S * Mp * N * 4 bytes, written by the kernel and read back by the sum: negligible at decode (rows
-past M are neither stored nor read); for a prefill it is 8 S bytes of traffic per output element
-against its 2 K flops (K / S >= 8 bk = 512 at bk = 64: one byte per >= 128 flops) and transient
-memory that grows with M (S = 8, M = 512, N = 4096: 64 MiB). S cannot shrink with M (that would
-break the contract), so the minimum split length, not M, bounds it.
+S is the smallest power of two giving >= TARGET_PROGRAMS split-launch programs at one row tile
+(about two waves), as far as each range keeps >= MIN_SPLIT_STEPS bk steps; 1 for wide N (the LM
+head). Grouping the narrow k/v projections with q is what gives them enough programs.
 
-Hazards: K must have a power-of-two divisor >= 16 and N must be >= 16 (Triton blocks), else a
-ValueError naming the shape; rows are padded with zeros up to a multiple of bm (cheap: activations).
-Triton addresses with int32 offsets: S * Mp * N (and Mp * K, K * N) must stay below 2**31.
-On GPUs the per-element order is fixed by this walk and by the tensor-core instruction Triton
-emits for a (bm, bn, bk) block, which the fixed tiles also fix; no atomics (each partial is
-stored by one program), so the result is also run-to-run deterministic.
+Hazards: K must have a power-of-two divisor >= 16 and each N_i must be >= 16 (Triton blocks),
+else a ValueError naming the shape. Triton addresses with int32 offsets: S * M * N_i (and M * K,
+K * N_i) must stay below 2**31. On GPUs the per-element order is fixed by this walk and by the
+tensor-core instruction Triton emits for a (bm, bn, bk) block, which the fixed tiles and warp
+count also fix; no atomics (each partial is stored by one program), so the result is also
+run-to-run deterministic. Both launches running the same float operations is what the tests
+check bit for bit on CPU (interpret mode) and `benchmarks/probes/fixed_tile_probe.py` on a GPU.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,99 +67,163 @@ class Tiles:
 TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs, at one row tile (decode)
 MIN_SPLIT_STEPS = 8  # bk steps each split walks at least: keeps a split's pipeline full and
 #                      its float32 partial (4 bytes per element per split) small next to its work
+ROW_TILE = 32
 
 
-def tiles(K: int, N: int) -> Tiles:
-    """The tiles and the K split count of a [K, N] weight (a function of K and N only: that is the
-    invariance). S is the smallest power of two with ceil(N / bn) * S >= TARGET_PROGRAMS, as far
-    as K // bk stays divisible by S with >= MIN_SPLIT_STEPS steps a split; 1 when the columns
-    already give that many programs (wide N: the LM head). ValueError when K has no power-of-two
-    divisor >= 16 or N < 16."""
+def _col_tile(N: int) -> int:
+    return _pow2_divisor(N, 128) or min(128, 1 << (N.bit_length() - 1))
+
+
+def tiles(K: int, *Ns: int) -> Tiles:
+    """The tiles and the K split count of a group of [K, N_i] weights (a function of K and the
+    N_i only: that is the invariance). bn is the smallest of the weights' column tiles; S is the
+    smallest power of two with (column tiles of the group) * S >= TARGET_PROGRAMS, as far as
+    K // bk stays divisible by S with >= MIN_SPLIT_STEPS steps a range. ValueError when K has no
+    power-of-two divisor >= 16 or an N_i < 16."""
+    if not Ns:
+        raise ValueError("fixed_tile_matmul: no weights")
     bk = _pow2_divisor(K, 64)
     if bk is None:
         raise ValueError(f"fixed_tile_matmul: K={K} has no power-of-two divisor >= 16 (a Triton block)")
-    if N < 16:
-        raise ValueError(f"fixed_tile_matmul: N={N} is below the smallest Triton block (16)")
-    bn = _pow2_divisor(N, 128) or min(128, 1 << (N.bit_length() - 1))
-    nk, col_tiles, s = K // bk, -(-N // bn), 1
+    for N in Ns:
+        if N < 16:
+            raise ValueError(f"fixed_tile_matmul: N={N} is below the smallest Triton block (16)")
+    bn = min(_col_tile(N) for N in Ns)
+    nk, col_tiles, s = K // bk, sum(-(-N // bn) for N in Ns), 1
     while col_tiles * s < TARGET_PROGRAMS and nk % (2 * s) == 0 and nk // (2 * s) >= MIN_SPLIT_STEPS:
         s *= 2
-    return Tiles(bm=32, bn=bn, bk=bk, splits=s)
+    return Tiles(bm=ROW_TILE, bn=bn, bk=bk, splits=s)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, t: Tiles, M: int, N: int, nk: int, transposed: bool):
-    """One (row tile, column tile, K split) program: o_ref is the [Mp, N] output (S == 1) or this
-    split's [Mp, N] float32 partial (the split axis squeezed by the out BlockSpec)."""
+def launch_splits(t: Tiles, M: int, col_tiles: int) -> int:
+    """The split launch's S when M's row tiles times the column tiles give fewer than
+    TARGET_PROGRAMS programs, else 1 (the walk launch). Either computes the same floats."""
+    return t.splits if -(-max(M, 1) // t.bm) * col_tiles < TARGET_PROGRAMS else 1
+
+
+def _kernel(x_ref, *refs, t: Tiles, M: int, Ns: tuple, nk: int, walk: int, transposed: bool):
+    """One (row tile, column tile[, split]) program. refs: the g weights, then the g outputs
+    (the [M, N_i] results, or with the split launch this split's [M, N_i] float32 partial: the
+    split axis squeezed by the out BlockSpec). nk: bk steps a range; walk: ranges a program walks
+    (S in the walk launch, 1 in the split launch)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    g = len(Ns)
+    w_refs, o_refs = refs[:g], refs[g:]
     m0 = pl.program_id(0) * t.bm
-    n0 = pl.program_id(1) * t.bn
-    kbase = pl.program_id(2) * (nk * t.bk)  # this split's first K index
-    win = jnp.minimum(n0, N - t.bn)  # shifted last tile when bn does not divide N
+    j = pl.program_id(1)
+    first_range = pl.program_id(2) if walk == 1 else 0
+    xmask = (m0 + lax.broadcasted_iota(jnp.int32, (t.bm, t.bk), 0)) < M
 
-    def body(kk, acc):
-        k0 = pl.multiple_of(kbase + kk * t.bk, t.bk)
-        a = x_ref[pl.ds(m0, t.bm), pl.ds(k0, t.bk)]
-        if transposed:
-            b = w_ref[pl.ds(win, t.bn), pl.ds(k0, t.bk)]
-            return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        b = w_ref[pl.ds(k0, t.bk), pl.ds(win, t.bn)]
-        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+    def compute(w_ref, o_ref, N, j_local):
+        n0 = j_local * t.bn
+        win = jnp.minimum(n0, N - t.bn)  # shifted last tile when bn does not divide N
 
-    acc = lax.fori_loop(0, nk, body, jnp.zeros((t.bm, t.bn), jnp.float32))
-    cols = win + lax.broadcasted_iota(jnp.int32, (t.bm, t.bn), 1)
-    rows = m0 + lax.broadcasted_iota(jnp.int32, (t.bm, t.bn), 0)
-    plgpu.store(o_ref.at[pl.ds(m0, t.bm), pl.ds(win, t.bn)], acc.astype(o_ref.dtype),
-                mask=(cols >= n0) & (rows < M))
+        def range_sum(r):  # float32 [bm, bn]: the bk steps of K range r, from zero
+            kbase = r * (nk * t.bk)
+
+            def body(kk, acc):
+                k0 = pl.multiple_of(kbase + kk * t.bk, t.bk)
+                a = plgpu.load(x_ref.at[pl.ds(m0, t.bm), pl.ds(k0, t.bk)], mask=xmask, other=0)
+                if transposed:
+                    b = w_ref[pl.ds(win, t.bn), pl.ds(k0, t.bk)]
+                    return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+                b = w_ref[pl.ds(k0, t.bk), pl.ds(win, t.bn)]
+                return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+            return lax.fori_loop(0, nk, body, jnp.zeros((t.bm, t.bn), jnp.float32))
+
+        acc = range_sum(first_range)
+        if walk > 1:  # p_0 + p_1 + ... in registers: the split launch's sum, float for float
+            acc = lax.fori_loop(1, walk, lambda r, tot: tot + range_sum(r), acc)
+        cols = win + lax.broadcasted_iota(jnp.int32, (t.bm, t.bn), 1)
+        rows = m0 + lax.broadcasted_iota(jnp.int32, (t.bm, t.bn), 0)
+        plgpu.store(o_ref.at[pl.ds(m0, t.bm), pl.ds(win, t.bn)], acc.astype(o_ref.dtype),
+                    mask=(cols >= n0) & (rows < M))
+
+    c0 = 0
+    for i, N in enumerate(Ns):
+        c1 = c0 + -(-N // t.bn)
+        if g == 1:
+            compute(w_refs[i], o_refs[i], N, j)
+        else:
+            pl.when((j >= c0) & (j < c1))(
+                functools.partial(compute, w_refs[i], o_refs[i], N, j - c0))
+        c0 = c1
 
 
-def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False, out_dtype=None,
-                      num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None) -> jax.Array:
-    """x [M, K] @ w [K, N] (w [N, K] when `w_transposed`) -> [M, N] in `out_dtype` (None: x's
-    dtype); see the module docstring for the invariance contract. `interpret` None = interpret
-    unless the default backend is a GPU. ValueError on mismatched shapes."""
+def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: bool = False, out_dtype=None,
+                       num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None,
+                       launch: str = "auto") -> list[jax.Array]:
+    """x [M, K] through each w_i [K, N_i] ([N_i, K] when `w_transposed`) in one launch -> a list
+    of [M, N_i] in `out_dtype` (None: x's dtype); see the module docstring for the invariance
+    contract. `interpret` None = interpret unless the default backend is a GPU. `launch`: "auto"
+    (`launch_splits`), or "split" / "walk" to force one (tests and probes: both give the same
+    bits). ValueError on mismatched shapes or an unknown launch."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"fixed_tile_matmul: x and w must be 2-D, got {x.shape} and {w.shape}")
+    ws = list(ws)
+    if x.ndim != 2 or not ws or any(w.ndim != 2 for w in ws):
+        raise ValueError(f"fixed_tile_matmul: x and every w must be 2-D, got {x.shape} and "
+                         f"{[tuple(w.shape) for w in ws]}")
     M, K = x.shape
-    N, Kw = w.shape if w_transposed else w.shape[::-1]
-    if Kw != K:
-        raise ValueError(f"fixed_tile_matmul: x has K={K}, w {'[N, K]' if w_transposed else '[K, N]'} "
-                         f"{tuple(w.shape)} has K={Kw}")
+    Ns = []
+    for w in ws:
+        N, Kw = w.shape if w_transposed else w.shape[::-1]
+        if Kw != K:
+            raise ValueError(f"fixed_tile_matmul: x has K={K}, w {'[N, K]' if w_transposed else '[K, N]'} "
+                             f"{tuple(w.shape)} has K={Kw}")
+        Ns.append(N)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    t = tiles(K, N)
-    S = t.splits
+    t = tiles(K, *Ns)
+    col_tiles = sum(-(-N // t.bn) for N in Ns)
+    if launch not in ("auto", "split", "walk"):
+        raise ValueError(f"fixed_tile_matmul: launch={launch!r}; expected 'auto', 'split' or 'walk'")
+    S = launch_splits(t, M, col_tiles) if launch == "auto" else t.splits if launch == "split" else 1
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    Mp = -(-max(M, 1) // t.bm) * t.bm
-    xp = x if Mp == M else jnp.pad(x, ((0, Mp - M), (0, 0)))
-    kernel = functools.partial(_kernel, t=t, M=M, N=N, nk=K // (S * t.bk), transposed=w_transposed)
-    if S == 1:  # the kernel stores the output itself
-        out_spec = pl.BlockSpec((Mp, N), lambda i, j, s: (0, 0))
-        out_shape = jax.ShapeDtypeStruct((Mp, N), out_dtype)
-    else:  # one float32 partial [Mp, N] per split
-        out_spec = pl.BlockSpec((pl.squeezed, Mp, N), lambda i, j, s: (s, 0, 0))
-        out_shape = jax.ShapeDtypeStruct((S, Mp, N), jnp.float32)
-    out = pl.pallas_call(
+    kernel = functools.partial(_kernel, t=t, M=M, Ns=tuple(Ns), nk=K // (t.splits * t.bk),
+                               walk=t.splits // S, transposed=w_transposed)
+    if S == 1:  # the kernel stores the outputs themselves
+        out_specs = [pl.BlockSpec((M, N), lambda i, j, s: (0, 0)) for N in Ns]
+        out_shape = [jax.ShapeDtypeStruct((M, N), out_dtype) for N in Ns]
+    else:  # one float32 partial [M, N_i] per split
+        out_specs = [pl.BlockSpec((pl.squeezed, M, N), lambda i, j, s: (s, 0, 0)) for N in Ns]
+        out_shape = [jax.ShapeDtypeStruct((S, M, N), jnp.float32) for N in Ns]
+    name = (f"jvllm_fixed_tile_matmul_bm{t.bm}_bn{t.bn}_bk{t.bk}_s{t.splits}{'_walk' if S == 1 < t.splits else ''}"
+            f"{f'_g{len(Ns)}' if len(Ns) > 1 else ''}{'_t' if w_transposed else ''}")
+    outs = pl.pallas_call(
         kernel,
-        grid=(Mp // t.bm, -(-N // t.bn), S),
-        in_specs=[pl.BlockSpec((Mp, K), lambda i, j, s: (0, 0)),
-                  pl.BlockSpec(tuple(w.shape), lambda i, j, s: (0, 0))],
-        out_specs=out_spec,
+        grid=(-(-max(M, 1) // t.bm), col_tiles, S),
+        in_specs=[pl.BlockSpec((M, K), lambda i, j, s: (0, 0))]
+                 + [pl.BlockSpec(tuple(w.shape), lambda i, j, s: (0, 0)) for w in ws],
+        out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"jvllm_fixed_tile_matmul_bm{t.bm}_bn{t.bn}_bk{t.bk}_s{S}{'_t' if w_transposed else ''}",
-    )(xp, w)
+        name=name,
+    )(x, *ws)
     if S == 1:
-        return out[:M]
+        return list(outs)
     # The splits' partials summed left to right, written out term by term: one fixed order for
     # every element whatever M (XLA does not reassociate float adds; a jnp.sum over the split
     # axis would leave the order to the reduction emitter, which may pick it by shape).
-    acc = out[0, :M]
-    for s in range(1, S):
-        acc = acc + out[s, :M]
-    return acc.astype(out_dtype)
+    results = []
+    for out in outs:
+        acc = out[0]
+        for s in range(1, S):
+            acc = acc + out[s]
+        results.append(acc.astype(out_dtype))
+    return results
+
+
+def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False, out_dtype=None,
+                      num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None,
+                      launch: str = "auto") -> jax.Array:
+    """x [M, K] @ w [K, N] (w [N, K] when `w_transposed`) -> [M, N]: `fixed_tile_matmuls` of one
+    weight."""
+    return fixed_tile_matmuls(x, [w], w_transposed=w_transposed, out_dtype=out_dtype, num_warps=num_warps,
+                              num_stages=num_stages, interpret=interpret, launch=launch)[0]

@@ -76,6 +76,12 @@ class Projection:
     def __call__(self, spec: str, x, w, scale):
         raise NotImplementedError
 
+    def many(self, spec: str, x, weights) -> list:
+        """The projections of one input through several weights, `weights` a sequence of
+        (w, scale) pairs (q/k/v, gate/up): a list in order. One call each here; a format may
+        run them as one launch (batch-invariant mode's does)."""
+        return [self(spec, x, w, scale) for w, scale in weights]
+
     def quantize(self, w, n_in: int):
         """(quantized weight, float32 scale) of the full-precision weight `w` (jittable)."""
         raise NotImplementedError
