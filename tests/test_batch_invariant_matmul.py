@@ -140,14 +140,16 @@ def test_lowers_to_triton_for_cuda(shape, transposed):
     assert f"grid_z = {tiles(K, N).splits} : i32" in text
 
 
-@pytest.mark.parametrize("M,launch,grid_z", [(8, "auto", 8), (512, "auto", 1), (8, "walk", 1)])
-def test_group_lowers_to_triton_for_cuda(M, launch, grid_z):
-    """q/k/v of an 8B in one launch, split (decode) and walk (prefill), through the Triton lowering."""
+@pytest.mark.parametrize("M,launch,grid_x,grid_z", [(8, "auto", 1, 8), (512, "auto", 8, 1), (8, "walk", 1, 1)])
+def test_group_lowers_to_triton_for_cuda(M, launch, grid_x, grid_z):
+    """q/k/v of an 8B in one launch, split (decode) and walk (prefill: 64-row tiles), through the
+    Triton lowering."""
     f = functools.partial(fixed_tile_matmuls, out_dtype=jnp.bfloat16, interpret=False, launch=launch)
     args = [jax.ShapeDtypeStruct((M, 4096), jnp.bfloat16)] + [jax.ShapeDtypeStruct((4096, N), jnp.bfloat16)
                                                                for N in (4096, 1024, 1024)]
     text = jax.jit(lambda x, *ws: f(x, ws)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+    assert f"grid_x = {grid_x} : i32" in text
     assert "grid_y = 48 : i32" in text and f"grid_z = {grid_z} : i32" in text
 
 

@@ -3,9 +3,14 @@ Llama-3-8B projection shapes: (1) bit equality of every row across token counts 
 split and walk launches (the invariance contract, checked on the real Triton lowering rather
 than interpret mode), with the error against XLA's float32 dot as a sanity check; (2) ms per call
 of the grouped launches (q/k/v, gate/up) against one launch per weight, and of the walk and split
-launches against XLA's bf16 dot at prefill sizes. One JSON, rewritten after each group.
+launches against XLA's bf16 dot at prefill sizes; (3) with --sweep, other launch configurations
+(row tile bm x column tile cap bn x warps x stages, patched into the module; the split count
+kept at the default's): ms per call and
+whether each gives the same bits as the default configuration (does the per-element rounding depend
+on the tile shape, i.e. may a configuration be chosen by M?). One JSON, rewritten after each group.
 
     python benchmarks/probes/fixed_tile_probe.py [--ms 1,8,37,256,2048] [--time-ms 1,8,2048]
+        [--sweep 64x128x4x3,128x128x8x3] [--sweep-groups qkv,gate_up,down] [--skip-main]
         [--iters 20] [--tiny] [--out $OUT/fixed_tile_probe.json]
 
 --tiny: small shapes in interpret mode (a CPU smoke test of the probe itself).
@@ -43,6 +48,9 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,8,37,256,2048")
     ap.add_argument("--time-ms", default="1,8,2048")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", default="")
+    ap.add_argument("--sweep-groups", default="qkv,gate_up,down")
+    ap.add_argument("--skip-main", action="store_true", help="only the sweep")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fixed_tile_probe.json"))
     a = ap.parse_args(argv)
@@ -67,7 +75,7 @@ def main(argv=None):
             json.dump(res, f, indent=1)
 
     key = jax.random.PRNGKey(0)
-    for name, (K, Ns, tr) in groups.items():
+    for name, (K, Ns, tr) in ({} if a.skip_main else groups).items():
         key, kx, *kws = jax.random.split(key, 2 + len(Ns))
         x = jax.random.normal(kx, (max(ms + time_ms), K), jnp.bfloat16)
         ws = [(jax.random.normal(k, (N, K) if tr else (K, N), jnp.float32) / K ** 0.5).astype(jnp.bfloat16)
@@ -117,10 +125,64 @@ def main(argv=None):
         g["weight_GBps_m1_auto"] = round(wbytes / tm[f"m{time_ms[0]}_auto"] / 1e6, 1)
         print(name, "bit_equal", g["bit_equal"], "rel_err", g["rel_err_vs_f32"], tm, flush=True)
         write()
+    if a.sweep:
+        res["sweep"] = _sweep(a, groups, time_ms, interpret, write, res)
     res["all_bit_equal"] = all(g["bit_equal"] for g in res["groups"].values())
     write()
     print("all_bit_equal", res["all_bit_equal"])
     return 0 if res["all_bit_equal"] else 1
+
+
+def _sweep(a, groups, time_ms, interpret, write, res):
+    """Each configuration against the module's default at each M in time_ms: ms per call (auto
+    launch) and the number of output elements whose bits differ from the default's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jvllm.ops import fixed_tile_matmul as ftm
+
+    orig_bm, orig_col, orig_tiles = ftm.ROW_TILE, ftm._col_tile, ftm.tiles
+    sweep = res.setdefault("sweep", {})
+    key = jax.random.PRNGKey(1)
+    for name in a.sweep_groups.split(","):
+        if name not in groups:
+            continue
+        K, Ns, tr = groups[name]
+        key, kx, *kws = jax.random.split(key, 2 + len(Ns))
+        x = jax.random.normal(kx, (max(time_ms), K), jnp.bfloat16)
+        ws = [(jax.random.normal(k, (N, K) if tr else (K, N), jnp.float32) / K ** 0.5).astype(jnp.bfloat16)
+              for k, N in zip(kws, Ns)]
+        base = {}
+        rows = sweep.setdefault(name, {})
+        S = orig_tiles(K, *Ns).splits  # kept: the sweep isolates the tile shape from the split count
+        for cfg in ["default"] + a.sweep.split(","):
+            if cfg == "default":
+                bm, bn, warps, stages = orig_bm, 128, 4, 3
+                ftm.ROW_TILE, ftm._col_tile = orig_bm, orig_col
+            else:
+                bm, bn, warps, stages = (int(v) for v in cfg.split("x"))
+                ftm.ROW_TILE = bm
+                ftm._col_tile = lambda N, bn=bn: ftm._pow2_divisor(N, bn) or min(bn, 1 << (N.bit_length() - 1))
+                ftm.tiles = lambda K, *Ns, S=S: dataclasses.replace(orig_tiles(K, *Ns), splits=S)
+            try:
+                fn = jax.jit(lambda x, *w: ftm.fixed_tile_matmuls(x, w, w_transposed=tr, interpret=interpret,
+                                                                    num_warps=warps, num_stages=stages))
+                row = {"tiles": dataclasses.asdict(ftm.tiles(K, *Ns))}
+                for m in time_ms:
+                    outs = [np.asarray(o).view(np.uint16) for o in fn(x[:m], *ws)]
+                    if cfg == "default":
+                        base[m] = outs
+                    row[f"m{m}_unequal_vs_default"] = sum(int((o != b).sum()) for o, b in zip(outs, base[m]))
+                    row[f"m{m}_ms"] = _time(fn, (x[:m],) + tuple(ws), a.iters)
+            except Exception as e:  # a configuration Triton refuses (registers, shared memory)
+                row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            finally:
+                ftm.ROW_TILE, ftm._col_tile, ftm.tiles = orig_bm, orig_col, orig_tiles
+            rows[cfg] = row
+            print("sweep", name, cfg, row, flush=True)
+            write()
+    return sweep
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ Two launches compute exactly that sequence of float operations, chosen from M at
 The group's column tiles are laid end to end (weight 1's, then weight 2's, ...); a program
 branches on its column index to its weight. When no power of two >= 16 divides N_i, its last
 column tile's window is shifted left to end at N_i (columns of its neighbour are computed again,
-never stored). Rows past M are neither loaded (masked loads, zeros) nor stored: no padding.
+never stored). Rows past M are neither loaded (masked loads, zeros) nor stored: no padding. The
+walk launch covers WALK_ROW_TILE rows a program once M exceeds ROW_TILE (prefill's faster tile):
+the row tile decides which program computes a row, not the order of any element's sum.
 
 S is the smallest power of two giving >= TARGET_PROGRAMS split-launch programs at one row tile
 (about two waves), as far as each range keeps >= MIN_SPLIT_STEPS bk steps; 1 for wide N (the LM
@@ -38,10 +40,12 @@ head). Grouping the narrow k/v projections with q is what gives them enough prog
 Hazards: K must have a power-of-two divisor >= 16 and each N_i must be >= 16 (Triton blocks),
 else a ValueError naming the shape. Triton addresses with int32 offsets: S * M * N_i (and M * K,
 K * N_i) must stay below 2**31. On GPUs the per-element order is fixed by this walk and by the
-tensor-core instruction Triton emits for a (bm, bn, bk) block, which the fixed tiles and warp
-count also fix; no atomics (each partial is stored by one program), so the result is also
-run-to-run deterministic. Both launches running the same float operations is what the tests
-check bit for bit on CPU (interpret mode) and `benchmarks/probes/fixed_tile_probe.py` on a GPU.
+tensor-core instruction Triton emits for a block with float32 accumulation. The two launches'
+row tiles differ (32, 64), so their bits agree only because that instruction's per-element
+rounding does not depend on the block shape: interpret mode cannot check that, the GPU probe
+`benchmarks/probes/fixed_tile_probe.py` does (bit equality across M, launches and tile shapes;
+run it on a new GPU or Triton before trusting the mode there). No atomics (each partial is stored
+by one program), so the result is also run-to-run deterministic.
 """
 from __future__ import annotations
 
@@ -67,7 +71,9 @@ class Tiles:
 TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs, at one row tile (decode)
 MIN_SPLIT_STEPS = 8  # bk steps each split walks at least: keeps a split's pipeline full and
 #                      its float32 partial (4 bytes per element per split) small next to its work
-ROW_TILE = 32
+ROW_TILE = 32  # rows a split-launch program (decode) covers
+WALK_ROW_TILE = 64  # rows a walk-launch program covers once M exceeds ROW_TILE: 1.6-1.8x faster
+#                     prefill than 32 (its x block is reused over twice the rows); same bits
 
 
 def _col_tile(N: int) -> int:
@@ -185,6 +191,8 @@ def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: b
     S = launch_splits(t, M, col_tiles) if launch == "auto" else t.splits if launch == "split" else 1
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if S == 1 and M > t.bm:
+        t = dataclasses.replace(t, bm=WALK_ROW_TILE)
     kernel = functools.partial(_kernel, t=t, M=M, Ns=tuple(Ns), nk=K // (t.splits * t.bk),
                                walk=t.splits // S, transposed=w_transposed)
     if S == 1:  # the kernel stores the outputs themselves
