@@ -12,8 +12,9 @@ construction; nothing is decided per step):
   through matmuls of different M; XLA hands a dot to a library (cuBLAS, Eigen) that picks its
   algorithm, tiling and split-K from the shape, M included, and a different algorithm sums in a
   different order. -> every projection (q/k/v/o, the MLP) and the LM head go through
-  `jvllm.ops.fixed_tile_matmul`, whose tiles come from (K, N) only (`jvllm.models.layers.projection`
-  and `LMHead`, chosen from `ModelConfig.batch_invariant`). The embedding is a row gather.
+  `jvllm.ops.fixed_tile_matmul`, whose tiles and K split come from the weights' shapes only
+  (`jvllm.models.layers.projection` and `LMHead`, chosen from `ModelConfig.batch_invariant`);
+  q/k/v and gate/up each run as one launch (`Projection.many`). The embedding is a row gather.
 - The decode-only variant. A step whose requests all decode runs a program with one-query
   attention tiles (on GPUs a launch of its own: wider key steps for big batches, split-K over
   the KV chunks for small ones, the split count chosen from the batch size); a step with a
@@ -40,11 +41,12 @@ What holds, and where:
 - On CPU: tokens and logprobs bit-identical across batch composition, token buckets, prompt
   chunking and prefix-cache hits (tests/test_batch_invariant.py; the fixed-tile matmul runs in
   Pallas interpret mode there, slower than XLA's dot).
-- On GPU: the matmuls and the attention launch are fixed as above. The rest (RMSNorm's row
+- On GPU: the matmuls and the attention launch are fixed as above (the matmul's rows bit-equal
+  across row counts and launches: `benchmarks/probes/fixed_tile_probe.py`). The rest (RMSNorm's row
   reduction, the sampler's row reductions, elementwise ops) relies on XLA compiling a row
   reduction with a reduction order that depends on the row length only, and on no kernel using
   atomics: run with `XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true` (set before jax
-  starts). Not measured bit for bit on a GPU yet.
+  starts). The whole engine is not measured bit for bit on a GPU yet.
 - Not implemented (a ValueError at start-up): quantized weights, mixture-of-experts models,
   speculative decoding.
 - Not covered, anywhere: engines with different dtypes, devices, `kv_chunk_blocks` /
@@ -54,9 +56,10 @@ What holds, and where:
   program): those batches run other programs that compute the same math but may fuse it
   differently. Equal on CPU in the tests, not promised.
 
-Cost: the fixed-tile matmul instead of the library's best GEMM for each shape, the mixed
-program (query tiles, no split-K) for decode-only steps, and the largest sampler variant for
-batches that sample.
+Cost: the fixed-tile matmul instead of the library's best GEMM for each shape (close to it at
+decode, where both stream the weights; slower at prefill sizes), the mixed program (query tiles,
+no split-K) for decode-only steps, and the largest sampler variant for batches that sample.
+Figures: benchmarks/README.md.
 """
 from __future__ import annotations
 
