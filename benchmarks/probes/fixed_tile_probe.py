@@ -21,26 +21,14 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
-import time
+
+from probe_timing import median_ms
 
 # name: (K, [N_i], w_transposed)
 GROUPS = {"qkv": (4096, (4096, 1024, 1024), False), "o": (4096, (4096,), False),
           "gate_up": (4096, (14336, 14336), False), "down": (14336, (4096,), False),
           "lm_head": (4096, (128256,), True)}
 TINY = {"qkv": (2048, (64, 32, 32), False), "lm_head": (128, (200,), True)}
-
-
-def _time(fn, args, iters):
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return round(statistics.median(ts) * 1e3, 4)
 
 
 def main(argv=None):
@@ -119,7 +107,7 @@ def main(argv=None):
             for k in ("auto", "split", "walk", "separate", "xla"):
                 if k == "separate" and len(Ns) == 1:
                     continue
-                tm[f"m{m}_{k}"] = _time(fns[k], (x[:m],) + tuple(ws), a.iters)
+                tm[f"m{m}_{k}"] = round(median_ms(fns[k], (x[:m],) + tuple(ws), a.iters), 4)
         wbytes = sum(w.size * w.dtype.itemsize for w in ws)
         g["ms_per_call"] = tm
         g["weight_GBps_m1_auto"] = round(wbytes / tm[f"m{time_ms[0]}_auto"] / 1e6, 1)
@@ -174,7 +162,7 @@ def _sweep(a, groups, time_ms, interpret, write, res):
                     if cfg == "default":
                         base[m] = outs
                     row[f"m{m}_unequal_vs_default"] = sum(int((o != b).sum()) for o, b in zip(outs, base[m]))
-                    row[f"m{m}_ms"] = _time(fn, (x[:m],) + tuple(ws), a.iters)
+                    row[f"m{m}_ms"] = round(median_ms(fn, (x[:m],) + tuple(ws), a.iters), 4)
             except Exception as e:  # a configuration Triton refuses (registers, shared memory)
                 row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             finally:

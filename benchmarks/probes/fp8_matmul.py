@@ -18,24 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
+
+from probe_timing import median_ms
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "kv": (4096, 1024), "gate": (4096, 14336)}
 TINY = {"qkv": (64, 192), "down": (128, 64)}
-
-
-def _time(fn, args, iters):
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def _split(M, K, N, bn, bk):
@@ -90,11 +79,11 @@ def main(argv=None):
 
         for M in toks:
             x = jax.random.normal(jax.random.PRNGKey(M), (M, K), jnp.float32).astype(jnp.bfloat16)
-            row("xla_bf16", M, _time(xla_bf16, (x, wb), a.iters), 2 * K * N)
-            row("xla_fp8", M, _time(xla_fp8, (x, w8, scale), a.iters), K * N)
+            row("xla_bf16", M, median_ms(xla_bf16, (x, wb), a.iters), 2 * K * N)
+            row("xla_fp8", M, median_ms(xla_fp8, (x, w8, scale), a.iters), K * N)
             L = pm.decode_launch(M, K, N)
             f = jax.jit(lambda x, w, s, L=L: pm.matmul(x, w, s, launch=L, interpret=interpret))
-            row("pallas_fp8", M, _time(f, (x, w8, scale), a.iters), K * N, launch=str(L))
+            row("pallas_fp8", M, median_ms(f, (x, w8, scale), a.iters), K * N, launch=str(L))
             if M in [int(t) for t in a.sweep_tokens.split(",")]:
                 for bn, bk, warps, stages in sweep:
                     if N % bn or K % bk:
@@ -102,16 +91,16 @@ def main(argv=None):
                     L = pm.Launch(pm.row_block(M), bn, bk, _split(M, K, N, bn, bk), warps, stages)
                     f = jax.jit(lambda x, w, s, L=L: pm.matmul(x, w, s, launch=L, interpret=interpret))
                     try:
-                        row("pallas_fp8_sweep", M, _time(f, (x, w8, scale), a.iters), K * N, launch=str(L))
+                        row("pallas_fp8_sweep", M, median_ms(f, (x, w8, scale), a.iters), K * N, launch=str(L))
                     except Exception as e:  # a launch Triton refuses (shared memory): record, go on
                         rows.append(dict(shape=name, tokens=M, kind="pallas_fp8_sweep", launch=str(L),
                                          error=f"{type(e).__name__}: {str(e)[:200]}"))
         for M in inv_toks:
             x = jax.random.normal(jax.random.PRNGKey(M), (M, K), jnp.float32).astype(jnp.bfloat16)
             if M not in toks:
-                row("xla_bf16", M, _time(xla_bf16, (x, wb), a.iters), 2 * K * N)
+                row("xla_bf16", M, median_ms(xla_bf16, (x, wb), a.iters), 2 * K * N)
             f = jax.jit(lambda x, w: ftm.fixed_tile_matmul(x, w, interpret=interpret))
-            ms = _time(f, (x, wb), a.iters)
+            ms = median_ms(f, (x, wb), a.iters)
             row("pallas_bf16_invariant", M, ms, 2 * K * N, launch=str(ftm.tiles(K, N)),
                 tflops=round(2 * M * K * N / ms / 1e9, 1))
         del wb, w8

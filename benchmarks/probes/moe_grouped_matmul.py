@@ -20,21 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
-
-def _time(fn, args, iters: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+from probe_timing import median_ms
 
 
 def main(argv=None):
@@ -102,7 +90,7 @@ def main(argv=None):
                         *z, mesh=m, expert_axes=ex, hidden_axis=hid, routing=rt, backend=b)), placed[mode]))
             for mode, rt, fn, wts in cases:
                 try:
-                    ms = _time(fn, (x, idx, w, *wts), a.iters)
+                    ms = median_ms(fn, (x, idx, w, *wts), a.iters)
                 except Exception as e:  # a backend that cannot compile this shape: recorded, not fatal
                     rows.append(dict(tokens=T, backend=b, mode=mode, routing=rt, error=f"{type(e).__name__}: {e}"[:400]))
                     continue
@@ -124,7 +112,7 @@ def main(argv=None):
                     grouped_matmul(xs, ws[1], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw),
                     grouped_matmul(hs, ws[2], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw)))
                 try:
-                    ms = _time(f, (xs, hs, sizes), a.iters)
+                    ms = median_ms(f, (xs, hs, sizes), a.iters)
                 except Exception as e:
                     rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg,
                                      error=f"{type(e).__name__}: {e}"[:400]))
