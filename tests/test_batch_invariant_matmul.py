@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.ops.fixed_tile_matmul import (MIN_SPLIT_STEPS, TARGET_PROGRAMS, Tiles, fixed_tile_matmul, fixed_tile_matmuls,
-                                         launch_splits, tiles)
+from jvllm.ops.fixed_tile_matmul import (MIN_SPLIT_STEPS, ROW_TILE, TARGET_PROGRAMS, WALK_ROW_TILE, Tiles, fixed_tile_matmul,
+                                         fixed_tile_matmuls, launch_splits, row_tile, tiles)
 
 RNG = np.random.default_rng(0)
 ROWS = 100
@@ -80,6 +80,17 @@ def test_launch_splits_from_the_number_of_programs():
     assert launch_splits(tiles(4096, 128256), 1, 1002) == 1  # S = 1 either way
 
 
+def test_row_tile_keeps_two_waves():
+    """The walk launch takes 64-row tiles only where they still give TARGET_PROGRAMS programs and
+    M spans more than one 32-row tile; the split launch always keeps 32."""
+    t = tiles(4096, 4096)  # o: 32 column tiles
+    assert [row_tile(t, M, 32, 1) for M in (32, 256, 448, 512, 2048)] == [ROW_TILE, ROW_TILE, ROW_TILE,
+                                                                         WALK_ROW_TILE, WALK_ROW_TILE]
+    assert row_tile(t, 2048, 32, 8) == ROW_TILE  # a split launch
+    lm = tiles(4096, 128256)
+    assert [row_tile(lm, M, 1002, 1) for M in (8, 32, 33)] == [ROW_TILE, ROW_TILE, WALK_ROW_TILE]
+
+
 def test_split_output_dtype_is_one_rounding_of_the_float32_sum():
     """S > 1 with a bf16 output: the float32 sum of the partials, cast once."""
     x = jnp.asarray(RNG.standard_normal((5, 2048)), jnp.bfloat16)
@@ -140,10 +151,11 @@ def test_lowers_to_triton_for_cuda(shape, transposed):
     assert f"grid_z = {tiles(K, N).splits} : i32" in text
 
 
-@pytest.mark.parametrize("M,launch,grid_x,grid_z", [(8, "auto", 1, 8), (512, "auto", 8, 1), (8, "walk", 1, 1)])
+@pytest.mark.parametrize("M,launch,grid_x,grid_z", [(8, "auto", 1, 8), (512, "auto", 8, 1), (256, "auto", 8, 1),
+                                                    (8, "walk", 1, 1)])
 def test_group_lowers_to_triton_for_cuda(M, launch, grid_x, grid_z):
-    """q/k/v of an 8B in one launch, split (decode) and walk (prefill: 64-row tiles), through the
-    Triton lowering."""
+    """q/k/v of an 8B in one launch, split (decode) and walk, through the Triton lowering: 64-row
+    tiles at 512 rows (8 x 48 programs), 32-row tiles at 256 (4 x 48 would be under two waves)."""
     f = functools.partial(fixed_tile_matmuls, out_dtype=jnp.bfloat16, interpret=False, launch=launch)
     args = [jax.ShapeDtypeStruct((M, 4096), jnp.bfloat16)] + [jax.ShapeDtypeStruct((4096, N), jnp.bfloat16)
                                                                for N in (4096, 1024, 1024)]

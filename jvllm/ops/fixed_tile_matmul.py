@@ -30,7 +30,8 @@ The group's column tiles are laid end to end (weight 1's, then weight 2's, ...);
 branches on its column index to its weight. When no power of two >= 16 divides N_i, its last
 column tile's window is shifted left to end at N_i (columns of its neighbour are computed again,
 never stored). Rows past M are neither loaded (masked loads, zeros) nor stored: no padding. The
-walk launch covers WALK_ROW_TILE rows a program once M exceeds ROW_TILE (prefill's faster tile):
+walk launch covers WALK_ROW_TILE rows a program (prefill's faster tile) where M exceeds ROW_TILE
+and its row tiles times the column tiles still reach TARGET_PROGRAMS, else ROW_TILE (`row_tile`):
 the row tile decides which program computes a row, not the order of any element's sum.
 
 S is the smallest power of two giving >= TARGET_PROGRAMS split-launch programs at one row tile
@@ -72,8 +73,8 @@ TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs, at one row tile (
 MIN_SPLIT_STEPS = 8  # bk steps each split walks at least: keeps a split's pipeline full and
 #                      its float32 partial (4 bytes per element per split) small next to its work
 ROW_TILE = 32  # rows a split-launch program (decode) covers
-WALK_ROW_TILE = 64  # rows a walk-launch program covers once M exceeds ROW_TILE: 1.6-1.8x faster
-#                     prefill than 32 (its x block is reused over twice the rows); same bits
+WALK_ROW_TILE = 64  # rows a walk-launch program covers at prefill sizes: faster than 32 there (its
+#                     weight block is reused over twice the rows); same bits
 
 
 def _col_tile(N: int) -> int:
@@ -105,6 +106,15 @@ def launch_splits(t: Tiles, M: int, col_tiles: int) -> int:
     """The split launch's S when M's row tiles times the column tiles give fewer than
     TARGET_PROGRAMS programs, else 1 (the walk launch). Either computes the same floats."""
     return t.splits if -(-max(M, 1) // t.bm) * col_tiles < TARGET_PROGRAMS else 1
+
+
+def row_tile(t: Tiles, M: int, col_tiles: int, S: int) -> int:
+    """Rows a program covers: WALK_ROW_TILE for a walk launch (S == 1) of more than one ROW_TILE
+    whose WALK_ROW_TILE row tiles still give >= TARGET_PROGRAMS programs, else t.bm. Any choice
+    gives the same bits (see the hazards above); this one only decides the speed."""
+    if S == 1 and M > t.bm and -(-M // WALK_ROW_TILE) * col_tiles >= TARGET_PROGRAMS:
+        return WALK_ROW_TILE
+    return t.bm
 
 
 def _kernel(x_ref, *refs, t: Tiles, M: int, Ns: tuple, nk: int, walk: int, transposed: bool):
@@ -191,8 +201,7 @@ def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: b
     S = launch_splits(t, M, col_tiles) if launch == "auto" else t.splits if launch == "split" else 1
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if S == 1 and M > t.bm:
-        t = dataclasses.replace(t, bm=WALK_ROW_TILE)
+    t = dataclasses.replace(t, bm=row_tile(t, M, col_tiles, S))
     kernel = functools.partial(_kernel, t=t, M=M, Ns=tuple(Ns), nk=K // (t.splits * t.bk),
                                walk=t.splits // S, transposed=w_transposed)
     if S == 1:  # the kernel stores the outputs themselves
