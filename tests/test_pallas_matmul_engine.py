@@ -44,6 +44,11 @@ def test_option_is_validated_and_resolved_once(tiny):
         QuantConfig("fp8", fp8_activations=True, matmul="pallas")
     with pytest.raises(ValueError, match="'pallas' is weight-only"):
         Fp8Channel(activations=True, backend="pallas")
+    import dataclasses
+
+    pre = dataclasses.replace(cfg, quant=QuantConfig("fp8", from_checkpoint=True, fp8_activations=False))
+    with pytest.raises(ValueError, match="fp8_matmul_backend='pallas' .* already quantized"):
+        apply_quantization(pre, None, fp8_matmul_backend="pallas")
     with pytest.raises(ValueError, match="fp8_matmul_backend must be one of"):
         LLM(tiny, **(KW | dict(fp8_matmul_backend="cutlass")))
 
@@ -53,19 +58,35 @@ def _uses_kernel(proj, spec, x, w, s) -> bool:
 
 
 def test_projection_uses_the_kernel_for_decode_sized_steps_only():
-    proj = Fp8Channel(activations=False, backend="pallas")
+    """The pallas backend stores o_proj's [heads, head_dim, embed] as [embed, heads, head_dim]; the
+    kernel and the einsum fallback over that layout both equal the XLA backend's projection."""
+    proj, xla = Fp8Channel(activations=False, backend="pallas"), Fp8Channel(activations=False)
     w = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 64)) * 0.1  # o_proj-like [heads, head_dim, embed]
     q, s = proj.quantize(w, 2)
-    for T in (1, 7, PALLAS_MAX_TOKENS):
+    qx, sx = xla.quantize(w, 2)
+    assert q.shape == proj.stored_shape(w.shape, 2) == (64, 4, 16) and proj.model_shape(q.shape, 2) == w.shape
+    np.testing.assert_array_equal(np.asarray(jnp.transpose(q, (1, 2, 0)), np.float32), np.asarray(qx, np.float32))
+    np.testing.assert_array_equal(np.asarray(proj.dequantize(q, s, 2)), np.asarray(xla.dequantize(qx, sx, 2)))
+    for T in (1, 7, PALLAS_MAX_TOKENS, PALLAS_MAX_TOKENS + 1):
         x = jax.random.normal(jax.random.PRNGKey(T), (T, 4, 16))
-        assert _uses_kernel(proj, "thk,hkd->td", x, q, s)
+        assert _uses_kernel(proj, "thk,hkd->td", x, q, s) == (T <= PALLAS_MAX_TOKENS)
         y = proj("thk,hkd->td", x, nnx.Param(q), nnx.Param(s))
-        ref = Fp8Channel(activations=False)("thk,hkd->td", x, nnx.Param(q), nnx.Param(s))
+        ref = xla("thk,hkd->td", x, nnx.Param(qx), nnx.Param(sx))
         np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    x = jnp.ones((PALLAS_MAX_TOKENS + 1, 4, 16))
-    assert not _uses_kernel(proj, "thk,hkd->td", x, q, s)
     assert not _uses_kernel(proj, "tkh,hkd->td", jnp.ones((2, 16, 4)), q, s)  # contracted dims out of order
-    assert not _uses_kernel(Fp8Channel(activations=False), "thk,hkd->td", jnp.ones((2, 4, 16)), q, s)
+    assert not _uses_kernel(xla, "thk,hkd->td", jnp.ones((2, 4, 16)), qx, sx)
+
+
+def test_many_runs_a_group_in_one_launch():
+    proj = Fp8Channel(activations=False, backend="pallas")
+    ws = [proj.quantize(jax.random.normal(jax.random.PRNGKey(i), (64, h, 16)) * 0.1, 1) for i, h in enumerate((4, 2, 2))]
+    x = jax.random.normal(jax.random.PRNGKey(9), (3, 64))
+    params = [(nnx.Param(q), nnx.Param(s)) for q, s in ws]
+    jaxpr = str(jax.make_jaxpr(lambda x: proj.many("td,dhk->thk", x, params))(x))
+    assert jaxpr.count("pallas_call") == 1
+    for y, (q, s) in zip(proj.many("td,dhk->thk", x, params), ws):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(proj("td,dhk->thk", x, nnx.Param(q), nnx.Param(s))),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_projection_keeps_xla_under_tensor_parallelism():
@@ -85,8 +106,9 @@ def test_engine_greedy_tokens_equal_xla(tiny, monkeypatch):
     """Prefill chunks and decode steps (buckets 8 and 32, both <= PALLAS_MAX_TOKENS) through the kernel
     in interpret mode: the same greedy tokens as the XLA backend."""
     traced = []
-    real = pallas_matmul.matmul
-    monkeypatch.setattr(pallas_matmul, "matmul", lambda *a, **k: traced.append(a[1].shape) or real(*a, **k))
+    real = pallas_matmul.matmuls
+    monkeypatch.setattr(pallas_matmul, "matmuls",
+                        lambda *a, **k: traced.append(tuple(w.shape for w in a[1])) or real(*a, **k))
     prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 256, n)] for i, n in enumerate((5, 19, 40))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     out = {}
@@ -98,7 +120,8 @@ def test_engine_greedy_tokens_equal_xla(tiny, monkeypatch):
         llm.shutdown()
         if backend == "xla":
             assert not traced
-    assert traced and {(64, 64), (64, 32), (64, 128), (128, 64)} <= set(traced)  # q, k/v, gate/up, down
+    # stored [N, K]: q/k/v and gate/up one launch each, o and down one each
+    assert {((64, 64), (32, 64), (32, 64)), ((128, 64), (128, 64)), ((64, 64),), ((64, 128),)} <= set(traced)
     assert out["pallas"] == out["xla"]
 
 
@@ -115,3 +138,40 @@ def test_cli_flag_reaches_the_engine_kwargs(monkeypatch):
     assert engine_kwargs(p.parse_args([]))["fp8_matmul_backend"] == "auto"
     with pytest.raises(SystemExit):
         p.parse_args(["--fp8-matmul-backend", "cutlass"])
+
+
+def test_weights_stored_output_first_and_updates(tiny):
+    """get_weights() of a pallas-backend engine gives the stored [out..., in...] layout; full-
+    precision updates in the model layout (as from a trainer or an unquantized engine) are
+    requantized into it, the get_weights pair goes back as it is, and a full-precision weight in the
+    stored layout is an error naming both shapes."""
+    kw = {k: v for k, v in KW.items() if k != "quantization"}
+    f32 = LLM(tiny, **kw)
+    llm = LLM(tiny, fp8_matmul_backend="pallas", **KW)
+    try:
+        ids = [int(t) for t in np.random.default_rng(1).integers(3, 256, 20)]
+        logits = lambda: np.asarray(llm.llm_engine.runner.sequence_logits(ids))  # noqa: E731
+        full = f32.get_weights()["layers"]["0"]
+        w = llm.get_weights()["layers"]["0"]
+        (d, h, k), (do, ho, ko) = full["self_attn"]["q_proj"].shape, full["self_attn"]["o_proj"].shape
+        assert w["self_attn"]["q_proj"].shape == (h, k, d) and w["self_attn"]["o_proj"].shape == (ko, do, ho)
+        assert w["mlp"]["down_proj"].shape == full["mlp"]["down_proj"].shape[::-1]
+        before = logits()
+        mlp = {n: np.asarray(a) for n, a in full["mlp"].items() if n.endswith("_proj")}
+        llm.update_weights({"layers": {"0": {"mlp": {n: a * 0.5 for n, a in mlp.items()}}}})
+        assert not np.allclose(logits(), before)
+        llm.update_weights({"layers": {"0": {"mlp": mlp}}})
+        np.testing.assert_array_equal(logits(), before)  # the same values quantize to the same weights
+        llm.update_weights({"layers": {"0": {"mlp": {"up_proj": w["mlp"]["up_proj"], "up_proj_scale": w["mlp"]["up_proj_scale"]}}}})
+        np.testing.assert_array_equal(logits(), before)
+        llm.update_weights([("model.layers.0.mlp.up_proj.weight", mlp["up_proj"].T * 0.5)])  # HF's [out, in]
+        assert not np.allclose(logits(), before)
+        llm.update_weights([("model.layers.0.mlp.up_proj.weight", mlp["up_proj"].T)])
+        np.testing.assert_array_equal(logits(), before)
+        wrong = np.zeros(w["self_attn"]["q_proj"].shape, np.float32)
+        with pytest.raises(ValueError, match=r"full-precision weight of shape \(4, 16, 64\); this engine takes "
+                                             r"\(64, 4, 16\) \(its quantized weights are stored output dims first\)"):
+            llm.update_weights({"layers": {"0": {"self_attn": {"q_proj": wrong}}}})
+    finally:
+        llm.shutdown()
+        f32.shutdown()

@@ -10,6 +10,7 @@ Host only: this module never imports jax; device work goes through the worker
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -420,8 +421,10 @@ class LLMEngine:
         from jvllm.worker.weights import normalize, update_params
 
         if getattr(self, "_param_specs", None) is None:  # built once: tracing the abstract model is not free
-            self._param_specs = param_specs(self.model_config, self.dtype)
-        flat = normalize(weights, self._param_specs, self.model_config.tie_word_embeddings)
+            mc = self.model_config
+            self._param_specs = param_specs(mc, self.dtype)
+            self._model_specs = None if mc.quant is None else param_specs(dataclasses.replace(mc, quant=None), self.dtype)
+        flat = normalize(weights, self._param_specs, self.model_config.tie_word_embeddings, self._model_specs)
         outs = self.drain()
         update_params(self.runner, flat)
         self.kv_manager.pool.invalidate_prefix_cache()

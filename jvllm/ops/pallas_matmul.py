@@ -1,36 +1,37 @@
-"""A weight-streaming matmul: one Pallas kernel (Triton lowering on NVIDIA GPUs; `interpret=True`
-runs the same kernel on CPU for tests).
+"""A weight-streaming matmul for decode-sized steps: one Pallas kernel (Triton lowering on NVIDIA
+GPUs; `interpret=True` runs the same kernel on CPU for tests), one input through a group of
+weights in one launch (q/k/v, gate/up).
 
-    y[M, N] = (x[M, K] @ w[K, N]) * scale[N]      (scale optional)
+    matmuls(x [M, K], [w_1 [N_1, K], ...], [scale_1 [N_1] | None, ...]) -> [[M, N_1], ...]
+    y_i = (x @ w_i.T) * scale_i
 
-x is a float activation (bfloat16 on GPUs; float32 / float16 accepted); w is x's dtype or
-float8_e4m3fn (`jvllm.quantization.fp8.Fp8Channel`'s layout: the fp8 value times a float32 scale
-per output channel). The weight tile is converted to x's dtype in registers, products accumulate in
-float32, the scale multiplies the float32 result, the output is x's dtype. That is the arithmetic of
-the XLA path (`reference`), up to the order of the float32 sums.
+The weights are stored [N, K] (output rows, the contracted dim contiguous: HF's [out, in]), the
+layout `jvllm.quantization.fp8.Fp8Channel` keeps for this backend. w is x's dtype or
+float8_e4m3fn. Products accumulate in float32; the scale multiplies the float32 result; the
+output is x's dtype. That is the XLA path's arithmetic (`reference`), up to the order of the
+float32 sums and, for fp8 weights with a bfloat16 x, exactly so: x is scaled per row by a power
+of two into float16 (a bfloat16 value's 8 significant bits fit float16's 11, |x / r| <= 256) and
+each fp8 tile is cast to float16 in registers (exact: e4m3 fits float16), the row scale r applied
+to the float32 result. float16, not bfloat16, because on Hopper Triton's fp8 -> bfloat16 cast
+measured no faster than XLA's fused dot, the float16 one faster (benchmarks/README.md).
 
-Use: fp8 weight-only decode (small M): each program owns a [bm, bn] output block and walks its
-share of K in `bk` steps, loading [bk, bn] weight tiles (row-contiguous, so wide coalesced loads)
-and converting them in registers, so the 1-byte weights cross HBM once. When the N (and M) blocks
-alone are too few programs to fill the GPU, K is split over `split_k` programs whose float32
-partial sums are added (and scaled) by a second, tiny XLA reduction. The launch (`Launch`) comes
-from `decode_launch(M, K, N)` unless given. Shapes that no power-of-two block >= 16 divides (K or N)
-fall back to `reference`, decided at trace time from static shapes. (Batch-invariant mode's
-fixed-tile matmul is `jvllm.ops.fixed_tile_matmul`: its tiles never depend on M and it has no
-split-K.)
+Grid: (row tiles, column tiles of the group laid end to end, K splits). Each program walks its
+K range in bk steps over [bn, bk] weight tiles (row-contiguous: wide coalesced loads) and stores
+its float32 partial; XLA sums the splits and applies the scales. The split count S (`tiles`) is the
+smallest power of two giving >= TARGET_PROGRAMS programs at one row tile, as far as each split
+keeps >= MIN_SPLIT_STEPS K steps: a decode grid is otherwise N / bn programs, each streaming all of
+K, far too few for an H200's 132 SMs. Rows past M are neither loaded (masked) nor stored.
 
-Grid: (M blocks, N blocks, K splits), M fastest: programs launched together share a weight tile,
-so at larger M the weights are read from HBM about once and the repeats hit L2.
-
-Hazards (Triton): blocks are powers of two >= 16 (a dot needs >= 16 rows, so M is padded to bm);
-every window is in bounds (the interpreter clamps out-of-bounds slices where the GPU would read past
-the array, so in-bounds windows keep both equal); float8_e4m3fn casts need compute capability
->= 8.9. The launch defaults are a starting point; benchmarks/probes/fp8_matmul.py sweeps them.
+Tiles: bn and bk are the largest powers of two up to BN and BK dividing every N_i and K (all of
+BN, BK for real models); shapes no power of two >= 16 divides take `reference`.
+Hazards (Triton): int32 offsets, so S * M * N_i and N_i * K stay below 2**31; float8_e4m3fn casts
+need compute capability >= 8.9. benchmarks/probes/fp8_decode_probe.py measures the tile choices.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,147 +39,147 @@ from jax import lax
 
 from jvllm.ops.pallas_grouped_matmul import _pow2_divisor
 
-TARGET_PROGRAMS = 264  # decode launches split K until about 2 programs per SM of an H200 (132 SMs)
-MAX_SPLIT_K = 8
-_WARPS = (1, 2, 4, 8, 16)
-
-
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v >= 16 and v & (v - 1) == 0
+FP8 = jnp.float8_e4m3fn
+BN, BK = 128, 128  # column tile and K step at most: the probe's fastest [N, K] tiles at 1-8 rows
+NUM_WARPS, NUM_STAGES = 4, 4
+TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs at one row tile
+MIN_SPLIT_STEPS = 4  # K steps each split walks at least
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
-    """Tile sizes (powers of two >= 16), K splits and Triton launch options of one matmul."""
-
-    bm: int
-    bn: int
-    bk: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self):
-        for f in ("bm", "bn", "bk"):
-            if not _pow2(getattr(self, f)):
-                raise ValueError(f"Launch.{f} must be a power of two >= 16, got {getattr(self, f)!r}")
-        if not isinstance(self.split_k, int) or not 1 <= self.split_k <= 64:
-            raise ValueError(f"Launch.split_k must be an integer in [1, 64], got {self.split_k!r}")
-        if self.num_warps not in _WARPS:
-            raise ValueError(f"Launch.num_warps must be one of {_WARPS}, got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"Launch.num_stages must be an integer in [1, 8], got {self.num_stages!r}")
-
-    def check(self, K: int, N: int):
-        """ValueError unless the tiles cover [K, N] exactly (bk * split_k divides K, bn divides N)."""
-        if N % self.bn or K % (self.bk * self.split_k):
-            raise ValueError(f"launch {self} does not tile w[{K}, {N}]: bn={self.bn} must divide N={N} and "
-                             f"bk * split_k = {self.bk * self.split_k} must divide K={K}")
+class Tiles:
+    bm: int  # rows a program covers (16, 32 or 64)
+    bn: int  # columns a program covers: the largest power of two <= BN dividing every N_i
+    bk: int  # K step: the largest power of two <= BK dividing K
+    splits: int  # S: contiguous K ranges, one program each
 
 
-def row_block(M: int) -> int:
-    """Rows per program of a decode launch: the smallest of 16, 32, 64 holding M (64 above)."""
+def row_tile(M: int) -> int:
+    """The smallest of 16, 32, 64 holding M (64 above: M is at most a decode bucket)."""
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
-def decode_launch(M: int, K: int, N: int) -> Launch | None:
-    """The small-M launch for x[M, K] @ w[K, N], or None when no power-of-two block >= 16 divides
-    K or N (`matmul` then falls back to XLA). Column tiles of up to 128 (128 fp8 bytes: one cache line
-    per weight row), K steps of up to 256, then K split in powers of two (at most MAX_SPLIT_K, each
-    split a whole number of K steps) until the grid reaches TARGET_PROGRAMS."""
-    bn, bk = _pow2_divisor(N, 128), _pow2_divisor(K, 256)
-    if bn is None or bk is None:
+def tiles(M: int, K: int, Ns: Sequence[int]) -> Tiles | None:
+    """The launch of x [M, K] through weights [N_i, K], or None where no power of two >= 16
+    divides K or every N_i (Triton blocks; the caller computes `reference` instead)."""
+    bk = _pow2_divisor(K, BK)
+    bns = [_pow2_divisor(N, BN) for N in Ns]
+    if bk is None or not Ns or None in bns:
         return None
-    bm = row_block(M)
-    programs = -(-M // bm) * (N // bn)
-    split = 1
-    while split < MAX_SPLIT_K and programs * split < TARGET_PROGRAMS and (K // bk) % (2 * split) == 0:
-        split *= 2
-    return Launch(bm, bn, bk, split, num_warps=4, num_stages=4)
+    bm, bn = row_tile(M), min(bns)
+    programs, steps, s = -(-M // bm) * sum(N // bn for N in Ns), K // bk, 1
+    while programs * s < TARGET_PROGRAMS and steps % (2 * s) == 0 and steps // (2 * s) >= MIN_SPLIT_STEPS:
+        s *= 2
+    return Tiles(bm, bn, bk, s)
 
 
 def reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax.Array:
-    """The XLA formulation (Fp8Channel's weight-only path): convert w to x's dtype inside the dot,
-    float32 accumulation, scale the float32 result, cast to x's dtype."""
-    y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    """The XLA formulation for w [N, K]: w converted to x's dtype inside the dot, float32
+    accumulation, the float32 result scaled, cast to x's dtype."""
+    y = lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return (y if scale is None else y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def _kernel(*refs, bm: int, bn: int, bk: int, nk: int, Mp: int, scaled: bool):
-    from jax.experimental import pallas as pl
-
-    x_ref, w_ref, *rest = refs
-    s_ref, o_ref = rest if scaled else (None, rest[0])
-    m0 = pl.program_id(0) * bm
-    n0 = pl.program_id(1) * bn
-    split = pl.program_id(2)
-
-    def body(kk, acc):
-        k0 = pl.multiple_of((split * nk + kk) * bk, bk)
-        a = x_ref[pl.ds(m0, bm), pl.ds(k0, bk)]
-        b = w_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
-        return acc + jnp.dot(a, b.astype(a.dtype), preferred_element_type=jnp.float32)
-
-    acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
-    if scaled:
-        acc = acc * s_ref[pl.ds(n0, bn)].astype(jnp.float32)[None, :]
-    o_ref[pl.ds(split * Mp + m0, bm), pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
-
-
-def _check(x, w, scale):
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"pallas matmul: x must be [M, K] and w [K, N]; got x {x.shape}, w {w.shape}")
-    if w.dtype not in (x.dtype, jnp.float8_e4m3fn):
-        raise ValueError(f"pallas matmul: w's dtype {w.dtype} must be x's ({x.dtype}) or float8_e4m3fn")
-    if scale is not None and scale.shape != (w.shape[1],):
-        raise ValueError(f"pallas matmul: scale has shape {scale.shape}, expected ({w.shape[1]},)")
-
-
-def _launch(x, w, scale, launch: Launch, interpret: bool | None):
+def _kernel(x_ref, *refs, M: int, t: Tiles, Ns: tuple, nk: int, f16: bool):
+    """Program (row tile, column tile, split): refs are the g weights then the g partial outputs
+    ([M, N_i] float32, the split axis squeezed by the out BlockSpec)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    g = len(Ns)
+    w_refs, o_refs = refs[:g], refs[g:]
+    bm, bn, bk = t.bm, t.bn, t.bk
+    m0, j, s = pl.program_id(0) * bm, pl.program_id(1), pl.program_id(2)
+    xmask = (m0 + lax.broadcasted_iota(jnp.int32, (bm, bk), 0)) < M
+
+    def compute(w_ref, o_ref, j_local):
+        n0 = j_local * bn
+
+        def body(kk, acc):
+            k0 = pl.multiple_of((s * nk + kk) * bk, bk)
+            a = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask=xmask, other=0)
+            b = w_ref[pl.ds(n0, bn), pl.ds(k0, bk)]
+            b = b.astype(jnp.float16 if f16 else a.dtype)
+            return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+        acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+        rows = m0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc, mask=rows < M)
+
+    c0 = 0
+    for i, N in enumerate(Ns):
+        c1 = c0 + N // bn
+        if g == 1:
+            compute(w_refs[i], o_refs[i], j)
+        else:
+            pl.when((j >= c0) & (j < c1))(functools.partial(compute, w_refs[i], o_refs[i], j - c0))
+        c0 = c1
+
+
+def _check(x, ws, scales):
+    if x.ndim != 2 or not ws or len(scales) != len(ws):
+        raise ValueError(f"pallas matmul: x must be [M, K] with one scale (or None) per weight; got x "
+                         f"{x.shape}, {len(ws)} weights, {len(scales)} scales")
+    for w, s in zip(ws, scales):
+        if w.ndim != 2 or w.shape[1] != x.shape[1]:
+            raise ValueError(f"pallas matmul: x must be [M, K] and each w [N, K]; got x {x.shape}, w {w.shape}")
+        if w.dtype not in (x.dtype, FP8):
+            raise ValueError(f"pallas matmul: w's dtype {w.dtype} must be x's ({x.dtype}) or float8_e4m3fn")
+        if s is not None and s.shape != (w.shape[0],):
+            raise ValueError(f"pallas matmul: scale has shape {s.shape}, expected ({w.shape[0]},)")
+
+
+def _to_f16(x):
+    """(x scaled per row by a power of two into float16, the float32 row scales [M, 1])."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
+    r = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30))) - 8)
+    return (xf / r).astype(jnp.float16), r
+
+
+def matmuls(x: jax.Array, ws: Sequence[jax.Array], scales: Sequence[jax.Array | None] | None = None, *,
+            interpret: bool | None = None) -> list[jax.Array]:
+    """x [M, K] through each w_i [N_i, K] (times scale_i [N_i], or None) in one launch -> a list of
+    [M, N_i] in x's dtype (module docstring). Shapes the tiles do not cover take `reference`, one
+    XLA dot each. `interpret` None = interpret unless the default backend is a GPU. ValueError on
+    mismatched shapes or dtypes."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    ws = list(ws)
+    scales = [None] * len(ws) if scales is None else list(scales)
+    _check(x, ws, scales)
     M, K = x.shape
-    N = w.shape[1]
-    launch.check(K, N)
-    bm, S = launch.bm, launch.split_k
-    Mp = -(-M // bm) * bm
-    xp = x if Mp == M else jnp.pad(x, ((0, Mp - M), (0, 0)))
-    scaled_in_kernel = scale is not None and S == 1
-    out_dtype = x.dtype if S == 1 else jnp.float32
+    Ns = tuple(w.shape[0] for w in ws)
+    t = tiles(M, K, Ns) if M else None
+    if t is None:
+        return [reference(x, w, s) for w, s in zip(ws, scales)]
+    f16 = x.dtype in (jnp.bfloat16, jnp.float16) and all(w.dtype == FP8 for w in ws)
+    xin, rows = _to_f16(x) if f16 else (x, None)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    kernel = functools.partial(_kernel, bm=bm, bn=launch.bn, bk=launch.bk, nk=K // (launch.bk * S), Mp=Mp,
-                               scaled=scaled_in_kernel)
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
-    operands = (xp, w) + ((scale.astype(jnp.float32),) if scaled_in_kernel else ())
-    out = pl.pallas_call(
+    S = t.splits
+    kernel = functools.partial(_kernel, M=M, t=t, Ns=Ns, nk=K // (t.bk * S), f16=f16)
+    parts = pl.pallas_call(
         kernel,
-        grid=(Mp // bm, N // launch.bn, S),
-        in_specs=[whole(a.shape) for a in operands],
-        out_specs=whole((S * Mp, N)),
-        out_shape=jax.ShapeDtypeStruct((S * Mp, N), out_dtype),
+        grid=(-(-M // t.bm), sum(N // t.bn for N in Ns), S),
+        in_specs=[pl.BlockSpec((M, K), lambda i, j, s: (0, 0))]
+                 + [pl.BlockSpec(tuple(w.shape), lambda i, j, s: (0, 0)) for w in ws],
+        out_specs=[pl.BlockSpec((pl.squeezed, M, N), lambda i, j, s: (s, 0, 0)) for N in Ns],
+        out_shape=[jax.ShapeDtypeStruct((S, M, N), jnp.float32) for N in Ns],
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
-        name=f"jvllm_matmul_bm{bm}_bn{launch.bn}_bk{launch.bk}_s{S}",
-    )(*operands)
-    if S == 1:
-        return out[:M]
-    y = jnp.sum(out.reshape(S, Mp, N)[:, :M], axis=0)
-    return (y if scale is None else y * scale.astype(jnp.float32)).astype(x.dtype)
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        name=f"jvllm_matmul_nk_bm{t.bm}_bn{t.bn}_bk{t.bk}_s{S}{'_f16' if f16 else ''}{f'_g{len(ws)}' if len(ws) > 1 else ''}",
+    )(xin, *ws)
+    out = []
+    for p, s in zip(parts, scales):
+        y = jnp.sum(p, axis=0)
+        if rows is not None:
+            y = y * rows
+        out.append((y if s is None else y * s.astype(jnp.float32)).astype(x.dtype))
+    return out
 
 
-def matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, launch: Launch | None = None,
-           interpret: bool | None = None) -> jax.Array:
-    """(x[M, K] @ w[K, N]) * scale[N] in x's dtype (module docstring: the decode form). `launch`
-    None takes `decode_launch(M, K, N)`, and shapes it cannot tile fall back to `reference`; a given
-    launch that does not tile the shape is a ValueError. `interpret` None = interpret unless the
-    default backend is a GPU."""
-    _check(x, w, scale)
-    if x.shape[0] == 0:
-        return jnp.zeros((0, w.shape[1]), x.dtype)
-    if launch is None:
-        launch = decode_launch(x.shape[0], *w.shape)
-        if launch is None:
-            return reference(x, w, scale)
-    return _launch(x, w, scale, launch, interpret)
+def matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, interpret: bool | None = None) -> jax.Array:
+    """(x [M, K] @ w [N, K].T) * scale [N]: `matmuls` of one weight."""
+    return matmuls(x, [w], [scale], interpret=interpret)[0]

@@ -144,6 +144,10 @@ def apply_quantization(cfg, quantization: str | None, fp8_activations: bool | No
         raise ValueError(f"quantization_group_size={group_size} is weight-only on XLA; {other} takes one scale "
                          f"per output channel: pass quantization_group_size='auto' or 'channel' with it, or "
                          f"fp8_matmul_backend='xla' (or 'auto') with group scales")
+    if fp8_matmul_backend == "pallas" and quant.from_checkpoint:
+        raise ValueError("fp8_matmul_backend='pallas' stores the fp8 weights output dims first, quantizing them at "
+                         "load; this checkpoint is already quantized (read as stored): pass fp8_matmul_backend="
+                         "'xla' or 'auto'")
     if fp8_matmul_backend == "auto":  # the measured faster backend (module docstring)
         fp8_matmul_backend = "xla"
     resolved = dataclasses.replace(quant, fp8_activations=fp8_activations, matmul=fp8_matmul_backend)

@@ -63,7 +63,8 @@ class LoadQuantizer:
 
             s_spec = sh[name + SCALE]
             shape = self.proj.scale_shape(a.shape, self.n_in[name])
-            return {name: remote_placeholder(tuple(a.shape), self.proj.weight_dtype, sh[name]),
+            stored = self.proj.stored_shape(a.shape, self.n_in[name])
+            return {name: remote_placeholder(stored, self.proj.weight_dtype, sh[name]),
                     name + SCALE: remote_placeholder(tuple(shape), jnp.float32, s_spec)}
         wq, s = quantize_on_device(self.proj, a, self.n_in[name], sh.get(name), sh.get(name + SCALE))
         if isinstance(a, jax.Array):
@@ -94,13 +95,20 @@ def update_quantized(flat: dict, live: dict, proj: Projection, n_in: dict[str, i
                 f"weight {name!r}: a quantized engine takes a full-precision weight alone (it requantizes it) "
                 f"or the {jnp.dtype(proj.weight_dtype).name} weight together with {name + SCALE!r}; got a "
                 f"{jnp.dtype(w.dtype).name} weight {'with' if s is not None else 'without'} a scale")
+        target_w, target_s = live[name], live[name + SCALE]
+        want = tuple(target_w.shape) if quantized else proj.model_shape(target_w.shape, k)
+        if tuple(w.shape) != want:
+            layout = "" if proj.model_shape(target_w.shape, k) == tuple(target_w.shape) else \
+                " (its quantized weights are stored output dims first)"
+            raise ValueError(f"weight {name!r}: a {'quantized' if quantized else 'full-precision'} weight of shape "
+                             f"{tuple(w.shape)}; this engine takes {want}{layout}")
         if quantized:
             continue
-        target_w, target_s = live[name], live[name + SCALE]
         if not isinstance(w, jax.Array):
             import numpy as np
 
             w = jnp.asarray(np.asarray(w, np.float32))
-        w = jax.device_put(w, target_w.sharding)
+        if want == tuple(target_w.shape):  # else the stored sharding names other dims: the quantizer's jit places it
+            w = jax.device_put(w, target_w.sharding)
         out[name], out[name + SCALE] = quantize_on_device(proj, w, k, target_w.sharding, target_s.sharding)
     return out

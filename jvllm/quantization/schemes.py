@@ -6,7 +6,8 @@ multiply an activation by it, and quantize / dequantize a full-precision weight.
     q = proj("td,dhk->thk", x, self.q_proj, self.q_proj_scale)
 
 A weight is stored in the model's layout `[in dims..., out dims...]` (the first `n_in` dims are
-contracted). Per-output-channel scales have the shape and logical axes of the output dims, so
+contracted), unless its format says otherwise (`stored_shape`; `quantize` returns and the call
+takes the stored layout, `dequantize` returns the model's). Per-output-channel scales have the shape and logical axes of the output dims, so
 the sharding rules shard a scale exactly as its weight's output axis; `Dense` (no quantization)
 declares no scale (None). Group scales (`GroupScaled`: fp8_block, and fp8 / int8 with
 `QuantConfig.group_size`) keep the weight's rank and axes instead, the last contracted dim divided
@@ -68,6 +69,15 @@ class Projection:
 
     def scale_shape(self, shape, n_in: int) -> tuple[int, ...]:
         return tuple(shape[n_in:])
+
+    def stored_shape(self, shape, n_in: int) -> tuple[int, ...]:
+        """The declared (stored) shape of a projection whose model layout is `shape`: the same,
+        unless a format keeps another layout (Fp8Channel's pallas backend: output dims first)."""
+        return tuple(shape)
+
+    def model_shape(self, stored, n_in: int) -> tuple[int, ...]:
+        """`stored_shape` inverted: the model-layout shape of a weight stored as `stored`."""
+        return tuple(stored)
 
     def n_in_of(self, shape, scale_shape) -> int:
         """The number of contracted dims of a weight of `shape` whose scale has `scale_shape`."""

@@ -100,10 +100,15 @@ def _to_numpy(name, a) -> np.ndarray:
         raise ValueError(f"weight {name!r}: {type(a).__name__} is not an array") from e
 
 
-def normalize(weights, specs: dict, tied: bool) -> dict:
+def normalize(weights, specs: dict, tied: bool, model_specs: dict | None = None) -> dict:
     """`weights` (see the module docstring) -> {jvllm name: array}, names and shapes checked
-    against `specs` (`param_specs` of the whole model)."""
+    against `specs` (`param_specs` of the whole model). `model_specs`: the unquantized model's
+    param_specs where a quantized engine stores some weights in another layout (the fp8 pallas
+    backend): HF pairs convert to that layout, and either shape passes here
+    (`jvllm.quantization.load.update_quantized` checks which one a dtype needs)."""
     from flax import nnx
+
+    model_specs = model_specs or specs
 
     if isinstance(weights, nnx.State):
         flat = _flat_state(weights)
@@ -127,15 +132,15 @@ def normalize(weights, specs: dict, tied: bool) -> dict:
                 raise ValueError(f"weight {src!r}: this model declares no parameter {tgt!r}")
             if tgt in flat:
                 raise ValueError(f"weight {src!r} given twice")
-            flat[tgt] = fn(src, _to_numpy(src, a), specs[tgt][0])
+            flat[tgt] = fn(src, _to_numpy(src, a), model_specs.get(tgt, specs[tgt])[0])
     for name, a in flat.items():
         if name not in specs:
             hint = " (this model ties the LM head to 'embed')" if name == "lm_head" and tied else ""
             raise ValueError(f"unknown weight {name!r}{hint}; known: {', '.join(sorted(specs)[:6])} ...")
         if not hasattr(a, "shape"):
             raise ValueError(f"weight {name!r}: {type(a).__name__} is not an array")
-        if tuple(a.shape) != tuple(specs[name][0]):
-            raise ValueError(f"weight {name!r}: shape {tuple(a.shape)}, the model's is {tuple(specs[name][0])}")
+        if tuple(a.shape) not in (tuple(specs[name][0]), tuple(model_specs.get(name, specs[name])[0])):
+            raise ValueError(f"weight {name!r}: shape {tuple(a.shape)}, the model's is {tuple(model_specs.get(name, specs[name])[0])}")
     return flat
 
 
