@@ -114,3 +114,25 @@ def test_lowers_to_triton_for_cuda(M, wdtype, Ns):
         else (lambda x, *ws: pm.matmuls(x, ws, interpret=False))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+
+
+def test_decode_probe_runs_tiny():
+    """benchmarks/probes/fp8_decode_probe.py --tiny (interpret mode): every kernel it sweeps runs
+    and matches the float32 product (rel_err), so the GPU sweep measures working kernels."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    probes = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "p.json")
+        env = dict(os.environ, PYTHONPATH=os.path.join(probes, "..", "..") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        p = subprocess.run([sys.executable, "fp8_decode_probe.py", "--tiny", "--out", out], cwd=probes, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        rows = json.load(open(out))["rows"]
+    assert {r["kind"] for r in rows} == {"xla_bf16", "xla_fp8", "pm", "ft_bf16", "cand"}
+    assert not [r for r in rows if "error" in r]
+    assert all(r["rel_err"] < (0.05 if r.get("conv") == "a8" else 0.01) for r in rows)

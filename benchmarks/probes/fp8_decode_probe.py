@@ -4,7 +4,8 @@ model's unrolled layers are, so the per-call dispatch is amortized over L and no
 L2 from the call before), per token count: device ms per projection and weight GB/s of
 
 - xla_bf16 / xla_fp8: XLA's bf16 dot, and its fp8 weight-only dot (jvllm's "xla" backend);
-- pm: `jvllm.ops.pallas_matmul.matmul` at its decode launch (jvllm's "pallas" backend);
+- pm: `jvllm.ops.pallas_matmul.matmul` on the [N, K] weight (jvllm's "pallas" backend; the
+  sweeps below were run against its earlier [K, N] kernel, replaced by the winner: nk, cvt16);
 - ft_bf16: batch-invariant mode's bf16 fixed-tile kernel (a calibration: the bf16 kernel that
   session 12's trace saw at 3.2-3.9 TB/s);
 - cand: one experimental kernel (below) over --cands: the weight stored [K, N] ("kn") or [N, K]
@@ -234,9 +235,10 @@ def main(argv=None):
 
             row("xla_bf16", lambda x, w, s: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
                 wb, ones, 2 * K * N)
-            row("xla_fp8", pm.reference, w8, sc, K * N)
-            row("pm", lambda x, w, s: pm.matmul(x, w, s, interpret=interpret), w8, sc, K * N,
-                launch=str(pm.decode_launch(M, K, N)))
+            row("xla_fp8", lambda x, w, s: (jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32) * s
+                                            ).astype(x.dtype), w8, sc, K * N)  # the "xla" backend's [K, N] dot
+            row("pm", lambda x, w, s: pm.matmul(x, w, s, interpret=interpret), w8t, sc, K * N,
+                launch=str(pm.tiles(M, K, [N])))
             row("ft_bf16", lambda x, w, s: ftm.fixed_tile_matmul(x, w, interpret=interpret), wb, ones, 2 * K * N)
             for c in cands:
                 f = functools.partial(cand_matmul, interpret=interpret, **c)

@@ -3,9 +3,9 @@
 # this session's features side by side, each config its own process, one compile cache for all:
 #   base     greedy bf16                                                                     -> b1_base.json
 #   sampled  temperature 0.8, top_p 0.95 (the no-sort sampler)                              -> b1_sampled.json
-#   fp8      --quantization fp8 (weight-only fp8; the auto matmul backend: pallas on Hopper) -> b1_fp8.json
+#   fp8      --quantization fp8 (weight-only fp8; the auto matmul backend: xla)             -> b1_fp8.json
 #   fp8_pallas / fp8_xla  --quantization fp8 --fp8-matmul-backend pallas / xla                -> b1_fp8_{pallas,xla}.json
-#   fp8mm    benchmarks/probes/fp8_matmul.py: the 8B's projections, bf16 / XLA fp8 / Pallas   -> fp8_matmul.json
+#   fp8mm    benchmarks/probes/fp8_decode_probe.py: the 8B's projections, bf16 / XLA fp8 / Pallas -> fp8_decode_probe.json
 #   int8     --quantization int8 (weight-only)                                               -> b1_int8.json
 #   spec     benchmarks/spec_b1.py: plain vs n-gram k=4 on the target's own continuation     -> spec_b1.json
 #   hlo      benchmarks/probes/fp8_gemm_hlo.py: is the fp8 projection a cuBLASLt f8 GEMM     -> fp8_hlo.json
@@ -36,8 +36,9 @@ for stage in ${STAGES:-hlo base fp8 spec sampled coldstart}; do
     fp8) b1 fp8 120 --quantization fp8 ;;
     fp8_pallas) b1 fp8_pallas 120 --quantization fp8 --fp8-matmul-backend pallas ;;
     fp8_xla) b1 fp8_xla 120 --quantization fp8 --fp8-matmul-backend xla ;;
-    fp8mm) timeout $(left 150) python benchmarks/probes/fp8_matmul.py --out "$OUT/fp8_matmul.json" > "$OUT/fp8_matmul.log" 2>&1
-           rc=$?; echo "[$(el)s] fp8mm rc=$rc"; tail -12 "$OUT/fp8_matmul.log" ;;
+    fp8mm) (cd benchmarks/probes && timeout $(left 250) python fp8_decode_probe.py --out "$OUT/fp8_decode_probe.json") \
+             > "$OUT/fp8_decode_probe.log" 2>&1
+           rc=$?; echo "[$(el)s] fp8mm rc=$rc"; tail -2 "$OUT/fp8_decode_probe.log" ;;
     int8) b1 int8 120 --quantization int8 ;;
     spec) timeout $(left 200) python benchmarks/spec_b1.py "${MODEL[@]}" --k 4 --iters 2 ${DRAFT:+--draft} \
             --output-json "$OUT/spec_b1.json" > "$OUT/spec_b1.log" 2>&1

@@ -21,9 +21,10 @@ Methods (the weight layout of each is `jvllm.quantization.schemes`):
              the engine option `fp8_matmul_backend`, decided once by `apply_quantization`): "xla"
              (the convert fused into XLA's dot) or "pallas" (jvllm.ops.pallas_matmul, a kernel that
              streams the 1-byte weights; used for steps of at most `fp8.PALLAS_MAX_TOKENS` tokens
-             on one tensor-parallel device, XLA otherwise: see `Fp8Channel`). "auto" takes xla
-             everywhere: it measured faster than pallas at B1 on an H200 (benchmarks/README.md),
-             so pallas is opt-in until its kernel is faster.
+             on one tensor-parallel device, XLA otherwise: see `Fp8Channel`; it stores the weights
+             output dims first, so it is refused for pre-quantized checkpoints). "auto" takes xla:
+             pallas is faster at B1 on an H200 (1.05x), but W1 and prefill, which run XLA's einsum
+             over its layout, are not measured with it (benchmarks/README.md).
   int8       int8 weights, weight-only (the int8 values are converted to the activation dtype
              inside the dot).
   fp8_block  float8_e4m3fn weights with one float32 scale per (input block, output channel),

@@ -8,10 +8,12 @@ full-precision array is deleted at once, so the peak holds one full-precision te
 quantized model. Checkpoints that are already quantized skip this (`QuantConfig.from_checkpoint`).
 
 Weight updates (`LLM.update_weights`, `update_quantized`): `get_weights()` of a quantized engine
-returns the quantized arrays and their `<name>_scale` arrays (what it computes with). An update
-gives, for each projection, either a full-precision weight alone (requantized here, on device,
-into the live shardings) or the quantized weight together with its scale (used as they are: the
-get_weights round trip, and sleep level 2's restore). Anything else (a scale alone, a quantized
+returns the quantized arrays (in the format's stored layout, `Projection.stored_shape`) and their
+`<name>_scale` arrays (what it computes with). An update gives, for each projection, either a
+full-precision weight alone in the model layout (requantized here, on device, into the live
+shardings and layout) or the quantized weight in the stored layout together with its scale (used
+as they are: the get_weights round trip, and sleep level 2's restore); a shape that is neither is
+a ValueError naming both. Anything else (a scale alone, a quantized
 weight without its scale, a full-precision weight with a scale) is a ValueError naming it.
 """
 from __future__ import annotations
