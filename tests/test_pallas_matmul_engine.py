@@ -175,3 +175,22 @@ def test_weights_stored_output_first_and_updates(tiny):
     finally:
         llm.shutdown()
         f32.shutdown()
+
+
+def test_tensor_parallel_shards_the_stored_layout(tiny):
+    """Under tensor parallelism the pallas backend's [out..., in...] weights shard along their own
+    output axis and the steps take the einsum over that layout: logits equal the XLA backend's."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 (fake) devices")
+    ids = [int(t) for t in np.random.default_rng(2).integers(3, 256, 20)]
+    got = {}
+    for backend in ("xla", "pallas"):
+        llm = LLM(tiny, fp8_matmul_backend=backend, tensor_parallel_size=2, **KW)
+        try:
+            a = llm.get_weights()["layers"]["0"]["mlp"]
+            want = (None, "tensor") if backend == "xla" else ("tensor",)
+            assert tuple(a["gate_proj"].sharding.spec)[:len(want)] == want
+            got[backend] = np.asarray(llm.llm_engine.runner.sequence_logits(ids))
+        finally:
+            llm.shutdown()
+    np.testing.assert_allclose(got["pallas"], got["xla"], rtol=1e-5, atol=1e-5)
