@@ -17,7 +17,8 @@ measured no faster than XLA's fused dot, the float16 one faster (benchmarks/READ
 
 Grid: (row tiles, column tiles of the group laid end to end, K splits). Each program walks its
 K range in bk steps over [bn, bk] weight tiles (row-contiguous: wide coalesced loads) and stores
-its float32 partial; XLA sums the splits and applies the scales. The split count S (`tiles`) is the
+its float32 partial into the group's one [S, M, sum N_i] buffer; one XLA reduction sums the
+splits, applies the scales and casts, and the outputs are its column slices. The split count S (`tiles`) is the
 smallest power of two giving >= TARGET_PROGRAMS programs at one row tile, as far as each split
 keeps >= MIN_SPLIT_STEPS K steps: a decode grid is otherwise N / bn programs, each streaming all of
 K, far too few for an H200's 132 SMs. Rows past M are neither loaded (masked) nor stored.
@@ -81,18 +82,19 @@ def reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None) -> jax
 
 
 def _kernel(x_ref, *refs, M: int, t: Tiles, Ns: tuple, nk: int, f16: bool):
-    """Program (row tile, column tile, split): refs are the g weights then the g partial outputs
-    ([M, N_i] float32, the split axis squeezed by the out BlockSpec)."""
+    """Program (row tile, column tile, split): refs are the g weights then the group's one partial
+    output ([M, sum N_i] float32, weight i's columns at offset N_1 + ... + N_{i-1}; the split axis
+    squeezed by the out BlockSpec)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     g = len(Ns)
-    w_refs, o_refs = refs[:g], refs[g:]
+    w_refs, o_ref = refs[:g], refs[g]
     bm, bn, bk = t.bm, t.bn, t.bk
     m0, j, s = pl.program_id(0) * bm, pl.program_id(1), pl.program_id(2)
     xmask = (m0 + lax.broadcasted_iota(jnp.int32, (bm, bk), 0)) < M
 
-    def compute(w_ref, o_ref, j_local):
+    def compute(w_ref, off, j_local):
         n0 = j_local * bn
 
         def body(kk, acc):
@@ -104,16 +106,16 @@ def _kernel(x_ref, *refs, M: int, t: Tiles, Ns: tuple, nk: int, f16: bool):
 
         acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
         rows = m0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
-        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc, mask=rows < M)
+        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(off + n0, bn)], acc, mask=rows < M)
 
-    c0 = 0
+    c0 = off = 0
     for i, N in enumerate(Ns):
         c1 = c0 + N // bn
         if g == 1:
-            compute(w_refs[i], o_refs[i], j)
+            compute(w_refs[i], 0, j)
         else:
-            pl.when((j >= c0) & (j < c1))(functools.partial(compute, w_refs[i], o_refs[i], j - c0))
-        c0 = c1
+            pl.when((j >= c0) & (j < c1))(functools.partial(compute, w_refs[i], off, j - c0))
+        c0, off = c1, off + N
 
 
 def _check(x, ws, scales):
@@ -165,19 +167,23 @@ def matmuls(x: jax.Array, ws: Sequence[jax.Array], scales: Sequence[jax.Array | 
         grid=(-(-M // t.bm), sum(N // t.bn for N in Ns), S),
         in_specs=[pl.BlockSpec((M, K), lambda i, j, s: (0, 0))]
                  + [pl.BlockSpec(tuple(w.shape), lambda i, j, s: (0, 0)) for w in ws],
-        out_specs=[pl.BlockSpec((pl.squeezed, M, N), lambda i, j, s: (s, 0, 0)) for N in Ns],
-        out_shape=[jax.ShapeDtypeStruct((S, M, N), jnp.float32) for N in Ns],
+        out_specs=pl.BlockSpec((pl.squeezed, M, sum(Ns)), lambda i, j, s: (s, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((S, M, sum(Ns)), jnp.float32),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         name=f"jvllm_matmul_nk_bm{t.bm}_bn{t.bn}_bk{t.bk}_s{S}{'_f16' if f16 else ''}{f'_g{len(ws)}' if len(ws) > 1 else ''}",
     )(xin, *ws)
-    out = []
-    for p, s in zip(parts, scales):
-        y = jnp.sum(p, axis=0)
-        if rows is not None:
-            y = y * rows
-        out.append((y if s is None else y * s.astype(jnp.float32)).astype(x.dtype))
-    return out
+    # one reduction for the group (the splits' sum, the row and channel scales, the cast), then
+    # the outputs as column slices: one XLA kernel per group rather than one per weight
+    y = jnp.sum(parts, axis=0)
+    if rows is not None:
+        y = y * rows
+    if any(sc is not None for sc in scales):
+        y = y * jnp.concatenate([jnp.ones((N,), jnp.float32) if sc is None else sc.astype(jnp.float32)
+                                 for N, sc in zip(Ns, scales)])
+    y = y.astype(x.dtype)
+    offs = [sum(Ns[:i]) for i in range(len(Ns))]
+    return [y[:, o:o + N] for o, N in zip(offs, Ns)]
 
 
 def matmul(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *, interpret: bool | None = None) -> jax.Array:
