@@ -100,8 +100,7 @@ def update_quantized(flat: dict, live: dict, proj: Projection, n_in: dict[str, i
         target_w, target_s = live[name], live[name + SCALE]
         want = tuple(target_w.shape) if quantized else proj.model_shape(target_w.shape, k)
         if tuple(w.shape) != want:
-            layout = "" if proj.model_shape(target_w.shape, k) == tuple(target_w.shape) else \
-                " (its quantized weights are stored output dims first)"
+            layout = " (its quantized weights are stored output dims first)" if proj.out_first else ""
             raise ValueError(f"weight {name!r}: a {'quantized' if quantized else 'full-precision'} weight of shape "
                              f"{tuple(w.shape)}; this engine takes {want}{layout}")
         if quantized:
@@ -110,7 +109,7 @@ def update_quantized(flat: dict, live: dict, proj: Projection, n_in: dict[str, i
             import numpy as np
 
             w = jnp.asarray(np.asarray(w, np.float32))
-        if want == tuple(target_w.shape):  # else the stored sharding names other dims: the quantizer's jit places it
+        if not proj.out_first:  # else the stored sharding names other dims: the quantizer's jit places it
             w = jax.device_put(w, target_w.sharding)
         out[name], out[name + SCALE] = quantize_on_device(proj, w, k, target_w.sharding, target_s.sharding)
     return out

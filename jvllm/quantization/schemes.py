@@ -63,6 +63,7 @@ class Projection:
 
     name = "base"
     weight_dtype = None  # None: the model dtype
+    out_first = False  # whether the weight is stored output dims first (`stored_shape`)
 
     def declare(self, shape, axes, n_in: int, dtype) -> tuple[nnx.Param, nnx.Param | None]:
         raise NotImplementedError
