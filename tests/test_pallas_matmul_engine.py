@@ -1,5 +1,5 @@
 """The pallas backend of weight-only fp8 projections (`fp8_matmul_backend`, jvllm.ops.pallas_matmul in
-interpret mode on CPU): the option's validation and resolution, where Fp8Channel uses the kernel,
+interpret mode on CPU): the option's validation and resolution, where Fp8Pallas uses the kernel,
 and an engine's greedy tokens equal to the XLA backend's on a tiny model."""
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,8 @@ from flax import nnx
 from jvllm import LLM, SamplingParams
 from jvllm.ops import pallas_matmul
 from jvllm.quantization import QuantConfig, apply_quantization
-from jvllm.quantization.fp8 import PALLAS_MAX_TOKENS, Fp8Channel
+from jvllm.quantization.fp8 import Fp8Channel
+from jvllm.quantization.fp8_pallas import PALLAS_MAX_TOKENS, Fp8Pallas
 
 KW = dict(dtype="float32", quantization="fp8", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
           token_buckets=(8, 32), use_tqdm_on_load=False, background_compile=False)
@@ -42,8 +43,8 @@ def test_option_is_validated_and_resolved_once(tiny):
         QuantConfig("fp8", matmul="cuda")
     with pytest.raises(ValueError, match="pallas matmul is for weight-only fp8"):
         QuantConfig("fp8", fp8_activations=True, matmul="pallas")
-    with pytest.raises(ValueError, match="'pallas' is weight-only"):
-        Fp8Channel(activations=True, backend="pallas")
+    with pytest.raises(ValueError, match="the pallas backend is weight-only"):
+        Fp8Pallas(activations=True)
     import dataclasses
 
     pre = dataclasses.replace(cfg, quant=QuantConfig("fp8", from_checkpoint=True, fp8_activations=False))
@@ -60,7 +61,7 @@ def _uses_kernel(proj, spec, x, w, s) -> bool:
 def test_projection_uses_the_kernel_for_decode_sized_steps_only():
     """The pallas backend stores o_proj's [heads, head_dim, embed] as [embed, heads, head_dim]; the
     kernel and the einsum fallback over that layout both equal the XLA backend's projection."""
-    proj, xla = Fp8Channel(activations=False, backend="pallas"), Fp8Channel(activations=False)
+    proj, xla = Fp8Pallas(), Fp8Channel(activations=False)
     w = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 64)) * 0.1  # o_proj-like [heads, head_dim, embed]
     q, s = proj.quantize(w, 2)
     qx, sx = xla.quantize(w, 2)
@@ -78,7 +79,7 @@ def test_projection_uses_the_kernel_for_decode_sized_steps_only():
 
 
 def test_many_runs_a_group_in_one_launch():
-    proj = Fp8Channel(activations=False, backend="pallas")
+    proj = Fp8Pallas()
     ws = [proj.quantize(jax.random.normal(jax.random.PRNGKey(i), (64, h, 16)) * 0.1, 1) for i, h in enumerate((4, 2, 2))]
     x = jax.random.normal(jax.random.PRNGKey(9), (3, 64))
     params = [(nnx.Param(q), nnx.Param(s)) for q, s in ws]
@@ -94,7 +95,7 @@ def test_projection_keeps_xla_under_tensor_parallelism():
 
     from jvllm.ops.attention import tensor_parallel_mesh
 
-    proj = Fp8Channel(activations=False, backend="pallas")
+    proj = Fp8Pallas()
     q, s = proj.quantize(jnp.ones((64, 32)), 1)
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "tensor"))
     with tensor_parallel_mesh(mesh):

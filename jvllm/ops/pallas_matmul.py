@@ -6,27 +6,27 @@ weights in one launch (q/k/v, gate/up).
     y_i = (x @ w_i.T) * scale_i
 
 The weights are stored [N, K] (output rows, the contracted dim contiguous: HF's [out, in]), the
-layout `jvllm.quantization.fp8.Fp8Channel` keeps for this backend. w is x's dtype or
-float8_e4m3fn. Products accumulate in float32; the scale multiplies the float32 result; the
-output is x's dtype. That is the XLA path's arithmetic (`reference`), up to the order of the
-float32 sums and, for fp8 weights with a bfloat16 x, exactly so: x is scaled per row by a power
-of two into float16 (a bfloat16 value's 8 significant bits fit float16's 11, |x / r| <= 256) and
-each fp8 tile is cast to float16 in registers (exact: e4m3 fits float16), the row scale r applied
-to the float32 result. float16, not bfloat16, because on Hopper Triton's fp8 -> bfloat16 cast
-measured no faster than XLA's fused dot, the float16 one faster (benchmarks/README.md).
+layout `jvllm.quantization.fp8_pallas.Fp8Pallas` keeps. w is x's dtype or float8_e4m3fn.
+Products accumulate in float32, the scale multiplies the float32 result, the output is x's dtype:
+the XLA path's arithmetic (`reference`) up to the order of the float32 sums. For fp8 weights with
+a bfloat16 / float16 x, x is scaled per row by a power of two into float16 (exact: a bfloat16
+value's 8 significant bits fit float16's 11, and |x / r| <= 256) and each fp8 tile is cast to
+float16 in registers (exact: e4m3 fits float16); the row scale r multiplies the float32 result.
+Why float16 rather than bfloat16: Triton's fp8 -> bfloat16 cast is the slower one on Hopper
+(benchmarks/README.md, "fp8 B1: the decode kernel's layout").
 
 Grid: (row tiles, column tiles of the group laid end to end, K splits). Each program walks its
 K range in bk steps over [bn, bk] weight tiles (row-contiguous: wide coalesced loads) and stores
 its float32 partial into the group's one [S, M, sum N_i] buffer; one XLA reduction sums the
-splits, applies the scales and casts, and the outputs are its column slices. The split count S (`tiles`) is the
-smallest power of two giving >= TARGET_PROGRAMS programs at one row tile, as far as each split
-keeps >= MIN_SPLIT_STEPS K steps: a decode grid is otherwise N / bn programs, each streaming all of
-K, far too few for an H200's 132 SMs. Rows past M are neither loaded (masked) nor stored.
+splits, applies the scales and casts, and the outputs are its column slices. The split count S
+(`tiles`) is the smallest power of two giving >= TARGET_PROGRAMS programs at one row tile, as far
+as each split keeps >= MIN_SPLIT_STEPS K steps: a decode grid is otherwise sum N_i / bn programs,
+each streaming all of K, too few to fill a GPU. Rows past M are neither loaded (masked) nor stored.
 
-Tiles: bn and bk are the largest powers of two up to BN and BK dividing every N_i and K (all of
-BN, BK for real models); shapes no power of two >= 16 divides take `reference`.
-Hazards (Triton): int32 offsets, so S * M * N_i and N_i * K stay below 2**31; float8_e4m3fn casts
-need compute capability >= 8.9. benchmarks/probes/fp8_decode_probe.py measures the tile choices.
+Tiles: bn and bk are the largest powers of two up to BN and BK dividing every N_i and K (BN and BK
+themselves for real models); shapes no power of two >= 16 divides take `reference`.
+Hazards (Triton): int32 offsets, so S * M * sum N_i and N_i * K stay below 2**31; float8_e4m3fn
+casts need compute capability >= 8.9. benchmarks/probes/fp8_decode_probe.py measures tile choices.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from jax import lax
 from jvllm.ops.pallas_grouped_matmul import _pow2_divisor
 
 FP8 = jnp.float8_e4m3fn
-BN, BK = 128, 128  # column tile and K step at most: the probe's fastest [N, K] tiles at 1-8 rows
+BN, BK = 128, 128  # column tile and K step at most (fp8_decode_probe.py's pick for 1-8 rows)
 NUM_WARPS, NUM_STAGES = 4, 4
 TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs at one row tile
 MIN_SPLIT_STEPS = 4  # K steps each split walks at least

@@ -20,8 +20,8 @@ Methods (the weight layout of each is `jvllm.quantization.schemes`):
              Weight-only fp8 projections run on one of two backends (`QuantConfig.matmul`, from
              the engine option `fp8_matmul_backend`, decided once by `apply_quantization`): "xla"
              (the convert fused into XLA's dot) or "pallas" (jvllm.ops.pallas_matmul, a kernel that
-             streams the 1-byte weights; used for steps of at most `fp8.PALLAS_MAX_TOKENS` tokens
-             on one tensor-parallel device, XLA otherwise: see `Fp8Channel`; it stores the weights
+             streams the 1-byte weights; used for steps of at most `fp8_pallas.PALLAS_MAX_TOKENS` tokens
+             on one tensor-parallel device, XLA otherwise: see `Fp8Pallas`; it stores the weights
              output dims first, so it is refused for pre-quantized checkpoints). "auto" takes xla:
              pallas is faster at B1 on an H200 (1.05x), but W1 and prefill, which run XLA's einsum
              over its layout, are not measured with it (benchmarks/README.md).

@@ -73,7 +73,7 @@ class Projection:
 
     def stored_shape(self, shape, n_in: int) -> tuple[int, ...]:
         """The declared (stored) shape of a projection whose model layout is `shape`: the same,
-        unless a format keeps another layout (Fp8Channel's pallas backend: output dims first)."""
+        unless a format keeps another layout (`Fp8Pallas`: output dims first)."""
         return tuple(shape)
 
     def model_shape(self, stored, n_in: int) -> tuple[int, ...]:
@@ -229,7 +229,11 @@ def projection_for(quant: QuantConfig | None) -> Projection:
     if quant.method == "fp8":
         if quant.group_size is not None:
             return Fp8Group(quant.group_size)
-        return Fp8Channel(activations=quant.fp8_activations, backend=quant.matmul)
+        if quant.matmul == "pallas":
+            from jvllm.quantization.fp8_pallas import Fp8Pallas
+
+            return Fp8Pallas()
+        return Fp8Channel(activations=quant.fp8_activations)
     if quant.method == "int8":
         return Int8Channel() if quant.group_size is None else Int8Group(quant.group_size)
     return FP8_BLOCK(quant.block_in)
