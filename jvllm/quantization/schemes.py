@@ -7,11 +7,12 @@ multiply an activation by it, and quantize / dequantize a full-precision weight.
 
 A weight is stored in the model's layout `[in dims..., out dims...]` (the first `n_in` dims are
 contracted), unless its format says otherwise (`stored_shape`; `quantize` returns and the call
-takes the stored layout, `dequantize` returns the model's). Per-output-channel scales have the shape and logical axes of the output dims, so
-the sharding rules shard a scale exactly as its weight's output axis; `Dense` (no quantization)
-declares no scale (None). Group scales (`GroupScaled`: fp8_block, and fp8 / int8 with
-`QuantConfig.group_size`) keep the weight's rank and axes instead, the last contracted dim divided
-by the group. The einsum spec's weight operand must list the contracted dims first.
+takes the stored layout, `dequantize` returns the model's). Per-output-channel scales have the
+shape and logical axes of the output dims, so the sharding rules shard a scale exactly as its
+weight's output axis; `Dense` (no quantization) declares no scale (None). Group scales
+(`GroupScaled`: fp8_block, and fp8 / int8 with `QuantConfig.group_size`) keep the weight's rank
+and axes instead, the last contracted dim divided by the group. The einsum spec's weight operand
+must list the contracted dims first.
 
 Why not qwix (google's JAX quantization library, tried at 0.1.8): its model-level API
 (`quantize_model` + providers) intercepts jnp/lax calls at trace time by module-path rules, while

@@ -104,7 +104,7 @@ def normalize(weights, specs: dict, tied: bool, model_specs: dict | None = None)
     """`weights` (see the module docstring) -> {jvllm name: array}, names and shapes checked
     against `specs` (`param_specs` of the whole model). `model_specs`: the unquantized model's
     param_specs where a quantized engine stores some weights in another layout (the fp8 pallas
-    backend): HF pairs convert to that layout, and either shape passes here
+    backend): HF pairs convert to the model layout, and either shape passes here
     (`jvllm.quantization.load.update_quantized` checks which one a dtype needs)."""
     from flax import nnx
 
@@ -139,8 +139,9 @@ def normalize(weights, specs: dict, tied: bool, model_specs: dict | None = None)
             raise ValueError(f"unknown weight {name!r}{hint}; known: {', '.join(sorted(specs)[:6])} ...")
         if not hasattr(a, "shape"):
             raise ValueError(f"weight {name!r}: {type(a).__name__} is not an array")
-        if tuple(a.shape) not in (tuple(specs[name][0]), tuple(model_specs.get(name, specs[name])[0])):
-            raise ValueError(f"weight {name!r}: shape {tuple(a.shape)}, the model's is {tuple(model_specs.get(name, specs[name])[0])}")
+        model = tuple(model_specs.get(name, specs[name])[0])
+        if tuple(a.shape) not in (tuple(specs[name][0]), model):
+            raise ValueError(f"weight {name!r}: shape {tuple(a.shape)}, the model's is {model}")
     return flat
 
 
