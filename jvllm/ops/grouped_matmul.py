@@ -21,7 +21,10 @@ elsewhere, so on CPU it is for tests only); "tokamax" is `tokamax.ragged_dot` (s
 Pallas kernels need the Pallas API of the jax it was released with). Hazard: upstream XLA lowers
 ragged_dot on CUDA GPUs by expanding it to a zero-padded dense product over every group (its own
 PRs say so), i.e. a dense all-experts product in disguise that reads every expert's weights each
-step; "auto" therefore takes "pallas" on GPUs. All compute the same thing.
+step; "auto" therefore takes "pallas" on GPUs. All compute the same thing. The pallas backend's
+decode-sized steps (T * k <= pallas_moe_decode.MAX_PAIRS) skip the sort altogether: each (token,
+choice) pair reads its expert directly (`jvllm.ops.pallas_moe_decode`), on one device and in the
+gather routing.
 
 Hazards: a step's padding tokens must be passed as `valid=False`, else they are routed like real
 ones (at batch 1 in a bucket of 8 they would double the experts read). Rows past the sum of the
@@ -101,10 +104,37 @@ def _combine(ys, order, top_w, T: int, k: int):
     return jnp.sum(y.astype(jnp.float32) * w, axis=1)
 
 
+def _decode_pairs(backend: str, top_idx, w_gate):
+    """Whether this step takes the direct decode path (`jvllm.ops.pallas_moe_decode`): the pallas
+    backend at decode-sized T * k (static shapes: once per compiled program)."""
+    from jvllm.ops import pallas_moe_decode
+
+    T, k = top_idx.shape
+    return backend == "pallas" and pallas_moe_decode.fits(T * k, w_gate.shape[1], w_gate.shape[2])
+
+
+def _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid, e0=0):
+    """The decode path over experts [e0, e0 + E_local): other pairs (and invalid tokens) add 0."""
+    from jvllm.ops.pallas_moe_decode import decode_ffn
+
+    T, k = top_idx.shape
+    with jax.named_scope(ROUTING_SCOPE):
+        local = top_idx.astype(jnp.int32) - e0
+        keep = (local >= 0) & (local < w_gate.shape[0])
+        if valid is not None:
+            keep &= valid[:, None]
+        pairs = jnp.where(keep, local, -1).reshape(-1)
+    with jax.named_scope(GMM_SCOPE):
+        return decode_ffn(x, pairs, top_w, w_gate, w_up, w_down)
+
+
 def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, backend: str = "xla"):
     """SwiGLU experts on one device. x [T, D]; top_idx/top_w [T, k]; weights [E, ...]; `valid`
-    [T] bool or None (all valid). Returns [T, D] in float32 (the caller casts); 0 for invalid tokens."""
+    [T] bool or None (all valid). Returns [T, D] in float32 (the caller casts); 0 for invalid tokens.
+    Decode-sized steps of the pallas backend skip the sort (`_decode`)."""
     T, k = top_idx.shape
+    if _decode_pairs(backend, top_idx, w_gate):
+        return _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid)
     with jax.named_scope(ROUTING_SCOPE):
         order, sizes = sort_by_expert(top_idx, w_gate.shape[0], valid)
         xs = x[order // k]
@@ -186,6 +216,8 @@ def _gather_local(x, top_idx, top_w, valid, wg, wu, wd, *, E, expert_axes, backe
     the sorted buffer: rotated to the front from their offset; _expert_mlp zeroes the rest)."""
     T, k = top_idx.shape
     M, El = T * k, wg.shape[0]
+    if _decode_pairs(backend, top_idx, wg):
+        return _decode(x, top_idx, top_w, wg, wu, wd, valid, _shard_index(expert_axes) * El)
     with jax.named_scope(ROUTING_SCOPE):
         order, sizes = sort_by_expert(top_idx, E, valid)
         e0 = _shard_index(expert_axes) * El
