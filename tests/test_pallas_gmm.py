@@ -118,18 +118,25 @@ def test_moe_ffn_pallas_equals_xla():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
-def test_qwen3_moe_engine_same_tokens_both_backends(ckpt_dir):
+def test_qwen3_moe_engine_same_tokens_both_backends(ckpt_dir, monkeypatch):
+    """Greedy tokens of both backends equal; the pallas engine's 4-token steps (16 pairs of top-4
+    over 16 experts) take the decode path, its 32-token steps the sorted grouped matmuls."""
     from jvllm import LLM, SamplingParams
+    from jvllm.ops import pallas_moe_decode
 
+    traced = []
+    real = pallas_moe_decode.decode_ffn
+    monkeypatch.setattr(pallas_moe_decode, "decode_ffn", lambda x, *a, **kw: traced.append(x.shape[0]) or real(x, *a, **kw))
     path = ckpt_dir("qwen3_moe")
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9], list(range(3, 40)))]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     out = {}
     for backend in ("xla", "pallas"):
         llm = LLM(path, dtype="float32", moe_backend=backend, use_tqdm_on_load=False, max_num_seqs=2,
-                  max_num_batched_tokens=32, token_buckets=(8, 32))
+                  max_num_batched_tokens=32, token_buckets=(4, 32))
         try:
             out[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         finally:
             llm.shutdown()
     assert out["pallas"] == out["xla"]
+    assert traced and set(traced) == {4}

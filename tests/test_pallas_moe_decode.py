@@ -46,20 +46,22 @@ def _pallas_names(f, *args):
 
 
 def test_moe_ffn_takes_the_decode_path_at_decode_sizes():
-    """T * k <= MAX_PAIRS: the two decode kernels and no grouped matmul; above: the sorted path;
-    the xla backend never; both paths equal the oracle."""
+    """T * k <= min(MAX_PAIRS, E): the two decode kernels and no grouped matmul; above: the sorted
+    path; the xla backend never; both paths equal the oracle."""
     from jvllm.ops.grouped_matmul import moe_ffn
 
-    k, E = 2, 8
-    for T, want in ((dec.MAX_PAIRS // k, {"jvllm_moe_decode_gate_up", "jvllm_moe_decode_down"}),
-                    (dec.MAX_PAIRS // k + 1, {"jvllm_grouped_matmul"})):
+    k, E = 2, 8  # E bounds the pairs: 4 tokens of top-2
+    for T, want in ((E // k, {"jvllm_moe_decode_gate_up", "jvllm_moe_decode_down"}),
+                    (E // k + 1, {"jvllm_grouped_matmul"})):
         x, idx, w, ws = _case(T, 32, 16, E, k, seed=T)
         f = lambda *z: moe_ffn(*z, backend="pallas")  # noqa: E731
         assert _pallas_names(f, x, idx, w, *ws) == want
         np.testing.assert_allclose(np.asarray(jax.jit(f)(x, idx, w, *ws)), _oracle(x, idx, w, *ws),
                                    atol=1e-4, rtol=1e-4)
     assert _pallas_names(lambda *z: moe_ffn(*z, backend="xla"), x[:4], idx[:4], w[:4], *ws) == set()
-    assert not dec.fits(4, 24, 16)  # no power-of-two tile >= 16 divides D=24
+    assert not dec.fits(4, 8, 24, 16)  # no power-of-two tile >= 16 divides D=24
+    assert dec.fits(dec.MAX_PAIRS, 128, 2048, 768) and not dec.fits(dec.MAX_PAIRS + 8, 256, 2048, 768)
+    assert not dec.fits(0, 8, 32, 16)
 
 
 @pytest.mark.parametrize("ep,tp,expert_parallel", [(1, 4, True), (2, 2, False), (1, 4, False)])
@@ -71,14 +73,14 @@ def test_sharded_decode_path(ep, tp, expert_parallel):
     from jvllm.ops.grouped_matmul import sharded_ffn
     from jvllm.sharding import PRESETS, make_mesh, moe_mesh_axes, partition_spec, stage_mesh
 
-    x, idx, w, ws = _case(6, 32, 64, 8, 3, seed=2)  # I=64: 16 per device at TP=4
+    x, idx, w, ws = _case(5, 32, 64, 16, 3, seed=2)  # 15 pairs of 16 experts; I=64: 16 per device at TP=4
     mesh = stage_mesh(make_mesh(tensor=tp, expert=ep), 0, 0)
     rules = PRESETS["expert" if expert_parallel else "tensor"]
     axes = [("expert", "embed", "moe_mlp"), ("expert", "embed", "moe_mlp"), ("expert", "moe_mlp", "embed")]
     placed = [jax.device_put(a, NamedSharding(mesh, partition_spec(ax, rules))) for a, ax in zip(ws, axes)]
     ex, hid = moe_mesh_axes(expert_parallel)
     f = lambda *z: sharded_ffn(*z, mesh=mesh, expert_axes=ex, hidden_axis=hid, backend="pallas")  # noqa: E731
-    valid = jnp.asarray(np.arange(6) != 2)
+    valid = jnp.asarray(np.arange(5) != 2)
     assert "jvllm_moe_decode_down" in _pallas_names(f, x, idx, w, *placed, valid)
     want = np.where(np.asarray(valid)[:, None], _oracle(x, idx, w, *ws), 0.0)
     np.testing.assert_allclose(np.asarray(jax.jit(f)(x, idx, w, *placed, valid)), want, atol=1e-4, rtol=1e-4)
@@ -110,3 +112,16 @@ def test_decode_probe_dry_run(tmp_path):
     assert [(r["tokens"], r["path"]) for r in rows] == [
         (t, n) for t in (1, 4) for n in ("sorted", "decode", "decode 32x32x4x4/16x32x4x4")]
     assert all(r["ms_per_layer"] > 0 and r["valid"] == 1 for r in rows)
+
+
+@pytest.mark.parametrize("T,k,launches", [(8, 8, {}), (1, 8, dict(gate_up=dec.Launch(32, 256, 4, 3)))])
+def test_lowers_to_triton_for_cuda(T, k, launches):
+    """Both kernels lower through jax's Triton backend at Qwen3-30B-A3B's layer shape (cuda platform,
+    traced on this CPU; jax assumes compute capability 9.0): catches constructs Triton refuses."""
+    E, D, I = 128, 2048, 768
+    args = [jax.ShapeDtypeStruct((T, D), jnp.bfloat16), jax.ShapeDtypeStruct((T * k,), jnp.int32),
+            jax.ShapeDtypeStruct((T, k), jnp.float32), jax.ShapeDtypeStruct((E, D, I), jnp.bfloat16),
+            jax.ShapeDtypeStruct((E, D, I), jnp.bfloat16), jax.ShapeDtypeStruct((E, I, D), jnp.bfloat16)]
+    f = lambda *z: dec.decode_ffn(*z, interpret=False, **launches)  # noqa: E731
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2

@@ -22,7 +22,7 @@ Pallas kernels need the Pallas API of the jax it was released with). Hazard: ups
 ragged_dot on CUDA GPUs by expanding it to a zero-padded dense product over every group (its own
 PRs say so), i.e. a dense all-experts product in disguise that reads every expert's weights each
 step; "auto" therefore takes "pallas" on GPUs. All compute the same thing. The pallas backend's
-decode-sized steps (T * k <= pallas_moe_decode.MAX_PAIRS) skip the sort altogether: each (token,
+decode-sized steps (`pallas_moe_decode.fits`: T * k small, at most one pair per expert) skip the sort altogether: each (token,
 choice) pair reads its expert directly (`jvllm.ops.pallas_moe_decode`), on one device and in the
 gather routing.
 
@@ -104,13 +104,13 @@ def _combine(ys, order, top_w, T: int, k: int):
     return jnp.sum(y.astype(jnp.float32) * w, axis=1)
 
 
-def _decode_pairs(backend: str, top_idx, w_gate):
+def _decode_pairs(backend: str, top_idx, experts: int, w_gate):
     """Whether this step takes the direct decode path (`jvllm.ops.pallas_moe_decode`): the pallas
-    backend at decode-sized T * k (static shapes: once per compiled program)."""
+    backend at decode-sized T * k over `experts` (all devices'; static shapes: once per program)."""
     from jvllm.ops import pallas_moe_decode
 
     T, k = top_idx.shape
-    return backend == "pallas" and pallas_moe_decode.fits(T * k, w_gate.shape[1], w_gate.shape[2])
+    return backend == "pallas" and pallas_moe_decode.fits(T * k, experts, w_gate.shape[1], w_gate.shape[2])
 
 
 def _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid, e0=0):
@@ -133,7 +133,7 @@ def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, backend: str
     [T] bool or None (all valid). Returns [T, D] in float32 (the caller casts); 0 for invalid tokens.
     Decode-sized steps of the pallas backend skip the sort (`_decode`)."""
     T, k = top_idx.shape
-    if _decode_pairs(backend, top_idx, w_gate):
+    if _decode_pairs(backend, top_idx, w_gate.shape[0], w_gate):
         return _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid)
     with jax.named_scope(ROUTING_SCOPE):
         order, sizes = sort_by_expert(top_idx, w_gate.shape[0], valid)
@@ -216,7 +216,7 @@ def _gather_local(x, top_idx, top_w, valid, wg, wu, wd, *, E, expert_axes, backe
     the sorted buffer: rotated to the front from their offset; _expert_mlp zeroes the rest)."""
     T, k = top_idx.shape
     M, El = T * k, wg.shape[0]
-    if _decode_pairs(backend, top_idx, wg):
+    if _decode_pairs(backend, top_idx, E, wg):
         return _decode(x, top_idx, top_w, wg, wu, wd, valid, _shard_index(expert_axes) * El)
     with jax.named_scope(ROUTING_SCOPE):
         order, sizes = sort_by_expert(top_idx, E, valid)

@@ -23,8 +23,10 @@ path's combine). A Triton dot needs 16 rows: each program loads a 16-row window 
 its own (the rest masked to 0, never read from memory) and stores only that row.
 
 Hazards: a pair sharing its expert with another pair of the step reads the weights again (no
-dedupe), so the cost grows with T*k: `fits` bounds it at MAX_PAIRS (the crossover with the sorted
-path, benchmarks/README.md). Shapes with no power-of-two tile >= 16 dividing D and I do not fit.
+dedupe), so the cost grows with T*k: `fits` bounds it by MAX_PAIRS and by the expert count (a
+batch-1 step of Mixtral's 8 experts in a bucket of 8 tokens takes the sorted path). MAX_PAIRS is
+an estimate, not a measured crossover (benchmarks/README.md). Shapes with no power-of-two tile
+>= 16 dividing D and I do not fit.
 """
 from __future__ import annotations
 
@@ -58,10 +60,13 @@ def _fit(launch: Launch, K: int, N: int) -> Launch | None:
     return None if bn is None or bk is None else dataclasses.replace(launch, bn=bn, bk=bk)
 
 
-def fits(pairs: int, D: int, I: int) -> bool:
-    """Whether a step of `pairs` (token, choice) pairs takes this path: at most MAX_PAIRS and
-    Triton tiles for D and I (static shapes: decided once per compiled program)."""
-    return 0 < pairs <= MAX_PAIRS and _fit(GATE_UP, D, I) is not None and _fit(DOWN, I, D) is not None
+def fits(pairs: int, experts: int, D: int, I: int) -> bool:
+    """Whether a step of `pairs` (token, choice) pairs over `experts` experts (all devices') takes
+    this path: at most MAX_PAIRS and at most one pair per expert (beyond that, repeats are certain:
+    at pairs == experts a fully valid step reads ~1.6x the distinct experts' bytes), and Triton
+    tiles for D and I (the local expert size). Static shapes: decided once per compiled program."""
+    return (0 < pairs <= min(MAX_PAIRS, experts) and _fit(GATE_UP, D, I) is not None
+            and _fit(DOWN, I, D) is not None)
 
 
 def _pick(meta, i):
