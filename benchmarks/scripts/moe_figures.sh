@@ -3,10 +3,12 @@
 # (random:qwen3-30b-a3b, 48 layers, 128 experts, top-8, ~61 GB bf16) W1 / B1 next to the dense 8B,
 # the expert FFN per grouped-matmul backend, and the profile's share of grouped matmuls / routing.
 # STAGES (default "smoke gmm moe dense") run in order; about 600 s of device time per call, so
-# put "share" (and "moe_xla") in a second call.
+# put "share" (and "moe_xla") in a second call. "decode" is not in the default list.
 #   smoke    the expert FFN on $MOE_BACKEND (auto = pallas) equal to XLA's at a decode shape -> moe_smoke.log
 #   gmm      benchmarks/probes/moe_grouped_matmul.py: one layer's expert FFN, backends xla and
 #            pallas, 1..2048 tokens -> moe_gmm.json
+#   decode   benchmarks/probes/moe_decode_probe.py: the decode path against the sorted one, 16 chained
+#            layers at 1..16 tokens and at the batch-1 step (8 tokens, 1 real), plus $DEC_SWEEP launches -> moe_decode.json
 #   moe      `jvllm bench all` (W1, B1, P1) on random:qwen3-30b-a3b bf16, --moe-backend $MOE_BACKEND -> moe_all.json
 #   moe_xla  the same with --moe-backend xla (jax.lax.ragged_dot) -> moe_all_xla.json
 #   dense    `jvllm bench all` on random:llama3-8b bf16 (the dense figures of the same call) -> dense_all.json
@@ -31,13 +33,14 @@ END_S=${END_S:-590}
 left() { local l=$(( END_S - $(el) )); [ "$1" -lt "$l" ] && l=$1; echo $l; }  # min(stage limit, time left)
 MOE="--model random:qwen3-30b-a3b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND"
 DENSE="--model random:llama3-8b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND"
-SIZES=""; GMM=""; SHARE="--token-buckets 16,64,128,256,1024,2048 --steps 20"
+SIZES=""; GMM=""; DEC="--tokens 1,2,4,8,16"; DEC_B1="--tokens 8 --valid 1"; SHARE="--token-buckets 16,64,128,256,1024,2048 --steps 20"
 if [ "${TINY:-0}" = 1 ]; then
   MOE="--model random:tiny-moe --dtype float32 --max-model-len 256 --attention-backend $BACKEND --token-buckets 16,64 --max-num-seqs 8"
   DENSE="--model random:tiny --dtype float32 --max-model-len 256 --attention-backend $BACKEND --token-buckets 16,64 --max-num-seqs 8"
   SIZES="--num-prompts 8 --w1-input-len 8,16 --output-len 8 --b1-input-len 16 --b1-output-len 8 --prefill-len 64
          --num-iters 1 --num-iters-warmup 0 --warmup-requests 1 --copy-bytes 16777216 --matmul-n 256"
   GMM="--tiny --tokens 8,64 --iters 2"
+  DEC="--tiny --tokens 1,4 --iters 2"; DEC_B1="--tiny --tokens 4 --valid 1 --iters 2"
   SHARE="--steps 2 --num-prompts 8 --input-len 16 --w1-input-len 8,16"
 fi
 
@@ -68,6 +71,12 @@ run_stage() {
     gmm) timeout $(left 150) python benchmarks/probes/moe_grouped_matmul.py $GMM ${GMM_SWEEP:+--sweep $GMM_SWEEP} \
            --out "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1
          echo "rc=$?"; grep -E "^T=|Error" "$OUT/moe_gmm.log" | tail -12 ;;
+    decode) timeout $(left 120) python benchmarks/probes/moe_decode_probe.py $DEC --out "$OUT/moe_decode.json" \
+              > "$OUT/moe_decode.log" 2>&1
+            echo "rc=$?"; grep -E "^T=|Error" "$OUT/moe_decode.log" | tail -12
+            timeout $(left 120) python benchmarks/probes/moe_decode_probe.py $DEC_B1 ${DEC_SWEEP:+--sweep $DEC_SWEEP} \
+              --out "$OUT/moe_decode_b1.json" > "$OUT/moe_decode_b1.log" 2>&1
+            echo "rc=$?"; grep -E "^T=|Error" "$OUT/moe_decode_b1.log" | tail -12 ;;
     moe) timeout $(left 330) python -m jvllm.cli bench all $MOE $SIZES --moe-backend $MOE_BACKEND \
            --output-json "$OUT/moe_all.json" > "$OUT/moe_all.log" 2>&1
          echo "rc=$?"; tail -9 "$OUT/moe_all.log" ;;
@@ -85,7 +94,7 @@ run_stage() {
                $SHARE --out "$OUT/moe_share_$w.json" > "$OUT/moe_share_$w.log" 2>&1
              echo "rc=$?"; grep -E "ms/step|Error" "$OUT/moe_share_$w.log" | tail -2
            done ;;
-    *) echo "unknown stage $stage (smoke gmm moe moe_xla dense gemma3_4b share)"; return 2 ;;
+    *) echo "unknown stage $stage (smoke gmm decode moe moe_xla dense gemma3_4b share)"; return 2 ;;
   esac
 }
 
