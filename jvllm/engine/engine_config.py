@@ -1,4 +1,5 @@
-"""EngineConfig: everything `LLM(...)` / `jvllm serve` accept (host only: no jax import)."""
+"""EngineConfig: everything `LLM(...)` / `jvllm serve` accept, and the option checks that need no
+weights (host only: no jax import at module level)."""
 from __future__ import annotations
 
 import dataclasses
@@ -88,3 +89,38 @@ class EngineConfig:
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT, "num_speculative_tokens": k}
     # (jvllm.spec_decode.config states every key); None: off
     speculative_config: dict | None = None
+
+
+def check_options(config: EngineConfig, model_config, data_parallel_replica: bool):
+    """Option checks that need no weights (a bad value fails before minutes of loading)."""
+    from jvllm.worker.attention_modes import attention_modes
+
+    attention_modes(config.attention_backend, platform="any")
+    if config.warmup not in WARMUPS:
+        raise ValueError(f"warmup must be one of {WARMUPS}, got {config.warmup!r}")
+    from jvllm.worker.logits_processors import check_registry
+
+    check_registry(config.logits_processors)
+    if config.async_scheduling and data_parallel_replica:
+        raise ValueError("async_scheduling needs an engine that is not a data-parallel replica "
+                         "(got a data-parallel device slice)")
+    mc = model_config
+    if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings \
+            and mc.rope_type == "default":
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
+                         f"({mc.max_position_embeddings})")
+
+
+def check_speculation(config: EngineConfig, spec):
+    """Engine options speculative decoding does not run with: a clear error naming them (pipeline
+    stages, which stages over processes need too; sleep mode with a draft model, whose weights and
+    pool sleep mode does not manage)."""
+    if config.pipeline_parallel_size > 1:
+        raise ValueError(f"speculative_config needs pipeline_parallel_size 1 (got {config.pipeline_parallel_size}): "
+                         f"the verifier reads the step's hidden states on one stage")
+    if config.batch_invariant:
+        raise ValueError("speculative_config with batch_invariant=True is not implemented: a verified step computes "
+                         "several of a request's positions at once, which batch-invariant mode does not cover")
+    if config.enable_sleep_mode and spec.uses_draft_model:
+        raise ValueError("enable_sleep_mode=True with a speculative draft model is not implemented (sleep would "
+                         "not free the draft's weights and KV pool); use method 'ngram' or no sleep mode")
