@@ -125,8 +125,8 @@ def test_qwen3_moe_engine_same_tokens_both_backends(ckpt_dir, monkeypatch):
     from jvllm.ops import pallas_moe_decode
 
     traced = []
-    real = pallas_moe_decode.decode_ffn
-    monkeypatch.setattr(pallas_moe_decode, "decode_ffn", lambda x, *a, **kw: traced.append(x.shape[0]) or real(x, *a, **kw))
+    real = pallas_moe_decode.expert_rows
+    monkeypatch.setattr(pallas_moe_decode, "expert_rows", lambda x, *a, **kw: traced.append(x.shape[0]) or real(x, *a, **kw))
     path = ckpt_dir("qwen3_moe")
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9], list(range(3, 40)))]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

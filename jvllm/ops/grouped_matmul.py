@@ -115,9 +115,8 @@ def _decode_pairs(backend: str, top_idx, experts: int, w_gate):
 
 def _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid, e0=0):
     """The decode path over experts [e0, e0 + E_local): other pairs (and invalid tokens) add 0."""
-    from jvllm.ops.pallas_moe_decode import decode_ffn
+    from jvllm.ops import pallas_moe_decode as dec
 
-    T, k = top_idx.shape
     with jax.named_scope(ROUTING_SCOPE):
         local = top_idx.astype(jnp.int32) - e0
         keep = (local >= 0) & (local < w_gate.shape[0])
@@ -125,7 +124,9 @@ def _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid, e0=0):
             keep &= valid[:, None]
         pairs = jnp.where(keep, local, -1).reshape(-1)
     with jax.named_scope(GMM_SCOPE):
-        return decode_ffn(x, pairs, top_w, w_gate, w_up, w_down)
+        rows = dec.expert_rows(x, pairs, top_w, w_gate, w_up, w_down)
+    with jax.named_scope(ROUTING_SCOPE):
+        return dec.combine(rows, pairs, top_w)
 
 
 def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, backend: str = "xla"):

@@ -141,10 +141,11 @@ def _call(kernel, launch: Launch, meta, ins, out_shape, N: int, K: int, name: st
     )(meta, *ins)
 
 
-def decode_ffn(x, pairs, top_w, w_gate, w_up, w_down, *, gate_up: Launch = GATE_UP, down: Launch = DOWN,
-               interpret: bool | None = None):
-    """The module docstring's y [T, D] float32. `gate_up` / `down` override the launches (probes);
-    ValueError when the shapes do not fit (`fits`) or disagree."""
+def expert_rows(x, pairs, top_w, w_gate, w_up, w_down, *, gate_up: Launch = GATE_UP, down: Launch = DOWN,
+                interpret: bool | None = None):
+    """The two kernels: [T*k, D] float32, row p = down(silu(x @ gate) * up) of pair p's expert;
+    rows of pairs -1 are not written (hold anything: `combine` masks them). `gate_up` / `down`
+    override the launches (probes). ValueError when the shapes do not fit or disagree."""
     T, D = x.shape
     k = top_w.shape[1]
     E, D2, I = w_gate.shape
@@ -162,7 +163,18 @@ def decode_ffn(x, pairs, top_w, w_gate, w_up, w_down, *, gate_up: Launch = GATE_
     meta = jnp.stack([pairs, jnp.arange(P, dtype=jnp.int32) // k], axis=1)
     h = _call(_gate_up_kernel, lg, meta, (x, w_gate, w_up), jax.ShapeDtypeStruct((P, I), x.dtype), I, D,
               "jvllm_moe_decode_gate_up", interpret)
-    y = _call(_down_kernel, ld, meta, (h, w_down), jax.ShapeDtypeStruct((P, D), jnp.float32), D, I,
-              "jvllm_moe_decode_down", interpret)
-    y = jnp.where((pairs >= 0)[:, None], y, 0.0).reshape(T, k, D)  # unwritten rows hold anything
+    return _call(_down_kernel, ld, meta, (h, w_down), jax.ShapeDtypeStruct((P, D), jnp.float32), D, I,
+                 "jvllm_moe_decode_down", interpret)
+
+
+def combine(rows, pairs, top_w):
+    """[T*k, D] rows -> [T, D] float32: weighted sum over each token's k choices in choice order;
+    rows of pairs -1 count 0 (masked, not multiplied: unwritten rows may hold NaN)."""
+    T, k = top_w.shape
+    y = jnp.where((pairs >= 0)[:, None], rows, 0.0).reshape(T, k, -1)
     return jnp.sum(y * top_w.astype(jnp.float32)[..., None], axis=1)
+
+
+def decode_ffn(x, pairs, top_w, w_gate, w_up, w_down, **launch):
+    """The module docstring's y [T, D] float32: `combine` of `expert_rows` (keywords: its launches)."""
+    return combine(expert_rows(x, pairs, top_w, w_gate, w_up, w_down, **launch), pairs, top_w)
