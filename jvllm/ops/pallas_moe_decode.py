@@ -26,7 +26,7 @@ Hazards: a pair sharing its expert with another pair of the step reads the weigh
 dedupe), so the cost grows with T*k: `fits` bounds it by MAX_PAIRS and by the expert count (a
 batch-1 step of Mixtral's 8 experts in a bucket of 8 tokens takes the sorted path). MAX_PAIRS is
 an estimate, not a measured crossover (benchmarks/README.md). Shapes with no power-of-two tile
->= 16 dividing D and I do not fit.
+>= 16 dividing D and I, or weights of 2**31 elements or more (Triton's int32 offsets), do not fit.
 """
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def fits(pairs: int, experts: int, D: int, I: int) -> bool:
     this path: at most MAX_PAIRS and at most one pair per expert (beyond that, repeats are certain:
     at pairs == experts a fully valid step reads ~1.6x the distinct experts' bytes), and Triton
     tiles for D and I (the local expert size). Static shapes: decided once per compiled program."""
-    return (0 < pairs <= min(MAX_PAIRS, experts) and _fit(GATE_UP, D, I) is not None
-            and _fit(DOWN, I, D) is not None)
+    return (0 < pairs <= min(MAX_PAIRS, experts) and experts * D * I < 2 ** 31  # Triton's int32 offsets
+            and _fit(GATE_UP, D, I) is not None and _fit(DOWN, I, D) is not None)
 
 
 def _pick(meta, i):
