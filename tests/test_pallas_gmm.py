@@ -140,3 +140,13 @@ def test_qwen3_moe_engine_same_tokens_both_backends(ckpt_dir, monkeypatch):
             llm.shutdown()
     assert out["pallas"] == out["xla"]
     assert traced and set(traced) == {4}
+
+
+@pytest.mark.parametrize("M", [8, 2048])
+def test_lowers_to_triton_for_cuda(M):
+    """The grouped matmul lowers through jax's Triton backend at Qwen3-30B-A3B's gate shape, the
+    decode and the prefill launch (cuda platform, traced on this CPU): catches constructs Triton refuses."""
+    args = [jax.ShapeDtypeStruct((M, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128,), jnp.int32)]
+    f = lambda a, b, s: grouped_matmul(a, b, s, interpret=False)  # noqa: E731
+    assert "__gpu$xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -59,9 +59,10 @@ def test_moe_ffn_takes_the_decode_path_at_decode_sizes():
         np.testing.assert_allclose(np.asarray(jax.jit(f)(x, idx, w, *ws)), _oracle(x, idx, w, *ws),
                                    atol=1e-4, rtol=1e-4)
     assert _pallas_names(lambda *z: moe_ffn(*z, backend="xla"), x[:4], idx[:4], w[:4], *ws) == set()
-    assert not dec.fits(4, 8, 24, 16)  # no power-of-two tile >= 16 divides D=24
-    assert dec.fits(dec.MAX_PAIRS, 128, 2048, 768) and not dec.fits(dec.MAX_PAIRS + 8, 256, 2048, 768)
-    assert not dec.fits(0, 8, 32, 16) and not dec.fits(8, 1024, 4096, 1024)  # 2**32 elements
+    assert not dec.fits(4, 8, (8, 24, 16))  # no power-of-two tile >= 16 divides D=24
+    assert dec.fits(dec.MAX_PAIRS, 128, (128, 2048, 768)) and not dec.fits(dec.MAX_PAIRS + 8, 256, (256, 2048, 768))
+    assert not dec.fits(0, 8, (8, 32, 16)) and not dec.fits(8, 1024, (1024, 4096, 1024))  # 2**32 elements
+    assert dec.fits(8, 1024, (128, 4096, 1024))  # a device's eighth of them under EP
 
 
 @pytest.mark.parametrize("ep,tp,expert_parallel", [(1, 4, True), (2, 2, False), (1, 4, False)])

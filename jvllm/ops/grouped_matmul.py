@@ -22,9 +22,9 @@ Pallas kernels need the Pallas API of the jax it was released with). Hazard: ups
 ragged_dot on CUDA GPUs by expanding it to a zero-padded dense product over every group (its own
 PRs say so), i.e. a dense all-experts product in disguise that reads every expert's weights each
 step; "auto" therefore takes "pallas" on GPUs. All compute the same thing. The pallas backend's
-decode-sized steps (`pallas_moe_decode.fits`: T * k small, at most one pair per expert) skip the sort altogether: each (token,
-choice) pair reads its expert directly (`jvllm.ops.pallas_moe_decode`), on one device and in the
-gather routing.
+decode-sized steps (`pallas_moe_decode.fits`: T * k small, at most one pair per expert) skip
+the sort altogether: each (token, choice) pair reads its expert directly
+(`jvllm.ops.pallas_moe_decode`), on one device and in the gather routing.
 
 Hazards: a step's padding tokens must be passed as `valid=False`, else they are routed like real
 ones (at batch 1 in a bucket of 8 they would double the experts read). Rows past the sum of the
@@ -110,7 +110,7 @@ def _decode_pairs(backend: str, top_idx, experts: int, w_gate):
     from jvllm.ops import pallas_moe_decode
 
     T, k = top_idx.shape
-    return backend == "pallas" and pallas_moe_decode.fits(T * k, experts, w_gate.shape[1], w_gate.shape[2])
+    return backend == "pallas" and pallas_moe_decode.fits(T * k, experts, w_gate.shape)
 
 
 def _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid, e0=0):

@@ -90,14 +90,18 @@ def tile_table(group_sizes: jax.Array, M: int, bm: int, rows: int | None = None)
     return jnp.stack([gc, first, end, window], axis=1)
 
 
+def pick(meta, i):
+    """Element i of a small int32 vector as a scalar (a masked sum: Triton-safe, no dynamic index)."""
+    lane = lax.broadcasted_iota(jnp.int32, meta.shape, 0)
+    return jnp.sum(jnp.where(lane == i, meta, 0))
+
+
 def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, nk: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     meta = meta_ref[...]                                   # [4] int32 of this tile
-    lane = lax.broadcasted_iota(jnp.int32, meta.shape, 0)
-    pick = lambda i: jnp.sum(jnp.where(lane == i, meta, 0))  # noqa: E731  (vector -> scalar, Triton-safe)
-    g, first, end, window = pick(0), pick(1), pick(2), pick(3)
+    g, first, end, window = (pick(meta, i) for i in range(4))
     n0 = pl.program_id(1) * bn
 
     @pl.when(end > first)

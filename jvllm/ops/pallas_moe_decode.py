@@ -10,12 +10,12 @@ NVIDIA GPUs; `interpret=True` runs them on CPU for tests); the decode path of
 expert (a padding token; on a sharded mesh, an expert of another device). Such pairs read no
 weights and add 0. Result: sum_c top_w[t, c] * down(silu(x_t @ gate) * up), float32.
 
-Why: the sorted path (`moe_ffn`) pays a sort, a scatter, a tile-table search, two gathers and an
-inverse permutation per layer, a dozen small kernels whose launches, not bytes, bound a batch-1
-step (8 experts' weights, 75 MB per Qwen3-30B-A3B layer, stream in ~25 us). Here a layer is the
-router, these two kernels and one XLA reduction.
+Why: the sorted path (`moe_ffn`) runs a sort, a scatter, a tile-table search, two gathers and an
+inverse permutation around its grouped matmuls, about a dozen small kernels per layer for the few
+experts a batch-1 step touches; here a layer is the router, these two kernels and one XLA
+reduction (whether that is faster on a GPU: benchmarks/README.md).
 
-Kernels (grid (pair, column tile)): `gate_up` streams x_t's row against the expert's gate and up
+Kernels (one `_kernel`, grid (pair, column tile)): `gate_up` streams x_t's row against the expert's gate and up
 column tiles, applies silu(g) * u in float32 and stores the pair's hidden row [I] in x's dtype;
 `down` streams that row against the expert's down tile and stores a float32 [D] row. The k
 choices are then weighted and summed in one XLA fusion, in choice order (the order of the sorted
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jvllm.ops.pallas_grouped_matmul import _pow2_divisor
+from jvllm.ops.pallas_grouped_matmul import _pow2_divisor, pick
 
 MAX_PAIRS = 64  # T * k at most (Qwen3-30B-A3B: 8 tokens of top-8)
 WINDOW = 16  # rows of a Triton dot
@@ -60,76 +60,50 @@ def _fit(launch: Launch, K: int, N: int) -> Launch | None:
     return None if bn is None or bk is None else dataclasses.replace(launch, bn=bn, bk=bk)
 
 
-def fits(pairs: int, experts: int, D: int, I: int) -> bool:
+def fits(pairs: int, experts: int, w_shape: tuple[int, int, int]) -> bool:
     """Whether a step of `pairs` (token, choice) pairs over `experts` experts (all devices') takes
-    this path: at most MAX_PAIRS and at most one pair per expert (beyond that, repeats are certain:
-    at pairs == experts a fully valid step reads ~1.6x the distinct experts' bytes), and Triton
-    tiles for D and I (the local expert size). Static shapes: decided once per compiled program."""
-    return (0 < pairs <= min(MAX_PAIRS, experts) and experts * D * I < 2 ** 31  # Triton's int32 offsets
+    this path with this device's gate weight of `w_shape` [E_local, D, I_local]: at most MAX_PAIRS
+    and at most one pair per expert (beyond that, repeats are certain: at pairs == experts a fully
+    valid step reads ~1.6x the distinct experts' bytes), Triton tiles for D and I, and fewer than
+    2**31 weight elements (Triton's int32 offsets). Static shapes: decided once per program."""
+    E, D, I = w_shape
+    return (0 < pairs <= min(MAX_PAIRS, experts) and E * D * I < 2 ** 31
             and _fit(GATE_UP, D, I) is not None and _fit(DOWN, I, D) is not None)
 
 
-def _pick(meta, i):
-    lane = lax.broadcasted_iota(jnp.int32, meta.shape, 0)
-    return jnp.sum(jnp.where(lane == i, meta, 0))  # vector -> scalar, Triton-safe
-
-
-def _gate_up_kernel(meta_ref, x_ref, wg_ref, wu_ref, h_ref, *, bn: int, bk: int, nk: int):
+def _kernel(meta_ref, a_ref, *refs, bn: int, bk: int, nk: int, swiglu: bool):
+    """Program (pair, column tile): meta [2] = (expert or -1, the input row); refs are the weights
+    (gate and up for `swiglu`, else down) then the output, of which the pair's own row is stored."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    meta = meta_ref[...]                                    # [2] int32: expert (-1: none), token
-    e, t = _pick(meta, 0), _pick(meta, 1)
-    p, n0 = pl.program_id(0), pl.program_id(1) * bn
-    first = lax.broadcasted_iota(jnp.int32, (WINDOW, bk), 0) == 0
-
-    @pl.when(e >= 0)
-    def _():
-        def body(kk, acc):
-            g, u = acc
-            k0 = pl.multiple_of(kk * bk, bk)
-            a = plgpu.load(x_ref.at[pl.ds(t, WINDOW), pl.ds(k0, bk)], mask=first, other=0)
-            bg = wg_ref[pl.ds(e, 1), pl.ds(k0, bk), pl.ds(n0, bn)].reshape(bk, bn)
-            bu = wu_ref[pl.ds(e, 1), pl.ds(k0, bk), pl.ds(n0, bn)].reshape(bk, bn)
-            return (g + jnp.dot(a, bg, preferred_element_type=jnp.float32),
-                    u + jnp.dot(a, bu, preferred_element_type=jnp.float32))
-
-        zero = jnp.zeros((WINDOW, bn), jnp.float32)
-        g, u = lax.fori_loop(0, nk, body, (zero, zero))
-        h = g / (1.0 + jnp.exp(-g)) * u
-        mine = lax.broadcasted_iota(jnp.int32, (WINDOW, bn), 0) == 0
-        plgpu.store(h_ref.at[pl.ds(p, WINDOW), pl.ds(n0, bn)], h.astype(h_ref.dtype), mask=mine)
-
-
-def _down_kernel(meta_ref, h_ref, wd_ref, y_ref, *, bn: int, bk: int, nk: int):
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-
+    w_refs, o_ref = refs[:-1], refs[-1]
     meta = meta_ref[...]
-    e = _pick(meta, 0)
+    e, row = pick(meta, 0), pick(meta, 1)
     p, n0 = pl.program_id(0), pl.program_id(1) * bn
     first = lax.broadcasted_iota(jnp.int32, (WINDOW, bk), 0) == 0
 
     @pl.when(e >= 0)
     def _():
-        def body(kk, acc):
+        def body(kk, accs):
             k0 = pl.multiple_of(kk * bk, bk)
-            a = plgpu.load(h_ref.at[pl.ds(p, WINDOW), pl.ds(k0, bk)], mask=first, other=0)
-            b = wd_ref[pl.ds(e, 1), pl.ds(k0, bk), pl.ds(n0, bn)].reshape(bk, bn)
-            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+            a = plgpu.load(a_ref.at[pl.ds(row, WINDOW), pl.ds(k0, bk)], mask=first, other=0)
+            return tuple(acc + jnp.dot(a, w[pl.ds(e, 1), pl.ds(k0, bk), pl.ds(n0, bn)].reshape(bk, bn),
+                                       preferred_element_type=jnp.float32) for acc, w in zip(accs, w_refs))
 
-        acc = lax.fori_loop(0, nk, body, jnp.zeros((WINDOW, bn), jnp.float32))
+        accs = lax.fori_loop(0, nk, body, tuple(jnp.zeros((WINDOW, bn), jnp.float32) for _ in w_refs))
+        y = accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1] if swiglu else accs[0]
         mine = lax.broadcasted_iota(jnp.int32, (WINDOW, bn), 0) == 0
-        plgpu.store(y_ref.at[pl.ds(p, WINDOW), pl.ds(n0, bn)], acc, mask=mine)
+        plgpu.store(o_ref.at[pl.ds(p, WINDOW), pl.ds(n0, bn)], y.astype(o_ref.dtype), mask=mine)
 
 
-def _call(kernel, launch: Launch, meta, ins, out_shape, N: int, K: int, name: str, interpret: bool):
+def _call(launch: Launch, meta, ins, out_shape, N: int, K: int, swiglu: bool, name: str, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     P = meta.shape[0]
     return pl.pallas_call(
-        functools.partial(kernel, bn=launch.bn, bk=launch.bk, nk=K // launch.bk),
+        functools.partial(_kernel, bn=launch.bn, bk=launch.bk, nk=K // launch.bk, swiglu=swiglu),
         grid=(P, N // launch.bn),
         in_specs=[pl.BlockSpec((None, 2), lambda p, n: (p, 0))]
                  + [pl.BlockSpec(tuple(a.shape), lambda p, n, nd=a.ndim: (0,) * nd) for a in ins],
@@ -160,11 +134,11 @@ def expert_rows(x, pairs, top_w, w_gate, w_up, w_down, *, gate_up: Launch = GATE
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     pairs = pairs.astype(jnp.int32)
-    meta = jnp.stack([pairs, jnp.arange(P, dtype=jnp.int32) // k], axis=1)
-    h = _call(_gate_up_kernel, lg, meta, (x, w_gate, w_up), jax.ShapeDtypeStruct((P, I), x.dtype), I, D,
-              "jvllm_moe_decode_gate_up", interpret)
-    return _call(_down_kernel, ld, meta, (h, w_down), jax.ShapeDtypeStruct((P, D), jnp.float32), D, I,
-                 "jvllm_moe_decode_down", interpret)
+    ids = jnp.arange(P, dtype=jnp.int32)
+    h = _call(lg, jnp.stack([pairs, ids // k], axis=1), (x, w_gate, w_up), jax.ShapeDtypeStruct((P, I), x.dtype),
+              I, D, True, "jvllm_moe_decode_gate_up", interpret)  # input row: the pair's token
+    return _call(ld, jnp.stack([pairs, ids], axis=1), (h, w_down), jax.ShapeDtypeStruct((P, D), jnp.float32),
+                 D, I, False, "jvllm_moe_decode_down", interpret)  # input row: the pair's hidden row
 
 
 def combine(rows, pairs, top_w):
