@@ -199,6 +199,32 @@ def test_request_template_needs_trust_and_tokenizer_template_is_default(tokenize
         assert eng.prompts[-1] == tokenizer.apply_chat_template(MSG, tokenize=False, add_generation_prompt=True)
 
 
+class BosTokenizer:
+    """SmolLM2's tokenizer plus a BOS (id 0) when asked for special tokens (SmolLM2 adds none)."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __call__(self, text, add_special_tokens=True, **kw):
+        out = self._tok(text, add_special_tokens=False, **kw)
+        return {"input_ids": ([0] if add_special_tokens else []) + list(out["input_ids"])}
+
+
+def test_tokenize_special_tokens(tokenizer):
+    """/tokenize: prompts add special tokens unless told not to; messages add them only when asked
+    (vLLM's chat default is False: the template writes them)."""
+    _, app = make_app(tokenizer, tok=BosTokenizer(tokenizer))
+    with TestClient(app) as c:
+        assert c.post(TOK, json={"prompt": "hi"}).json()["tokens"][0] == 0
+        assert c.post(TOK, json={"prompt": "hi", "add_special_tokens": False}).json()["tokens"][0] != 0
+        plain = c.post(TOK, json={"messages": MSG}).json()["tokens"]
+        assert plain[0] != 0 and c.post(TOK, json={"messages": MSG, "add_special_tokens": None}).json()["tokens"] == plain
+        assert c.post(TOK, json={"messages": MSG, "add_special_tokens": True}).json()["tokens"] == [0] + plain
+
+
 def test_load_chat_template(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text(TEMPLATE)
@@ -313,6 +339,14 @@ def test_echo_with_logprobs(fake, tokenizer):
     # echo without logprobs: no prompt logprobs asked of the engine
     r = c.post(C, json={"prompt": ids, "echo": True, "max_tokens": 1}).json()
     assert r["choices"][0]["logprobs"] is None and r["choices"][0]["prompt_logprobs"] is None
+    # tokens cut inside UTF-8 characters: one rising offset list, the same streamed or not
+    wide = "🎉🐉你好"
+    r = c.post(C, json={"prompt": wide, "echo": True, "logprobs": 1, "max_tokens": 3}).json()
+    offs = r["choices"][0]["logprobs"]["text_offset"]
+    assert offs == sorted(offs) and len(offs) == len(tokenizer(wide, add_special_tokens=False)["input_ids"]) + 3
+    with c.stream("POST", C, json={"prompt": wide, "echo": True, "logprobs": 1, "max_tokens": 3, "stream": True}) as s:
+        ev = [json.loads(e)["choices"][0]["logprobs"]["text_offset"] for e in sse(s)[:-1]]
+    assert [o for e in ev for o in e] == offs
 
 
 def test_continuous_usage_stats(fake):
@@ -323,6 +357,14 @@ def test_continuous_usage_stats(fake):
         ev = [json.loads(e) for e in sse(s)[:-1]]
     assert [e["usage"]["completion_tokens"] for e in ev] == [1, 2, 3, 3] and ev[-1]["choices"] == []
     assert all(e["usage"]["prompt_tokens"] == 3 for e in ev)
+    # chat, n=2: each chunk counts its own choice (vLLM's), the role chunks 0
+    with c.stream("POST", CH, json={"messages": MSG, "max_tokens": 2, "stream": True, "n": 2, **{
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}}) as s:
+        ev = [json.loads(e) for e in sse(s)[:-1]]
+    per = {}
+    for e in ev[:-1]:
+        per.setdefault(e["choices"][0]["index"], []).append(e["usage"]["completion_tokens"])
+    assert per == {0: [0, 1, 2], 1: [0, 1, 2]} and ev[-1]["usage"]["completion_tokens"] == 4, ev
     with c.stream("POST", CH, json={"messages": MSG, "max_tokens": 2, "stream": True,
                                     "stream_options": {"include_usage": True}}) as s:
         ev = [json.loads(e) for e in sse(s)[:-1]]

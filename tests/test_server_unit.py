@@ -28,6 +28,7 @@ class FakeEngine:
     def __init__(self, max_model_len=64, max_num_seqs=4, tokenizer=None):
         self.tokenizer = tokenizer
         self.prompts: list = []
+        self.params: list = []  # every request's SamplingParams
         self.model_config = types.SimpleNamespace(vocab_size=100)
         self.sched_config = types.SimpleNamespace(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
         self.reqs: dict[str, dict] = {}
@@ -40,6 +41,7 @@ class FakeEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         self.reqs[rid] = dict(ids=ids, params=params, n=0, arrival=arrival_time or time.time())
         self.prompts.append(prompt.get("prompt"))
+        self.params.append(params)
         return rid
 
     def abort_request(self, rids):
@@ -167,3 +169,25 @@ def test_draining_refuses_new_requests():
         assert "shutting down" in refused.json()["error"]["message"]
         assert ev[-1] == "[DONE]" and json.loads(ev[-2])["choices"][0]["finish_reason"] == "length"
         assert c.get("/health").status_code == 200  # draining is not dead
+
+
+def test_explicit_nulls_mean_the_defaults():
+    """`"temperature": null` (the openai SDK sends it for a None argument) is the default, as in vLLM;
+    a null where null has a meaning (completions max_tokens: up to the context) keeps it."""
+    eng = FakeEngine()
+    nulls = {k: None for k in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream",
+                               "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
+                               "skip_special_tokens", "seed", "stop", "logit_bias")}
+    with TestClient(build_app(eng, "fake")) as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "echo": None, "logprobs": None, **nulls})
+        assert r.status_code == 200, r.text
+        p = eng.params[-1]
+        assert (p.temperature, p.top_p, p.n, p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, p.seed,
+                p.logprobs) == (1.0, 1.0, 1, 0, 0.0, 1.0, False, None, None)
+        r = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": None, **nulls})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["text"]) == 64 - 2, r.text
+        r = c.post("/v1/completions", json={"prompt": None, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x", "name": None}],
+                                                 "logprobs": None, "add_generation_prompt": None, **nulls})
+        assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"], r.text  # past validation

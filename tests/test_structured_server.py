@@ -68,12 +68,21 @@ def test_tool_choice_required_and_named(client):
     r = c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice=named, max_tokens=60,
                                   temperature=0)
     tc = r.choices[0].message.tool_calls[0]
-    assert r.choices[0].finish_reason == "tool_calls" and tc.function.name == "get_weather"
+    assert r.choices[0].finish_reason == "stop" and tc.function.name == "get_weather"  # named: OpenAI's "stop"
     jsonschema.validate(json.loads(tc.function.arguments), WEATHER)
+    # cut by max_tokens: "length" (the arguments are cut JSON), streamed or not, never "tool_calls"
+    cut = c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice=named, max_tokens=3,
+                                    temperature=0)
+    assert cut.choices[0].finish_reason == "length", cut
+    assert _stream_calls(c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice=named,
+                                                   max_tokens=3, temperature=0, stream=True))[1] == "length"
+    cut = c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=3,
+                                    temperature=0)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls, cut
     # streamed: the same calls arrive as delta.tool_calls
     calls, fr = _stream_calls(c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS,
                                                         tool_choice=named, max_tokens=60, temperature=0, stream=True))
-    assert fr == "tool_calls" and [d["name"] for d in calls] == ["get_weather"]
+    assert fr == "stop" and [d["name"] for d in calls] == ["get_weather"]
     assert json.loads(calls[0]["arguments"]) == json.loads(tc.function.arguments)
     calls, fr = _stream_calls(c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS,
                                                         tool_choice="required", max_tokens=80, temperature=0,
@@ -90,7 +99,7 @@ def test_auto_tool_calls_stream_incrementally(client):
                                              r'\{"city": "[A-Z][a-z]{2,8}", "unit": "(c|f)"\}\}\n</tool_call>'}}
     kw = dict(model="tiny", messages=MSG, tools=TOOLS, max_tokens=60, temperature=0, extra_body=force)
     whole = c.chat.completions.create(**kw).choices[0]
-    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking.\n"  # unstripped, as vLLM
     tc = whole.message.tool_calls[0]
     assert tc.function.name == "get_weather"
     jsonschema.validate(json.loads(tc.function.arguments), WEATHER)
@@ -103,7 +112,7 @@ def test_auto_tool_calls_stream_incrementally(client):
         fr = ch.choices[0].finish_reason or fr
         for t in d.tool_calls or []:
             events.append((t.index, t.id, t.function.name, t.function.arguments))
-    assert fr == "tool_calls" and content.strip() == "Checking."
+    assert fr == "tool_calls" and content == whole.message.content
     assert events[0][1] and events[0][2] == "get_weather" and not events[0][3]  # id and name first
     arg_chunks = [a for i, _, _, a in events[1:] if a]
     assert all(i == 0 and tid is None and name is None for i, tid, name, _ in events[1:])
@@ -151,9 +160,15 @@ def test_response_format_and_vllm_fields(client):
 def test_parsers():
     content, calls = parse_hermes('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
                                   '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
-    assert content == "Sure." and [(t.name, json.loads(t.arguments)) for t in calls] == [("f", {"a": 1}), ("g", {})]
+    assert content == "Sure.\n" and [(t.name, json.loads(t.arguments)) for t in calls] == [("f", {"a": 1}), ("g", {})]
     assert parse_hermes("no calls") == ("no calls", [])
     assert parse_hermes("<tool_call>{broken")[1] == []
+    assert parse_hermes(' \n<tool_call>{"name": "f", "arguments": {}}</tool_call>')[0] is None  # blank: null
+    for kind, raw, called, want in [("auto", "stop", True, "tool_calls"), ("auto", "length", True, "length"),
+                                    ("auto", "stop", False, "stop"), ("required", "stop", True, "tool_calls"),
+                                    ("required", "length", False, "length"), ("named", "stop", True, "stop"),
+                                    ("named", "length", True, "length")]:
+        assert ToolMode(kind, name="f").finish_reason(raw, called) == want, (kind, raw, called)
     content, calls = parse_llama3_json('<|python_tag|>{"name": "f", "parameters": {"x": "y"}}; {"name": "g", '
                                        '"parameters": {}}')
     assert content is None and [t.name for t in calls] == ["f", "g"] and json.loads(calls[0].arguments) == {"x": "y"}

@@ -279,7 +279,9 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
         if req.messages is not None:
             if not req.messages:
                 raise APIError("messages is empty", param="messages")
-            opts = chat_options(req, trust_request_chat_template)
+            # vLLM's chat tokenize request defaults add_special_tokens to False (the template has them)
+            opts = chat_options(req, trust_request_chat_template,
+                                "add_special_tokens" in req.model_fields_set and req.add_special_tokens)
             ids = (await render(renderer.chat_prompt, req.messages, opts)).token_ids
         else:
             ids = await render(renderer.encode, req.prompt, req.add_special_tokens) if req.prompt else []

@@ -6,6 +6,10 @@ Contracts:
   schemathesis generates inside them); limits that depend on the running server (max n, number of
   stop strings, max_model_len, vocabulary) are checked in `render.py` and patched into the
   OpenAPI schema by `app.py`.
+- An explicit JSON null in a field that has a default and no meaning for null ("temperature":
+  null, as the openai SDK sends for a None argument) means that default, as in vLLM / OpenAI;
+  fields where null means something ("max_tokens": null, "seed": null) keep it, and null in a
+  required field is a 400.
 - The request models and their parts (messages, text parts, stream_options) keep fields they do
   not declare in `model_extra`; `fields.check_extra_fields` refuses the top-level ones jvllm knows
   but does not implement and names every other one (parts too) in a log warning.
@@ -14,9 +18,12 @@ Contracts:
 """
 from __future__ import annotations
 
+import functools
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # jvllm.sampling_params.MAX_LOGPROBS (not imported: keeps this module jax-free)
@@ -59,10 +66,37 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
+def _admits_none(tp) -> bool:
+    if tp is None or tp is type(None) or tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        return _admits_none(typing.get_args(tp)[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_admits_none(a) for a in typing.get_args(tp))
+    return False
+
+
+@functools.cache
+def _null_means_default(cls) -> frozenset:
+    """Keys of `cls`'s optional fields whose type has no null: a null there is dropped."""
+    return frozenset(f.alias or name for name, f in cls.model_fields.items()
+                     if not f.is_required() and not _admits_none(f.annotation))
+
+
 class _Request(_Strict):
     """A request body or a part of one: undeclared fields are kept (model_extra) for
-    `check_extra_fields`."""
+    `check_extra_fields`; a null in an optional non-nullable field is its default."""
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_default_nulls(cls, data):
+        if isinstance(data, dict):
+            keys = _null_means_default(cls)
+            if any(data.get(k, 0) is None for k in keys):
+                data = {k: v for k, v in data.items() if v is not None or k not in keys}
+        return data
 
 
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]

@@ -6,7 +6,7 @@ Contracts:
   any byte of a stream is sent: a bad request is always a JSON error, never a half stream.
 - Streams send `data: {chunk}\\n\\n` events and end with `data: [DONE]`. With
   stream_options.include_usage, every chunk has "usage": null (with vLLM's continuous_usage_stats:
-  the usage so far) and one last chunk with no choices
+  its choice's usage so far, `_chunk`) and one last chunk with no choices
   carries the usage. A request that fails in the engine sends its finish_reason "error" and then
   an `{"error": ...}` event before [DONE]; the server goes on.
 - Choice index = prompt index * n + sample index (completions with a batch of prompts).
@@ -14,13 +14,16 @@ Contracts:
   bodies: `watch_disconnect`), and `Submission.close()` in the `finally` aborts the engine
   requests at once, which frees their KV blocks before the engine's next step.
 - Chat with tools (`tool_mode`, tools.py): the finished text is parsed into `message.tool_calls`
-  (content: the text before the calls, or null) with finish_reason "tool_calls"; streamed, content
+  (content: the text before the calls, or null; finish_reason: `ToolMode.finish_reason`); streamed, content
   flows until a call may begin, then `delta.tool_calls` chunks carry each call's name and then its
   arguments as they are generated (tool_stream.py).
 - Logprobs of -inf are clamped to -9999.0 (JSON has no infinities).
 - /v1/completions with echo and logprobs: the prompt's tokens lead `logprobs` (the first with
-  null logprob and null top_logprobs, as in vLLM), then the generated ones; text_offset counts
-  from the start of the echoed text. Streamed, the echo chunk waits for the prompt logprobs.
+  null logprob and null top_logprobs, as in vLLM), then the generated ones. text_offset: each
+  token's offset is the sum of the lengths of the token strings before it (prompt tokens first
+  with echo), as vLLM's, so it never goes back and is the same streamed or not (a token cut
+  inside a UTF-8 character counts its replacement string). Streamed, the echo chunk waits for
+  the prompt logprobs.
 - `return_hidden_states` (research hooks): each choice carries `hidden_states` {"layer": one
   [hidden] list per token}, in the body or on the choice's last streamed chunk.
 - An unexpected exception under a request is logged with a request id; the client gets a generic
@@ -85,7 +88,7 @@ class ChoiceState:
     """What has been generated for one choice (accumulated over DELTA outputs)."""
 
     __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "started",
-                 "finish_sent", "sent_len", "hidden_states")
+                 "finish_sent", "sent_len", "hidden_states", "lp_offset")
 
     def __init__(self, index: int):
         self.index = index
@@ -96,6 +99,7 @@ class ChoiceState:
         self.started = self.finish_sent = False
         self.sent_len = 0  # characters of content streamed (chat with tools holds a possible call back)
         self.hidden_states = None  # {layer: [n, hidden]} so far (return_hidden_states; every output has all)
+        self.lp_offset = None  # completions logprobs streamed: the next token's text_offset
 
 
 class Collector:
@@ -141,6 +145,11 @@ class Collector:
 
 
 # ---------------------------------------------------------------------- logprob formats
+def _end_offset(lp: dict, start: int = 0) -> int:
+    """The text_offset after the last token of completion-format logprobs `lp`."""
+    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else start
+
+
 def completion_logprobs(token_ids, entries, offset: int) -> dict:
     tokens, tlps, tops, offs = [], [], [], []
     for tid, e in zip(token_ids, entries):
@@ -279,8 +288,7 @@ class CompletionServer:
                 if self.tool_mode is not None:
                     content, calls = self.tool_mode.parse(text)
                     msg = {"role": "assistant", "content": content, "tool_calls": [t.as_openai() for t in calls]}
-                    if calls and fr in ("stop", "length"):
-                        fr = "tool_calls"
+                    fr = self.tool_mode.finish_reason(fr, bool(calls))
                 c = {"index": ch.index, "message": msg,
                      "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, self.top_logprobs)
                      if self.top_logprobs is not None else None,
@@ -289,9 +297,10 @@ class CompletionServer:
                 prefix = (self.prompts[pidx].text or "") if self.echo else ""
                 lp = None
                 if self.top_logprobs is not None:
-                    lp = completion_logprobs(ch.token_ids, ch.logprobs, len(prefix))
-                    if self.echo:
-                        lp = {k: v + lp[k] for k, v in self.echo_logprobs(pidx).items()}
+                    echo = self.echo_logprobs(pidx) if self.echo else None
+                    lp = completion_logprobs(ch.token_ids, ch.logprobs, _end_offset(echo) if echo else 0)
+                    if echo:
+                        lp = {k: v + lp[k] for k, v in echo.items()}
                 c = {"index": ch.index, "text": prefix + text, "logprobs": lp,
                      "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
                      "prompt_logprobs": prompt_logprobs_json(self.col.prompt_logprobs[pidx])}
@@ -329,11 +338,18 @@ class CompletionServer:
     def streaming_response(self, sub) -> StreamingResponse:
         return _SubmissionStream(sub, self._events(sub), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    def _chunk(self, choices) -> dict:
+    def _chunk(self, choices, ch: ChoiceState, completion_tokens: int | None = None) -> dict:
+        """One event's body for choice `ch`; with continuous usage stats, its usage counts that
+        choice as vLLM's does: its prompt's tokens and `completion_tokens` (default: the choice's
+        tokens so far; 0 on the role / echo chunk)."""
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = choices
         if self.include_usage:
-            body["usage"] = self.col.usage() if self.continuous_usage else None
+            body["usage"] = None
+            if self.continuous_usage:
+                p = self.col.prompt_tokens[ch.index // self.col.n]
+                c = len(ch.token_ids) if completion_tokens is None else completion_tokens
+                body["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         return body
 
     def _choice_delta(self, ch: ChoiceState, text, ids, lps, finished_now) -> dict:
@@ -347,10 +363,12 @@ class CompletionServer:
             delta = {"content": text}
             lp = chat_logprobs(ids, lps, self.top_logprobs) if self.top_logprobs is not None and ids else None
             return {"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
-        off = sum(len(t) for t in ch.text) - len(text)
-        if self.echo:
-            off += len(self.prompts[ch.index // self.col.n].text or "")
-        lp = completion_logprobs(ids, lps, off) if self.top_logprobs is not None else None
+        lp = None
+        if self.top_logprobs is not None:
+            if ch.lp_offset is None:
+                ch.lp_offset = _end_offset(self.echo_logprobs(ch.index // self.col.n)) if self.echo else 0
+            lp = completion_logprobs(ids, lps, ch.lp_offset)
+            ch.lp_offset = _end_offset(lp, ch.lp_offset)
         return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
 
     def _tool_delta(self, ch: ChoiceState, finished_now: bool, fr):
@@ -363,7 +381,7 @@ class CompletionServer:
         if st is None:
             st = self._tool_streams[ch.index] = ToolCallStream(self.tool_mode)
         delta, called = st.feed("".join(ch.text), finished_now)
-        return delta, ("tool_calls" if called and fr in ("stop", "length") else fr)
+        return delta, self.tool_mode.finish_reason(fr, called)
 
     def _first_chunks(self, pidx: int) -> list[str]:
         """The role chunk (chat) or the echo chunk (completions) of each choice not started yet. With
@@ -377,14 +395,14 @@ class CompletionServer:
             if self.chat:
                 ch.started = True
                 events.append(_sse(self._chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}])))
+                                                 "logprobs": None, "finish_reason": None}], ch, 0)))
             elif self.echo and self.prompts[pidx].text:
                 if plp_wait and not ch.token_ids and not ch.finish_sent:
                     continue
                 ch.started = True
                 lp = self.echo_logprobs(pidx) if self.top_logprobs is not None else None
                 events.append(_sse(self._chunk([{"index": ch.index, "text": self.prompts[pidx].text,
-                                                 "logprobs": lp, "finish_reason": None}])))
+                                                 "logprobs": lp, "finish_reason": None}], ch, 0)))
             else:
                 ch.started = True
         return events
@@ -403,7 +421,7 @@ class CompletionServer:
                         if plp is not None and not self.chat and not self.col.prompt_logprobs_sent[pidx]:
                             self.col.prompt_logprobs_sent[pidx] = True
                             c["prompt_logprobs"] = prompt_logprobs_json(plp)
-                        events.append(_sse(self._chunk([c])))
+                        events.append(_sse(self._chunk([c], d[0])))
                     for ch, *_ in deltas:
                         if ch.finish_reason == "error":
                             events.append(_sse(error_body("the engine failed on this request "

@@ -12,7 +12,10 @@ Contracts (vLLM's):
   {"name": one of the tools, "parameters": that tool's parameter schema} (at most one item with
   `parallel_tool_calls: false`); a named function ({"type": "function", "function": {"name"}}):
   the output is that function's arguments object, constrained by its parameter schema. Both are
-  parsed without a parser. `finish_reason` is "tool_calls" whenever calls came out.
+  parsed without a parser. `finish_reason` (`ToolMode.finish_reason`): "tool_calls" when calls
+  came out of an "auto" or "required" output that stopped by itself; a named function keeps the
+  engine's reason ("stop", as OpenAI answers), and an output cut by max_tokens stays "length"
+  whatever it holds (its arguments may be cut JSON).
 - Streaming: content streams as usual until a tool call may begin (`hold_from`; hermes:
   `<tool_call>`, llama3_json: a leading '{' or `<|python_tag|>`); from there `tool_stream.py`
   sends each call as `delta.tool_calls` chunks: id and name first, then the arguments' text as
@@ -65,6 +68,10 @@ class ToolMode:
                 return text, []
         return parse_hermes(text) if self.parser == "hermes" else parse_llama3_json(text)
 
+    def finish_reason(self, raw: str | None, called: bool) -> str | None:
+        """The choice's finish_reason given the engine's `raw` one and whether calls came out."""
+        return "tool_calls" if called and raw == "stop" and self.kind != "named" else raw
+
     def hold_from(self, text: str) -> int | None:
         """Streaming: the index from which `text` (the output so far) may be a tool call and is
         held back, or None to stream it all."""
@@ -114,8 +121,8 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
         if c is None:
             return text, []
         calls.append(c)
-    content = text[:i].strip()
-    return (content or None), calls
+    content = text[:i]  # unstripped, as vLLM's hermes parser (and as the stream sent it)
+    return (content if content.strip() else None), calls
 
 
 def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
