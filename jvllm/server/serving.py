@@ -17,13 +17,11 @@ Contracts:
   (content: the text before the calls, or null; finish_reason: `ToolMode.finish_reason`); streamed, content
   flows until a call may begin, then `delta.tool_calls` chunks carry each call's name and then its
   arguments as they are generated (tool_stream.py).
-- Logprobs of -inf are clamped to -9999.0 (JSON has no infinities).
+- Logprob, hidden-state and text_offset JSON shapes: formats.py.
 - /v1/completions with echo and logprobs: the prompt's tokens lead `logprobs` (the first with
-  null logprob and null top_logprobs, as in vLLM), then the generated ones. text_offset: each
-  token's offset is the sum of the lengths of the token strings before it (prompt tokens first
-  with echo), as vLLM's, so it never goes back and is the same streamed or not (a token cut
-  inside a UTF-8 character counts its replacement string). Streamed, the echo chunk waits for
-  the prompt logprobs.
+  null logprob and null top_logprobs, as in vLLM), then the generated ones, with one text_offset
+  list over both (formats.py), the same streamed or not. Streamed, the echo chunk waits for the
+  prompt logprobs.
 - `return_hidden_states` (research hooks): each choice carries `hidden_states` {"layer": one
   [hidden] list per token}, in the body or on the choice's last streamed chunk.
 - An unexpected exception under a request is logged with a request id; the client gets a generic
@@ -41,6 +39,8 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jvllm.server.formats import (chat_logprobs, clamp_logprob, completion_logprobs, end_offset,
+                                  hidden_states_json, prompt_logprobs_json, token_text)
 from jvllm.server.protocol import APIError, error_body
 
 log = logging.getLogger("jvllm.server")
@@ -52,36 +52,6 @@ def internal_error_message(e: BaseException, where: str) -> str:
     rid = "err-" + os.urandom(6).hex()
     log.error("internal error %s in %s", rid, where, exc_info=e)
     return f"internal server error (request id {rid}: the server log has the details)"
-
-
-def _lp(x: float | None) -> float | None:
-    if x is None:
-        return None
-    return max(x, -9999.0) if x == x else -9999.0
-
-
-def hidden_states_json(hs: dict) -> dict:
-    """{"layer": one [hidden] list of floats per token, or None when no token was computed};
-    non-finite values (a float16 overflow) become null (JSON has no NaN / Infinity)."""
-    import math
-
-    import numpy as np
-
-    def rows(a):
-        if a is None:
-            return None
-        a = np.asarray(a, np.float32)
-        out = a.tolist()
-        if not np.isfinite(a).all():
-            out = [[x if math.isfinite(x) else None for x in r] for r in out]
-        return out
-
-    return {str(k): rows(v) for k, v in hs.items()}
-
-
-def _tok(lp, tid: int) -> str:
-    s = getattr(lp, "decoded_token", None)
-    return s if s is not None else f"token_id:{tid}"
 
 
 class ChoiceState:
@@ -142,47 +112,6 @@ class Collector:
         p = sum(self.prompt_tokens)
         return {"prompt_tokens": p, "completion_tokens": self.completion_tokens,
                 "total_tokens": p + self.completion_tokens}
-
-
-# ---------------------------------------------------------------------- logprob formats
-def _end_offset(lp: dict, start: int = 0) -> int:
-    """The text_offset after the last token of completion-format logprobs `lp`."""
-    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else start
-
-
-def completion_logprobs(token_ids, entries, offset: int) -> dict:
-    tokens, tlps, tops, offs = [], [], [], []
-    for tid, e in zip(token_ids, entries):
-        lp = e.get(tid)
-        s = _tok(lp, tid)
-        tokens.append(s)
-        tlps.append(_lp(lp.logprob) if lp is not None else None)
-        tops.append({_tok(v, k): _lp(v.logprob) for k, v in e.items()})
-        offs.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": tlps, "top_logprobs": tops, "text_offset": offs}
-
-
-def chat_logprobs(token_ids, entries, top_n: int) -> dict:
-    content = []
-    for tid, e in zip(token_ids, entries):
-        lp = e.get(tid)
-        s = _tok(lp, tid)
-        top = sorted(((k, v) for k, v in e.items() if v.rank is not None and v.rank <= top_n),
-                     key=lambda kv: kv[1].rank)
-        content.append({"token": s, "logprob": _lp(lp.logprob) if lp is not None else None,
-                        "bytes": list(s.encode("utf-8")),
-                        "top_logprobs": [{"token": _tok(v, k), "logprob": _lp(v.logprob),
-                                          "bytes": list(_tok(v, k).encode("utf-8"))} for k, v in top]})
-    return {"content": content}
-
-
-def prompt_logprobs_json(plp):
-    if plp is None:
-        return None
-    return [None if e is None else {str(k): {"logprob": _lp(v.logprob), "rank": v.rank,
-                                             "decoded_token": v.decoded_token} for k, v in e.items()}
-            for e in plp]
 
 
 # ---------------------------------------------------------------------- driving a submission
@@ -298,7 +227,7 @@ class CompletionServer:
                 lp = None
                 if self.top_logprobs is not None:
                     echo = self.echo_logprobs(pidx) if self.echo else None
-                    lp = completion_logprobs(ch.token_ids, ch.logprobs, _end_offset(echo) if echo else 0)
+                    lp = completion_logprobs(ch.token_ids, ch.logprobs, end_offset(echo) if echo else 0)
                     if echo:
                         lp = {k: v + lp[k] for k, v in echo.items()}
                 c = {"index": ch.index, "text": prefix + text, "logprobs": lp,
@@ -326,9 +255,9 @@ class CompletionServer:
             if s is None:
                 s = (self.decode([tid]) if self.decode else None) or f"token_id:{tid}"
             tokens.append(s)
-            tlps.append(_lp(lp.logprob) if lp is not None else None)
+            tlps.append(clamp_logprob(lp.logprob) if lp is not None else None)
             tops.append(None if e is None else {
-                _tok(v, k): _lp(v.logprob) for k, v in e.items()
+                token_text(v, k): clamp_logprob(v.logprob) for k, v in e.items()
                 if k == tid or (v.rank is not None and v.rank <= self.top_logprobs)})
             offs.append(off)
             off += len(s)
@@ -366,9 +295,9 @@ class CompletionServer:
         lp = None
         if self.top_logprobs is not None:
             if ch.lp_offset is None:
-                ch.lp_offset = _end_offset(self.echo_logprobs(ch.index // self.col.n)) if self.echo else 0
+                ch.lp_offset = end_offset(self.echo_logprobs(ch.index // self.col.n)) if self.echo else 0
             lp = completion_logprobs(ids, lps, ch.lp_offset)
-            ch.lp_offset = _end_offset(lp, ch.lp_offset)
+            ch.lp_offset = end_offset(lp, ch.lp_offset)
         return {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
 
     def _tool_delta(self, ch: ChoiceState, finished_now: bool, fr):
