@@ -1,6 +1,7 @@
 """Checkpoint names of the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
-Checkpoints store each expert as its own tensors (`...experts.{j}.w1.weight`); jvllm stacks them
+Checkpoints store each expert as its own tensors (`...experts.{j}.w1.weight`; transformers 5's
+in-memory names fuse them, `...experts.gate_up_proj`, which load whole); jvllm stacks them
 into one parameter per layer and projection, `[num_experts, ...]` (jvllm.models.moe). A rule whose
 transform is an `ExpertSlice` fills slot j of its target; `name_map.convert_tensors` collects the
 slots and places the target once every slot has arrived (so host memory holds at most the stacked
@@ -23,7 +24,7 @@ class ExpertSlice:
         return dataclasses.replace(self, index=index)
 
 
-def moe_rules(t_identity, t_transpose, t_row) -> list:
+def moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down) -> list:
     """(pattern, target, transform) rules, in name_map's form, for the MoE families."""
     L = r"model\.layers\.(\d+)\."
     x = ExpertSlice(t_transpose)
@@ -38,4 +39,9 @@ def moe_rules(t_identity, t_transpose, t_row) -> list:
         (L + r"mlp\.experts\.(?P<expert>\d+)\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.expert_\3", x),
         (L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.shared_expert.\2_proj", t_transpose),
         (L + r"mlp\.shared_expert_gate\.weight", r"layers.\1.mlp.shared_expert_gate", t_row),
+        # transformers 5's in-memory layout (a torch.save of its state_dict): every expert fused,
+        # experts.gate_up_proj [E, 2I, D] (gate rows first) and experts.down_proj [E, D, I]
+        (L + r"mlp\.experts\.gate_up_proj", (r"layers.\1.mlp.expert_gate", r"layers.\1.mlp.expert_up"),
+         t_experts_gate_up),
+        (L + r"mlp\.experts\.down_proj", r"layers.\1.mlp.expert_down", t_experts_down),
     ]

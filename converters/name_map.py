@@ -72,6 +72,18 @@ def t_split_gate_up(name, a, tgts):  # [2*mlp, embed] (gate rows first) -> gate,
     return a[:i].T, a[i:].T
 
 
+def t_experts_gate_up(name, a, tgts):  # fused experts [E, 2*I, D] (gate rows first) -> gate, up [E, D, I]
+    (e, d, i), _ = tgts
+    _expect(name, a, (e, 2 * i, d))
+    return a[:, :i].transpose(0, 2, 1), a[:, i:].transpose(0, 2, 1)
+
+
+def t_experts_down(name, a, tgt):  # fused experts [E, D, I] -> [E, I, D]
+    e, i, d = tgt
+    _expect(name, a, (e, d, i))
+    return a.transpose(0, 2, 1)
+
+
 def t_row(name, a, tgt):  # Linear(D, 1) [1, D] -> [D]
     _expect(name, a, (1, tgt[0]))
     return a[0]
@@ -102,7 +114,7 @@ PHI3_RULES = [
     (_L + r"mlp\.gate_up_proj\.weight", (r"layers.\1.mlp.gate_proj", r"layers.\1.mlp.up_proj"), t_split_gate_up),
 ] + HF_RULES
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES,
-                   "moe": HF_RULES + moe_rules(t_identity, t_transpose, t_row)}
+                   "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 
 
@@ -128,6 +140,15 @@ def map_name(name: str, name_map: str = "llama"):
     if quant is not None:
         raise quant
     raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (no parameter of this model maps to it)")
+
+
+def _absent_shared_expert(tgts, specs, load) -> bool:
+    """Qwen2-MoE with shared_expert_intermediate_size 0: transformers still saves a zero-width
+    shared expert and its [1, D] gate, whose product adds exactly 0; a model without a shared
+    expert skips them (a shared expert of nonzero width still fails as unexpected)."""
+    if any(".shared_expert" not in t for t in tgts) or any(".shared_expert" in k for k in specs):
+        return False
+    return all(t.endswith(".shared_expert_gate") for t in tgts) or load().size == 0
 
 
 def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.ndarray]]], dtype,
@@ -166,6 +187,8 @@ def convert_tensors(specs: dict, tensors: Iterable[tuple[str, Callable[[], np.nd
                 del stacks[tgt]
             continue
         tgts = tgt if isinstance(tgt, tuple) else (tgt,)
+        if _absent_shared_expert(tgts, specs, load):
+            continue
         for t in tgts:
             if t not in specs:
                 if t.endswith("_scale"):

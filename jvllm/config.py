@@ -234,10 +234,14 @@ class ModelConfig:
         sw = getattr(hf, "sliding_window", None)
         layer_types = getattr(hf, "layer_types", None)
         if sw:
-            if layer_types:
+            # transformers applies these models' sliding_window to every layer and never reads
+            # layer_types (Mistral reads layer_types when a config has them)
+            if arch in ("Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+                windows = [sw] * n
+            elif layer_types:
                 windows = [sw if t == "sliding_attention" else None for t in layer_types]
-            elif arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
-                windows = [sw] * n  # transformers applies their sliding_window to every layer
+            elif arch == "MistralForCausalLM":
+                windows = [sw] * n
             elif getattr(hf, "use_sliding_window", False):
                 mwl = getattr(hf, "max_window_layers", n)
                 windows = [sw if i >= mwl else None for i in range(n)]

@@ -28,6 +28,55 @@ def test_format_parity(ckpt_dir, fmt):
     _check(ckpt_dir("qwen2", fmt=fmt))
 
 
+def test_moe_state_dict_layout(ckpt_dir):
+    """A torch.save of transformers 5's state dict fuses every layer's experts (experts.gate_up_proj
+    [E, 2I, D], experts.down_proj [E, D, I]); it loads like the per-expert files save_pretrained writes."""
+    _check(ckpt_dir("qwen2_moe", fmt="bin"))
+
+
+# config fields that change what transformers computes, beyond each family's test checkpoint:
+# (family, overrides, extra config.json keys written after save_pretrained)
+VARIANTS = {
+    "moe_experts_gelu": ("mixtral", dict(hidden_act="gelu_pytorch_tanh"), {}),
+    "qwen2_moe_no_qkv_bias_no_shared": ("qwen2_moe", dict(qkv_bias=False, shared_expert_intermediate_size=0), {}),
+    # Mixtral windows every layer and never reads layer_types (Mistral does)
+    "mixtral_ignores_layer_types": ("mixtral_window", {}, {"layer_types": ["full_attention", "sliding_attention"]}),
+    # transformers' Gemma 3 reads attn_logit_softcapping nowhere
+    "gemma3_attn_softcap_unused": ("gemma3", dict(attn_logit_softcapping=0.5), {}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variant_parity(tmp_path, variant):
+    import json
+
+    from tests.helpers import make_checkpoint
+
+    arch, overrides, extra = VARIANTS[variant]
+    make_checkpoint(str(tmp_path), arch, **overrides)
+    if extra:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **extra}))
+    _check(str(tmp_path))
+
+
+def test_refused_config_fields(tmp_path):
+    """Fields the reference honours and jvllm does not implement are errors naming them."""
+    import transformers
+
+    from jvllm import LLM
+
+    cfg = transformers.Gemma3TextConfig(use_bidirectional_attention=True, architectures=["Gemma3ForCausalLM"])
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        ModelConfig.from_hf_config(cfg)
+    from tests.helpers import make_checkpoint
+
+    make_checkpoint(str(tmp_path), "llama", max_position_embeddings=64,
+                    rope_scaling=dict(rope_type="dynamic", factor=4.0))
+    with pytest.raises(ValueError, match=r"max_model_len \(128\) exceeds .*\(64\); rope_scaling 'dynamic'"):
+        LLM(str(tmp_path), dtype="float32", max_model_len=128, use_tqdm_on_load=False)
+
+
 def test_sliding_window_matters(ckpt_dir):
     """The window really is applied: the same weights without it give different logits."""
     import jax.numpy as jnp

@@ -18,14 +18,17 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 N_NEW = 8
 
 
-def _oracle(x, idx, w, wg, wu, wd):
-    """Token by token, choice by choice (the test's oracle, not the engine's method)."""
+def _oracle(x, idx, w, wg, wu, wd, act="silu"):
+    """Token by token, choice by choice (the test's oracle, not the engine's method); `act` silu or
+    gelu_pytorch_tanh (torch's formula)."""
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
             e = idx[t, j]
             g, u = x[t] @ wg[e], x[t] @ wu[e]
-            out[t] += w[t, j] * ((g / (1 + np.exp(-g)) * u) @ wd[e])
+            a = (0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if act == "gelu_pytorch_tanh"
+                 else g / (1 + np.exp(-g)))
+            out[t] += w[t, j] * ((a * u) @ wd[e])
     return out
 
 
@@ -56,6 +59,36 @@ def test_grouped_ffn_matches_oracle(ffn_case):
     assert np.asarray(sizes).tolist() == np.bincount(idx[valid].ravel(), minlength=8).tolist()
     got = jax.jit(moe_ffn)(x, idx, w, *ws, jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(got), np.where(valid[:, None], want, 0.0), atol=1e-4, rtol=1e-4)
+
+
+def test_expert_activation(ffn_case):
+    """hidden_act gelu_pytorch_tanh reaches the experts on every path: the sorted one (xla and pallas),
+    the pallas decode path, and both sharded routings; an unknown activation is an error naming it."""
+    from jvllm.ops import pallas_moe_decode as dec
+    from jvllm.ops.grouped_matmul import moe_ffn, sharded_ffn
+    from jvllm.sharding import make_mesh, stage_mesh
+
+    x, idx, w, ws, silu = ffn_case
+    want = _oracle(x, idx, w, *ws, act="gelu_pytorch_tanh")
+    assert np.abs(want - silu).max() > 0.1  # the activation matters at this scale
+    for backend in ("xla", "pallas"):
+        got = jax.jit(lambda *a: moe_ffn(*a, backend=backend, act="gelu_pytorch_tanh"))(x, idx, w, *ws)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    rng = np.random.default_rng(1)  # 2 tokens of top-3 over 8 experts with Triton-sized tiles: the decode path
+    dx, dw = rng.normal(size=(2, 32)).astype(np.float32), rng.random((2, 3)).astype(np.float32)
+    didx = np.stack([rng.choice(8, 3, replace=False) for _ in range(2)]).astype(np.int32)
+    dws = [rng.normal(size=sh).astype(np.float32) * 0.3 for sh in ((8, 32, 16), (8, 32, 16), (8, 16, 32))]
+    assert dec.fits(6, 8, dws[0].shape)
+    got = jax.jit(lambda *a: moe_ffn(*a, backend="pallas", act="gelu_pytorch_tanh"))(dx, didx, dw, *dws)
+    np.testing.assert_allclose(np.asarray(got), _oracle(dx, didx, dw, *dws, act="gelu_pytorch_tanh"),
+                               atol=1e-4, rtol=1e-4)
+    mesh = stage_mesh(make_mesh(tensor=2, expert=2), 0, 0)
+    for routing in ("gather", "all_to_all"):
+        got = jax.jit(lambda *a: sharded_ffn(*a, mesh=mesh, expert_axes=("expert",), hidden_axis="tensor",
+                                             routing=routing, act="gelu_pytorch_tanh"))(x, idx, w, *ws)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="relu"):
+        moe_ffn(x, idx, w, *ws, act="relu")
 
 
 def test_tokamax_backend(ffn_case):

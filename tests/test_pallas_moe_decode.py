@@ -115,7 +115,8 @@ def test_decode_probe_dry_run(tmp_path):
     assert all(r["ms_per_layer"] > 0 and r["valid"] == 1 for r in rows)
 
 
-@pytest.mark.parametrize("T,k,launches", [(8, 8, {}), (1, 8, dict(gate_up=dec.Launch(32, 256, 4, 3)))])
+@pytest.mark.parametrize("T,k,launches", [(8, 8, {}), (1, 8, dict(gate_up=dec.Launch(32, 256, 4, 3))),
+                                          (2, 8, dict(act="gelu_pytorch_tanh"))])
 def test_lowers_to_triton_for_cuda(T, k, launches):
     """Both kernels lower through jax's Triton backend at Qwen3-30B-A3B's layer shape (cuda platform,
     traced on this CPU; jax assumes compute capability 9.0): catches constructs Triton refuses."""

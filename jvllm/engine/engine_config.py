@@ -106,9 +106,12 @@ def check_options(config: EngineConfig, model_config, data_parallel_replica: boo
                          "(got a data-parallel device slice)")
     mc = model_config
     if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings \
-            and mc.rope_type == "default":
+            and mc.rope_type in ("default", "dynamic"):
+        why = ("; rope_scaling 'dynamic' (NTK) rescales by each sequence's whole length beyond it, which a "
+               "paged cache cannot reproduce: jvllm runs it within max_position_embeddings only"
+               if mc.rope_type == "dynamic" else "")
         raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
-                         f"({mc.max_position_embeddings})")
+                         f"({mc.max_position_embeddings}){why}")
 
 
 def check_speculation(config: EngineConfig, spec):

@@ -158,7 +158,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
     default / linear / llama3 / yarn follow transformers' definitions exactly. `dynamic` (NTK) is
     position-independent here: for sequences within `max_position_embeddings` it equals the default
-    frequencies, which is what transformers computes at those lengths. longrope: `layer_rope`.
+    frequencies, which is what transformers computes at those lengths (the engine refuses a longer
+    max_model_len for it: `engine_config.check_options`). longrope: `layer_rope`.
     """
     d, base = cfg.rotary_dim, cfg.rope_theta
     p = cfg.rope_params

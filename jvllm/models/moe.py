@@ -83,6 +83,7 @@ class SparseMoE(nnx.Module):
 
         self.expert_axes, self.hidden_axis = moe_mesh_axes(m.expert_parallel)
         self.backend = m.grouped_matmul
+        self.act = cfg.hidden_act  # the routed experts' activation, as the shared expert's and the dense MLP's
 
     def route(self, x):
         """(top_idx [T, k] int32, top_w [T, k] float32): softmax in float32 over all experts, the
@@ -100,10 +101,10 @@ class SparseMoE(nnx.Module):
         ws = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
         mesh = _TP_MESH.get()
         if mesh is None or mesh.size == 1:
-            y = gm.moe_ffn(x, top_idx, top_w, *ws, valid, backend=self.backend)
+            y = gm.moe_ffn(x, top_idx, top_w, *ws, valid, backend=self.backend, act=self.act)
         else:
             y = gm.sharded_ffn(x, top_idx, top_w, *ws, valid, mesh=mesh, expert_axes=self.expert_axes,
-                               hidden_axis=self.hidden_axis, backend=self.backend)
+                               hidden_axis=self.hidden_axis, backend=self.backend, act=self.act)
         y = y.astype(x.dtype)
         if self.has_shared:
             gate = jax.nn.sigmoid((x @ self.shared_expert_gate[...]).astype(jnp.float32))

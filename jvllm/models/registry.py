@@ -8,7 +8,10 @@ and how an HF config fills the family's `ModelConfig` fields:
 
   defaults   ModelConfig fields that are fixed for the family (Gemma: `norm_unit_offset=True`)
   hf_fields  {ModelConfig field: HF config attribute} read when the attribute is present and not None
-  per_arch   {architecture: fixed fields, applied last} (Qwen2's q/k/v bias without o bias, Qwen3's q/k norm)
+  per_arch   {architecture: fields, applied last} (Qwen2's q/k/v bias without o bias, Qwen3's q/k norm);
+             a value `FromHF(attr, default)` reads that architecture's own HF attribute
+  refused    {architecture: HF attributes} that must be unset or false: the reference honours them and
+             jvllm does not implement them, so a config that sets one is an error naming it
 
 Adding a family (e.g. mixture-of-experts) is a new file plus one `register` call; nothing else in
 jvllm lists architectures.
@@ -17,6 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+
+
+@dataclasses.dataclass(frozen=True)
+class FromHF:
+    """A per_arch value read from the HF config's `attr` (`default` when absent or None)."""
+    attr: str
+    default: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +39,7 @@ class Family:
     defaults: dict = dataclasses.field(default_factory=dict)
     hf_fields: dict = dataclasses.field(default_factory=dict)
     per_arch: dict = dataclasses.field(default_factory=dict)
+    refused: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if ":" not in self.model:
@@ -48,7 +59,15 @@ class Family:
             v = getattr(hf, attr, None)
             if v is not None:
                 out[field] = v
-        out.update(self.per_arch.get(arch, {}))
+        for field, v in self.per_arch.get(arch, {}).items():
+            if isinstance(v, FromHF):
+                got = getattr(hf, v.attr, None)
+                v = v.default if got is None else got
+            out[field] = v
+        bad = [a for a in self.refused.get(arch, ()) if getattr(hf, a, None)]
+        if bad:
+            raise ValueError(f"{arch}: config sets {', '.join(f'{a}={getattr(hf, a)!r}' for a in bad)}, which jvllm "
+                             f"does not implement")
         return out
 
 
@@ -120,7 +139,9 @@ register(Family(
     hf_fields={"hidden_act": "hidden_activation", "query_pre_attn_scalar": "query_pre_attn_scalar",
                "attn_logit_softcap": "attn_logit_softcapping", "final_logit_softcap": "final_logit_softcapping",
                "attention_bias": "attention_bias", "o_bias": "attention_bias"},
-    per_arch={"Gemma3ForCausalLM": {"qk_norm": True}},
+    # transformers' Gemma 3 reads attn_logit_softcapping nowhere (real configs set it null): no cap
+    per_arch={"Gemma3ForCausalLM": {"qk_norm": True, "attn_logit_softcap": None}},
+    refused={"Gemma3ForCausalLM": ("use_bidirectional_attention",)},  # EmbeddingGemma-style non-causal attention
 ))
 register(Family(
     # mixture of experts (jvllm.models.moe): Llama's attention, norms and head around a routed,
@@ -132,6 +153,6 @@ register(Family(
     model="jvllm.models.moe:MoEForCausalLM",
     name_map="moe",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
-    per_arch={"Qwen2MoeForCausalLM": {"attention_bias": True, "o_bias": False},
+    per_arch={"Qwen2MoeForCausalLM": {"attention_bias": FromHF("qkv_bias", True), "o_bias": False},
               "Qwen3MoeForCausalLM": {"qk_norm": True}},
 ))

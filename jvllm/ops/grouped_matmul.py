@@ -86,12 +86,24 @@ def ragged_dot_fn(backend: str):
 GMM_SCOPE, ROUTING_SCOPE = "moe_grouped_matmul", "moe_routing"
 
 
-def _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend):
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")  # the experts' `hidden_act` (swish is silu)
+
+
+def glu(g, u, act: str):
+    """act(g) * u: SwiGLU (silu / swish) or GeGLU (gelu_pytorch_tanh, transformers' tanh approximation)."""
+    if act == "gelu_pytorch_tanh":
+        return jax.nn.gelu(g, approximate=True) * u
+    if act in ("silu", "swish"):
+        return jax.nn.silu(g) * u
+    raise ValueError(f"mixture of experts: unsupported expert activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
+
+
+def _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend, act):
     dot = ragged_dot_fn(backend)
     with jax.named_scope(GMM_SCOPE):
         g = dot(xs, w_gate, sizes)
         u = dot(xs, w_up, sizes)
-        y = dot((jax.nn.silu(g) * u).astype(xs.dtype), w_down, sizes)
+        y = dot(glu(g, u, act).astype(xs.dtype), w_down, sizes)
     return jnp.where((jnp.arange(xs.shape[0]) < jnp.sum(sizes))[:, None], y, 0)
 
 
@@ -113,7 +125,7 @@ def _decode_pairs(backend: str, top_idx, experts: int, w_gate):
     return backend == "pallas" and pallas_moe_decode.fits(T * k, experts, w_gate.shape)
 
 
-def _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid, e0=0):
+def _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid, act, e0=0):
     """The decode path over experts [e0, e0 + E_local): other pairs (and invalid tokens) add 0."""
     from jvllm.ops import pallas_moe_decode as dec
 
@@ -124,22 +136,22 @@ def _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid, e0=0):
             keep &= valid[:, None]
         pairs = jnp.where(keep, local, -1).reshape(-1)
     with jax.named_scope(GMM_SCOPE):
-        rows = dec.expert_rows(x, pairs, top_w, w_gate, w_up, w_down)
+        rows = dec.expert_rows(x, pairs, top_w, w_gate, w_up, w_down, act=act)
     with jax.named_scope(ROUTING_SCOPE):
         return dec.combine(rows, pairs, top_w)
 
 
-def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, backend: str = "xla"):
-    """SwiGLU experts on one device. x [T, D]; top_idx/top_w [T, k]; weights [E, ...]; `valid`
+def moe_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, backend: str = "xla", act: str = "silu"):
+    """Gated experts (`glu` with `act`, the model's hidden_act) on one device. x [T, D]; top_idx/top_w [T, k]; weights [E, ...]; `valid`
     [T] bool or None (all valid). Returns [T, D] in float32 (the caller casts); 0 for invalid tokens.
     Decode-sized steps of the pallas backend skip the sort (`_decode`)."""
     T, k = top_idx.shape
     if _decode_pairs(backend, top_idx, w_gate.shape[0], w_gate):
-        return _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid)
+        return _decode(x, top_idx, top_w, w_gate, w_up, w_down, valid, act)
     with jax.named_scope(ROUTING_SCOPE):
         order, sizes = sort_by_expert(top_idx, w_gate.shape[0], valid)
         xs = x[order // k]
-    ys = _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend)
+    ys = _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend, act)
     with jax.named_scope(ROUTING_SCOPE):
         return _combine(ys, order, top_w, T, k)
 
@@ -165,7 +177,8 @@ def _axes_size(mesh, axes) -> int:
 
 
 def sharded_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, mesh, expert_axes: tuple = (),
-                hidden_axis: str | None = None, routing: str = ENGINE_ROUTING, backend: str = "xla"):
+                hidden_axis: str | None = None, routing: str = ENGINE_ROUTING, backend: str = "xla",
+                act: str = "silu"):
     """`moe_ffn` on `mesh` with the experts' leading dimension sharded over `expert_axes` (one mesh
     axis or several, major first, as in the weights' PartitionSpec) and each expert's hidden
     dimension over `hidden_axis` (gate/up split on their output, down on its input; None: whole).
@@ -198,12 +211,13 @@ def sharded_ffn(x, top_idx, top_w, w_gate, w_up, w_down, valid=None, *, mesh, ex
     col, row = P(ex, None, hidden_axis), P(ex, hidden_axis, None)
     if routing == "gather":
         def local(x, top_idx, top_w, valid, wg, wu, wd):
-            y = _gather_local(x, top_idx, top_w, valid, wg, wu, wd, E=E, expert_axes=expert_axes, backend=backend)
+            y = _gather_local(x, top_idx, top_w, valid, wg, wu, wd, E=E, expert_axes=expert_axes, backend=backend,
+                              act=act)
             return jax.lax.psum(y, reduce_axes)
     else:
         def local(x, top_idx, top_w, valid, wg, wu, wd):
             return _all_to_all_local(x, top_idx, top_w, valid, wg, wu, wd, n=n, expert_axes=expert_axes,
-                                     hidden_axis=hidden_axis, backend=backend)
+                                     hidden_axis=hidden_axis, backend=backend, act=act)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(), col, col, row), out_specs=P(),
                          check_vma=False)(x, top_idx, top_w, valid, w_gate, w_up, w_down)
 
@@ -212,13 +226,13 @@ def _shard_index(expert_axes):
     return jax.lax.axis_index(expert_axes) if expert_axes else 0
 
 
-def _gather_local(x, top_idx, top_w, valid, wg, wu, wd, *, E, expert_axes, backend):
+def _gather_local(x, top_idx, top_w, valid, wg, wu, wd, *, E, expert_axes, backend, act):
     """This device's partial output: all tokens, only the rows of its own experts (contiguous in
     the sorted buffer: rotated to the front from their offset; _expert_mlp zeroes the rest)."""
     T, k = top_idx.shape
     M, El = T * k, wg.shape[0]
     if _decode_pairs(backend, top_idx, E, wg):
-        return _decode(x, top_idx, top_w, wg, wu, wd, valid, _shard_index(expert_axes) * El)
+        return _decode(x, top_idx, top_w, wg, wu, wd, valid, act, _shard_index(expert_axes) * El)
     with jax.named_scope(ROUTING_SCOPE):
         order, sizes = sort_by_expert(top_idx, E, valid)
         e0 = _shard_index(expert_axes) * El
@@ -226,13 +240,13 @@ def _gather_local(x, top_idx, top_w, valid, wg, wu, wd, *, E, expert_axes, backe
         start = jnp.sum(jnp.where(jnp.arange(E) < e0, sizes, 0))  # first row of this device's experts
         rows = (jnp.arange(M) + start) % M
         xs = x[(order // k)[rows]]
-    ys = _expert_mlp(xs, wg, wu, wd, local_sizes, backend)
+    ys = _expert_mlp(xs, wg, wu, wd, local_sizes, backend, act)
     with jax.named_scope(ROUTING_SCOPE):
         ys = jnp.zeros_like(ys).at[rows].set(ys)  # back to sorted positions (others' rows are 0)
         return _combine(ys, order, top_w, T, k)
 
 
-def _all_to_all_local(x, top_idx, top_w, valid, wg, wu, wd, *, n, expert_axes, hidden_axis, backend):
+def _all_to_all_local(x, top_idx, top_w, valid, wg, wu, wd, *, n, expert_axes, hidden_axis, backend, act):
     """Device i of the n expert shards takes tokens [i*Tc, (i+1)*Tc) (Tc = ceil(T/n)), sends each
     (token, choice) pair to the shard owning its expert in a [n, Tc*k, D] buffer (the dropless
     capacity: every pair of the chunk may pick one shard), runs its experts on what it received,
@@ -264,7 +278,7 @@ def _all_to_all_local(x, top_idx, top_w, valid, wg, wu, wd, *, n, expert_axes, h
         recv_e = jax.lax.all_to_all(send_e, expert_axes, 0, 0, tiled=True).reshape(n * C, 1)
         order2, sizes2 = sort_by_expert(recv_e, El, recv_e[:, 0] < El)
         xs = recv_x[order2]
-    ys = _expert_mlp(xs, wg, wu, wd, sizes2, backend)
+    ys = _expert_mlp(xs, wg, wu, wd, sizes2, backend, act)
     with jax.named_scope(ROUTING_SCOPE):
         out = jnp.zeros_like(ys).at[order2].set(ys).reshape(n, C, D)
         back = jax.lax.all_to_all(out, expert_axes, 0, 0, tiled=True)  # [n, C, D]: my pairs, by owner

@@ -16,7 +16,7 @@ experts a batch-1 step touches; here a layer is the router, these two kernels an
 reduction (whether that is faster on a GPU: benchmarks/README.md).
 
 Kernels (one `_kernel`, grid (pair, column tile)): `gate_up` streams x_t's row against the expert's gate and up
-column tiles, applies silu(g) * u in float32 and stores the pair's hidden row [I] in x's dtype;
+column tiles, applies act(g) * u (`grouped_matmul.glu`) in float32 and stores the pair's hidden row [I] in x's dtype;
 `down` streams that row against the expert's down tile and stores a float32 [D] row. The k
 choices are then weighted and summed in one XLA fusion, in choice order (the order of the sorted
 path's combine). A Triton dot needs 16 rows: each program loads a 16-row window whose first row is
@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jvllm.ops.grouped_matmul import glu
 from jvllm.ops.pallas_grouped_matmul import _pow2_divisor, pick
 
 MAX_PAIRS = 64  # T * k at most (Qwen3-30B-A3B: 8 tokens of top-8)
@@ -71,9 +72,10 @@ def fits(pairs: int, experts: int, w_shape: tuple[int, int, int]) -> bool:
             and _fit(GATE_UP, D, I) is not None and _fit(DOWN, I, D) is not None)
 
 
-def _kernel(meta_ref, a_ref, *refs, bn: int, bk: int, nk: int, swiglu: bool):
+def _kernel(meta_ref, a_ref, *refs, bn: int, bk: int, nk: int, act: str | None):
     """Program (pair, column tile): meta [2] = (expert or -1, the input row); refs are the weights
-    (gate and up for `swiglu`, else down) then the output, of which the pair's own row is stored."""
+    (gate and up when `act` names the gate's activation, else down) then the output, of which the
+    pair's own row is stored."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -92,18 +94,18 @@ def _kernel(meta_ref, a_ref, *refs, bn: int, bk: int, nk: int, swiglu: bool):
                                        preferred_element_type=jnp.float32) for acc, w in zip(accs, w_refs))
 
         accs = lax.fori_loop(0, nk, body, tuple(jnp.zeros((WINDOW, bn), jnp.float32) for _ in w_refs))
-        y = accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1] if swiglu else accs[0]
+        y = glu(accs[0], accs[1], act) if act else accs[0]
         mine = lax.broadcasted_iota(jnp.int32, (WINDOW, bn), 0) == 0
         plgpu.store(o_ref.at[pl.ds(p, WINDOW), pl.ds(n0, bn)], y.astype(o_ref.dtype), mask=mine)
 
 
-def _call(launch: Launch, meta, ins, out_shape, N: int, K: int, swiglu: bool, name: str, interpret: bool):
+def _call(launch: Launch, meta, ins, out_shape, N: int, K: int, act: str | None, name: str, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     P = meta.shape[0]
     return pl.pallas_call(
-        functools.partial(_kernel, bn=launch.bn, bk=launch.bk, nk=K // launch.bk, swiglu=swiglu),
+        functools.partial(_kernel, bn=launch.bn, bk=launch.bk, nk=K // launch.bk, act=act),
         grid=(P, N // launch.bn),
         in_specs=[pl.BlockSpec((None, 2), lambda p, n: (p, 0))]
                  + [pl.BlockSpec(tuple(a.shape), lambda p, n, nd=a.ndim: (0,) * nd) for a in ins],
@@ -116,8 +118,9 @@ def _call(launch: Launch, meta, ins, out_shape, N: int, K: int, swiglu: bool, na
 
 
 def expert_rows(x, pairs, top_w, w_gate, w_up, w_down, *, gate_up: Launch = GATE_UP, down: Launch = DOWN,
-                interpret: bool | None = None):
-    """The two kernels: [T*k, D] float32, row p = down(silu(x @ gate) * up) of pair p's expert;
+                interpret: bool | None = None, act: str = "silu"):
+    """The two kernels: [T*k, D] float32, row p = down(glu(x @ gate, x @ up, act)) of pair p's expert
+    (`act`: the experts' hidden_act, `grouped_matmul.glu`);
     rows of pairs -1 are not written (hold anything: `combine` masks them). `gate_up` / `down`
     override the launches (probes). ValueError when the shapes do not fit or disagree."""
     T, D = x.shape
@@ -136,9 +139,9 @@ def expert_rows(x, pairs, top_w, w_gate, w_up, w_down, *, gate_up: Launch = GATE
     pairs = pairs.astype(jnp.int32)
     ids = jnp.arange(P, dtype=jnp.int32)
     h = _call(lg, jnp.stack([pairs, ids // k], axis=1), (x, w_gate, w_up), jax.ShapeDtypeStruct((P, I), x.dtype),
-              I, D, True, "jvllm_moe_decode_gate_up", interpret)  # input row: the pair's token
+              I, D, act, "jvllm_moe_decode_gate_up", interpret)  # input row: the pair's token
     return _call(ld, jnp.stack([pairs, ids], axis=1), (h, w_down), jax.ShapeDtypeStruct((P, D), jnp.float32),
-                 D, I, False, "jvllm_moe_decode_down", interpret)  # input row: the pair's hidden row
+                 D, I, None, "jvllm_moe_decode_down", interpret)  # input row: the pair's hidden row
 
 
 def combine(rows, pairs, top_w):
