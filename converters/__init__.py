@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Callable
 
@@ -264,6 +265,9 @@ def convert_to_orbax(src: str, dst: str, dtype="float32", log=None):
     log(f"writing {len(ck.params)} tensors to {dst} ...")
     t0 = time.perf_counter()
     save(dst, ck.params, d, tok, source=spec.path, dtype=str(dtype))
+    gen = os.path.join(spec.path, "generation_config.json")
+    if os.path.isdir(spec.path) and os.path.isfile(gen):  # the model's generation defaults travel along
+        shutil.copyfile(gen, os.path.join(dst, "generation_config.json"))
     return ConvertReport(src=src, src_path=spec.path, src_kind=spec.kind, dst=dst, dtype=str(dtype),
                          num_tensors=len(ck.params), num_params=int(sum(int(np.prod(p.shape)) for p in ck.params.values())),
                          load_s=ck.load_seconds, save_s=time.perf_counter() - t0, has_tokenizer=tok is not None)

@@ -60,6 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser, warmup: str | None = None):
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn prefix caching off (default: on)")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--generation-config", default="auto",
+                   help="the model's generation defaults: auto (its generation_config.json) | vllm (none) | a folder")
     p.add_argument("--skip-tokenizer-init", action="store_true", default=None, help="token ids in and out only")
     p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="comma-separated token-count buckets compiled at start-up")
@@ -115,6 +117,7 @@ def engine_kwargs(a) -> dict:
                 kv_cache_memory_bytes=a.kv_cache_memory_bytes, kv_cache_dtype=a.kv_cache_dtype,
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
+                generation_config=a.generation_config,
                 skip_tokenizer_init=a.skip_tokenizer_init, token_buckets=a.token_buckets,
                 compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile,
                 batch_invariant=a.batch_invariant, speculative_config=a.speculative_config, **kw)

@@ -50,6 +50,11 @@ class LLM:
         self._counter = 0
 
     # ------------------------------------------------------------------ API
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams() under the model's generation config (`generation_config=`:
+        jvllm.generation_config), what generate() and chat() use without sampling params."""
+        return self.llm_engine.default_sampling_params()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -67,7 +72,7 @@ class LLM:
             if isinstance(p, dict):
                 check_prompt_dict(p)  # multi_modal_data and other fields jvllm does not take: named
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")

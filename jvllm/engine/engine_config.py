@@ -36,6 +36,9 @@ class EngineConfig:
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    # the model's generation defaults (vLLM's option): auto (its folder's generation_config.json) |
+    # vllm (none) | a folder holding one; end tokens and unset sampling fields (jvllm.generation_config)
+    generation_config: str = "auto"
     skip_tokenizer_init: bool | None = None  # None: auto (True when the checkpoint has no tokenizer)
     token_buckets: tuple[int, ...] | None = None
     query_tile: int | None = None  # tokens per attention query tile of mixed steps (None: 16 on accelerators, 8 on CPU)
@@ -96,6 +99,9 @@ def check_options(config: EngineConfig, model_config, data_parallel_replica: boo
     from jvllm.worker.attention_modes import attention_modes
 
     attention_modes(config.attention_backend, platform="any")
+    from jvllm.generation_config import check_source
+
+    check_source(config.generation_config)
     if config.warmup not in WARMUPS:
         raise ValueError(f"warmup must be one of {WARMUPS}, got {config.warmup!r}")
     from jvllm.worker.logits_processors import check_registry

@@ -98,8 +98,14 @@ class LLMEngine:
         except BaseException:
             self._warmup.cancel()  # the engine is not built: stop its background compiles
             raise
-        self.eos_token_ids = tuple(mc.eos_token_ids) or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer is not None and self.tokenizer.eos_token_id is not None else ())
+        from jvllm import generation_config
+
+        self.generation_defaults = generation_config.load(config.generation_config, config.model)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        # config.json's, the generation config's and the tokenizer's end tokens (vLLM stops on all)
+        self.eos_token_ids = tuple(dict.fromkeys(tuple(mc.eos_token_ids) + self.generation_defaults.eos_token_ids
+                                                 + ((tok_eos,) if isinstance(tok_eos, int) else ())))
+        self._default_params = self._defaults_from(self.generation_defaults)
         refused = None
         if worker.multiprocess:
             refused = (f"logprobs are not available with pipeline stages over {worker.process_count} processes "
@@ -145,11 +151,23 @@ class LLMEngine:
     def warmup_done(self) -> bool:
         return self._warmup.done()
 
+    @staticmethod
+    def _defaults_from(gen) -> SamplingParams:
+        try:
+            return SamplingParams(**gen.sampling_dict())
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{gen.path}: its generation defaults are not valid sampling params: {e}") from None
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() under the model's generation config (a fresh copy: vLLM's
+        `get_default_sampling_params`); used for requests added without params."""
+        return dataclasses.replace(self._default_params)
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request. Raises ValueError/TypeError for bad input (nothing queued)."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if getattr(self, "_asleep", None) is not None:
             raise RuntimeError(f"the engine is asleep (sleep level {self._asleep.level}): call wake_up() first")
         request_id = str(request_id) if request_id is not None else str(next(self._ids))

@@ -59,6 +59,9 @@ class Renderer:
         self.max_model_len = engine.sched_config.max_model_len
         self.limits = limits
         self.chat_template = chat_template
+        # the model's generation defaults for fields a request leaves unset (jvllm.generation_config)
+        gen = getattr(engine, "generation_defaults", None)
+        self.defaults = gen.sampling_dict() if gen is not None else {}
         self.max_chars = limits.max_prompt_chars or CHARS_PER_TOKEN_BOUND * self.max_model_len
         if self.tokenizer is not None:
             self.tokenizer("warm-up", add_special_tokens=False)  # settles truncation/padding state (see above)
@@ -191,16 +194,23 @@ class Renderer:
                            f"tokens, which leaves no room to generate", param=length_param)
         if max_tokens is None:
             max_tokens = L - prompt_len
+            if self.defaults.get("max_tokens") is not None:  # the generation config's max_new_tokens
+                max_tokens = min(max_tokens, self.defaults["max_tokens"])
         if prompt_len + max_tokens > L:
             raise APIError(f"This model's maximum context length is {L} tokens. However, you requested "
                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
                            f"completion). Reduce the prompt or {max_tokens_param} to at most {L - prompt_len}.",
                            param=max_tokens_param)
+        given = req.model_fields_set
+
+        def field(name):  # the request's value, else the generation config's, else the field default
+            return getattr(req, name) if name in given or name not in self.defaults else self.defaults[name]
+
         try:
             return SamplingParams(
                 n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                repetition_penalty=field("repetition_penalty"), temperature=field("temperature"),
+                top_p=field("top_p"), top_k=field("top_k"), min_p=field("min_p"), seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
                 logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
