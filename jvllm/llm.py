@@ -76,9 +76,10 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        # generate() returns only final outputs: skip building per-step outputs on the host
-        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                  if p.output_kind is RequestOutputKind.CUMULATIVE else p for p in params]
+        # generate() returns only final outputs (vLLM's: whatever output_kind says), and skips
+        # building per-step outputs on the host
+        params = [p if p.output_kind is RequestOutputKind.FINAL_ONLY else
+                  dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         eng = self.llm_engine
         ids = []
         try:
@@ -157,7 +158,9 @@ class LLM:
         if use_tqdm:
             from jvllm.progress import bar as progress_bar
 
-            bar = progress_bar(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+            # vLLM's: use_tqdm may be a tqdm-like class (or any callable taking tqdm's arguments)
+            make = use_tqdm if callable(use_tqdm) else progress_bar
+            bar = make(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
         t0, ntok = time.perf_counter(), 0
         try:
             while eng.has_unfinished_requests() and len(done) < len(want):

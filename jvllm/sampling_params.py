@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 
 import numpy as np
 
@@ -116,6 +117,10 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for f in ("stop", "stop_token_ids"):
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise ValueError(f"{f} must be a list (stop: or one string), got {v!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.bad_words, str):
@@ -139,6 +144,19 @@ class SamplingParams:
                      "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, flag), bool):
                 bad(flag, getattr(self, flag), "True or False")
+        for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            v = getattr(self, f)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                bad(f, v, "a number")
+            setattr(self, f, float(v))  # numpy scalars become Python floats
+        for f in ("n", "top_k", "min_tokens") + tuple(f for f in ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+                                                      if getattr(self, f) is not None):
+            v = getattr(self, f)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                bad(f, v, "an integer" + ("" if f in ("n", "top_k", "min_tokens") else " or None"))
+            setattr(self, f, int(v))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", self.n, "an integer >= 1")
         if not -2.0 <= self.presence_penalty <= 2.0:

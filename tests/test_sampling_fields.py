@@ -29,12 +29,79 @@ def _gen(llm, prompt, **kw):
     (dict(truncate_prompt_tokens=-2), ["truncate_prompt_tokens"]),
     (dict(detokenize=False, stop=["."]), ["stop", "detokenize=False"]),
     (dict(detokenize=1), ["detokenize", "True or False"]),
+    (dict(temperature=None), ["temperature", "a number"]),
+    (dict(top_p=None), ["top_p", "a number"]),
+    (dict(stop=5), ["stop", "a list"]),
+    (dict(stop_token_ids=5), ["stop_token_ids", "a list"]),
+    (dict(n=True), ["n", "an integer"]),
+    (dict(max_tokens=True), ["max_tokens", "an integer or None"]),
+    (dict(logprobs=True), ["logprobs"]),
+    (dict(top_k=1.5), ["top_k", "an integer"]),
+    (dict(output_kind="delta"), ["output_kind", "RequestOutputKind"]),
 ])
 def test_bad_values_name_the_field(kw, words):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kw)
     for w in words:
         assert w in str(e.value)
+
+
+def test_numpy_scalars_become_python_numbers():
+    p = SamplingParams(temperature=np.float32(0.5), seed=np.int64(3), max_tokens=np.int32(4))
+    assert (type(p.temperature), type(p.seed), type(p.max_tokens)) == (float, int, int) and p.temperature == 0.5
+
+
+def test_engine_options_are_typed():
+    """LLM options of plain types are checked before anything loads; 0 is not "the default"."""
+    import pathlib
+
+    from jvllm import LLM
+    from jvllm.engine.engine_config import EngineConfig
+
+    for kw, words in ((dict(seed="x"), "seed must be int"), (dict(enable_prefix_caching="no"), "enable_prefix_caching"),
+                      (dict(max_model_len=1.5), "max_model_len must be int or None")):
+        with pytest.raises(ValueError, match=words):
+            LLM("no/such/model", **kw)
+    assert EngineConfig(model=pathlib.Path("m")).model == "m"
+    for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        with pytest.raises(ValueError, match=f"{f} must be a positive integer, got 0"):
+            LLM("random:tiny", dtype="float32", use_tqdm_on_load=False, **{f: 0})
+
+
+def test_generate_returns_whole_outputs_whatever_the_output_kind(smollm2_llm):
+    """vLLM's generate() forces FINAL_ONLY: a DELTA request still returns all its text and tokens;
+    a tqdm-like class passed as use_tqdm makes the bar; an EOS's text is kept with
+    include_stop_str_in_output and special tokens shown."""
+    from jvllm.sampling_params import RequestOutputKind
+
+    full = _gen(smollm2_llm, PROMPT, max_tokens=8, temperature=0.0, logprobs=0, n=1)
+    delta = _gen(smollm2_llm, PROMPT, max_tokens=8, temperature=0.0, logprobs=0, output_kind=RequestOutputKind.DELTA)
+    assert delta.outputs[0].text == full.outputs[0].text and len(delta.outputs[0].token_ids) == 8
+    assert len(delta.outputs[0].logprobs) == 8
+    made = []
+
+    class Bar:
+        def __init__(self, **kw):
+            made.append(kw["total"])
+
+        def update(self, n):
+            pass
+
+        def set_postfix_str(self, s):
+            pass
+
+        def close(self):
+            pass
+
+    smollm2_llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=Bar)
+    assert made == [1]
+    chat = [{"role": "user", "content": "Say hi."}]
+    eos = smollm2_llm.llm_engine.eos_token_ids
+    for keep in (False, True):
+        o = smollm2_llm.chat(chat, SamplingParams(max_tokens=60, temperature=0.0, skip_special_tokens=False,
+                                                  include_stop_str_in_output=keep), use_tqdm=False)[0].outputs[0]
+        assert o.finish_reason == "stop" and o.token_ids[-1] in eos
+        assert o.text.endswith("<|im_end|>") == keep, o.text
 
 
 def test_vocabulary_and_length_limits(smollm2_llm):

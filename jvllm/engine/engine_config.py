@@ -3,9 +3,13 @@ weights (host only: no jax import at module level)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import types
+import typing
 
 WARMUPS = ("all", "first")
+_SCALARS = (bool, int, float, str)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +96,34 @@ class EngineConfig:
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT, "num_speculative_tokens": k}
     # (jvllm.spec_decode.config states every key); None: off
     speculative_config: dict | None = None
+
+    def __post_init__(self):
+        """Every option of a plain type (bool, int, float, str, or None where allowed) has it:
+        LLM(seed="x") or LLM(enable_prefix_caching="no") is a ValueError naming the option, before
+        anything loads (a bool is no int; an int is a float). A path-like model becomes its str."""
+        for f in ("model", "generation_config", "compilation_cache_dir"):
+            if isinstance(getattr(self, f), os.PathLike):
+                object.__setattr__(self, f, os.fspath(getattr(self, f)))
+        for name, allowed in _scalar_types().items():
+            v = getattr(self, name)
+            ok = any(v is None if t is type(None) else
+                     (isinstance(v, t) and not (t in (int, float) and isinstance(v, bool))
+                      or (t is float and isinstance(v, int) and not isinstance(v, bool)))
+                     for t in allowed)
+            if not ok:
+                names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+                raise ValueError(f"{name} must be {names}, got {v!r}")
+
+
+@functools.cache
+def _scalar_types() -> dict:
+    """{EngineConfig field: the types its annotation allows}, for fields of scalar types only."""
+    out = {}
+    for name, hint in typing.get_type_hints(EngineConfig).items():
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if all(a in _SCALARS or a is type(None) for a in args):
+            out[name] = args
+    return out
 
 
 def check_options(config: EngineConfig, model_config, data_parallel_replica: bool):

@@ -46,9 +46,10 @@ class LLMEngine:
         self.load_seconds = worker.load()  # the tokenizer may still be building: worker.tokenizer() waits
         self.num_stages = config.pipeline_parallel_size
         acc = worker.on_accelerator
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        mnbt = config.max_num_batched_tokens or (2048 if acc else 512)
-        mns = config.max_num_seqs or min(256 if acc else 32, mnbt)
+        # None: the default; any other value (0 included) is the caller's, checked by SchedulerConfig
+        max_model_len = mc.max_position_embeddings if config.max_model_len is None else config.max_model_len
+        mnbt = (2048 if acc else 512) if config.max_num_batched_tokens is None else config.max_num_batched_tokens
+        mns = min(256 if acc else 32, mnbt) if config.max_num_seqs is None else config.max_num_seqs
         # with pipeline stages the budget is per micro-batch (SchedulerConfig), so the runner's
         # micro-batches are the scheduler's and each one fits the largest bucket
         n_mb = (config.num_microbatches or self.num_stages) if self.num_stages > 1 else 1

@@ -215,7 +215,9 @@ class Request:
         if stop_tok and n > p.min_tokens:
             self.status = Status.FINISHED_STOPPED
             self.stop_reason = token_id if token_id in p.stop_token_ids else None
-            if self.detok is not None and p.include_stop_str_in_output and token_id in p.stop_token_ids:
+            # vLLM: a stop token's text (EOS included; empty when special tokens are skipped) is
+            # output only with include_stop_str_in_output
+            if self.detok is not None and p.include_stop_str_in_output:
                 self.text += self.detok.step(token_id)
             return
         if self.detok is not None:
