@@ -42,7 +42,7 @@ _GGUF_TO_HF = [
     (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
     (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
-    (r"rope_freqs\.weight", None),  # llama3 rope factors: recomputed from the config
+    (r"rope_freqs\.weight", None),  # per-frequency rope divisors: read into the config (gguf_hf_config)
 ]
 # Gemma 3: llama.cpp's ffn_norm is the pre-MLP norm; the sandwich norms have names of their own
 _GEMMA_TO_HF = [
@@ -145,7 +145,15 @@ def gguf_hf_config(path: str) -> dict:
     if hf_arch in (a for a, _ in gguf_moe.MOE_ARCHS.values()):
         cfg.update(gguf_moe.moe_fields(arch, g, cfg))
     st = g("rope.scaling.type")
-    if st and st != "none":
+    freqs = next((t for t in r.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.1-style scaling, as llama.cpp stores it: one divisor per frequency
+        if st and st != "none":
+            raise ValueError(f"{path}: a rope_freqs tensor together with rope.scaling.type {st!r} is not implemented")
+        if freqs.ggml_type != 0:
+            raise ValueError(f"{path}: rope_freqs.weight must be F32 (ggml type 0), got type {freqs.ggml_type}")
+        factors = r.tensor_bytes(freqs).view(np.float32)
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
+    elif st and st != "none":
         cfg["rope_scaling"] = {"rope_type": st, "factor": float(g("rope.scaling.factor", 1.0))}
         orig = g("rope.scaling.original_context_length")
         if orig:

@@ -14,7 +14,9 @@ import os
 
 from jvllm.quantization.config import QuantConfig
 
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# freq_factors: llama.cpp's rope_freqs tensor (a GGUF of a Llama 3.1-style model stores its llama3
+# scaling as one divisor per frequency, no rope.scaling keys): rope_scaling {"factors": (...)}
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "freq_factors")
 _ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
 
@@ -150,6 +152,9 @@ class ModelConfig:
         for rtype in (self.rope_type, _rope_type(self.local_rope_scaling)):
             if rtype not in _ROPE_TYPES:
                 raise ValueError(f"unsupported rope scaling type {rtype!r}; supported: {', '.join(_ROPE_TYPES)}")
+        if self.rope_type == "freq_factors" and len(self.rope_params.get("factors") or ()) != self.rotary_dim // 2:
+            raise ValueError(f"rope freq_factors needs {self.rotary_dim // 2} factors (rotary_dim / 2), got "
+                             f"{len(self.rope_params.get('factors') or ())}")
         if self.rope_type == "longrope":
             p, half = self.rope_params, self.rotary_dim // 2
             for k in ("short_factor", "long_factor"):

@@ -24,9 +24,10 @@ def random_kquant(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
 
 
 def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32", seed: int = 0,
-                     drop: tuple = (), extra: dict | None = None):
+                     drop: tuple = (), extra: dict | None = None, extra_tensors: dict | None = None):
     """Re-encode a tiny HF Llama checkpoint as GGUF. qtype_for(gguf_name, shape) picks each
-    tensor's type; K-quant types get random valid blocks instead of the HF values."""
+    tensor's type; K-quant types get random valid blocks instead of the HF values;
+    `extra_tensors` {gguf name: float32 array} are written as they are."""
     import gguf
     import torch
     import transformers
@@ -78,6 +79,8 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
             w.add_tensor(g, random_kquant(qt, *arr.shape, rng), raw_dtype=Q)  # raw_shape: byte shape
         else:
             w.add_tensor(g, gguf.quants.quantize(arr.astype(np.float32), Q), raw_dtype=Q)
+    for g, arr in (extra_tensors or {}).items():
+        w.add_tensor(g, np.asarray(arr, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

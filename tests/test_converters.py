@@ -120,6 +120,50 @@ def test_gguf_kquants_vs_transformers(ckpt_dir, tmp_path, qtype):
     assert ok, [(r.max_abs_diff, r.top1_agreement) for r in reps]
 
 
+def llama3_rope_freqs(cfg) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter writes for a llama3-scaled model (its formula)."""
+    p, d = cfg.rope_parameters, cfg.head_dim
+    freqs = 1.0 / (p["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    old, lo, hi, factor = (p["original_max_position_embeddings"], p["low_freq_factor"], p["high_freq_factor"],
+                           p["factor"])
+    out = []
+    for f in freqs:
+        wl = 2 * np.pi / f
+        s = (old / wl - lo) / (hi - lo)
+        out.append(1.0 if wl < old / hi else factor if wl > old / lo else 1 / ((1 - s) / factor + s))
+    return np.asarray(out, np.float32)
+
+
+def test_gguf_llama3_rope_freqs(ckpt_dir, tmp_path):
+    """A Llama 3.1-style GGUF keeps its rope scaling only as the rope_freqs tensor (no rope.scaling
+    keys): read as per-frequency divisors, the logits equal the original checkpoint's in
+    transformers (whose own GGUF reader drops the tensor)."""
+    import jax.numpy as jnp
+    import transformers
+
+    from jvllm.converters.gguf import gguf_hf_config
+    from jvllm.models import bind
+    from jvllm.worker.model_runner import ModelRunner
+
+    def logits(model):
+        ck = load_checkpoint(model, "float32")
+        g, s = bind(ck.config, ck.params)
+        head = ck.params["embed"] if ck.config.tie_word_embeddings else ck.params["lm_head"]
+        r = ModelRunner(ck.config, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=4, max_model_len=40,
+                        max_num_seqs=1, token_buckets=(37,))
+        return ck.config, np.asarray(r.sequence_logits(PROMPTS[0]))
+
+    hf = ckpt_dir("llama3")
+    cfg = transformers.AutoConfig.from_pretrained(hf)
+    path = write_llama_gguf(hf, str(tmp_path / "l3.gguf"), extra_tensors={"rope_freqs.weight": llama3_rope_freqs(cfg)})
+    assert gguf_hf_config(path)["rope_scaling"]["rope_type"] == "freq_factors"
+    ok, _ = verify(hf, prompts=PROMPTS, atol=1e-4, log=lambda *a: None)  # safetensors == transformers
+    assert ok
+    (cfg_g, ours), (cfg_s, ref) = logits(path), logits(hf)
+    assert cfg_g.rope_type == "freq_factors" and cfg_s.rope_type == "llama3"
+    assert np.abs(ours - ref).max() < 1e-4
+
+
 def test_gguf_unsupported_type(ckpt_dir, tmp_path):
     import gguf
 

@@ -156,7 +156,8 @@ def layer_rope(cfg: ModelConfig, local: bool) -> Rope:
 def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """(inverse frequencies [rotary_dim/2] float64, attention scaling) for the config's rope type.
 
-    default / linear / llama3 / yarn follow transformers' definitions exactly. `dynamic` (NTK) is
+    default / linear / llama3 / yarn follow transformers' definitions exactly; freq_factors divides
+    the default frequencies by llama.cpp's per-frequency factors (a GGUF's rope_freqs tensor). `dynamic` (NTK) is
     position-independent here: for sequences within `max_position_embeddings` it equals the default
     frequencies, which is what transformers computes at those lengths (the engine refuses a longer
     max_model_len for it: `engine_config.check_options`). longrope: `layer_rope`.
@@ -170,6 +171,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     scale = 1.0
     if rtype == "linear":
         inv = inv / float(p["factor"])
+    elif rtype == "freq_factors":  # llama.cpp's rope_freqs: one divisor per frequency
+        inv = inv / np.asarray(p["factors"], np.float64)
     elif rtype == "llama3":
         factor = float(p["factor"])
         lo, hi = float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
