@@ -5,7 +5,7 @@ The header is parsed by `gguf_file.GGUFFile`; tensor data are dequantized by `gg
 its rotary permutation (`convert_hf_to_gguf.py: LlamaModel.permute`); `unpermute` undoes it so the
 result is the HF layout, which `name_map` then converts like any HF checkpoint. The tokenizer is
 built from the same metadata by `gguf_tokenizer` (no torch needed). The mixture-of-experts files
-(Mixtral as arch "llama" with experts, qwen2moe, qwen3moe) and Gemma 2: `gguf_moe`.
+(Mixtral as arch "llama" with experts, qwen2moe, qwen3moe): `gguf_moe`; Gemma 2 / 3 and Phi-3: `gguf_archs`.
 """
 from __future__ import annotations
 
@@ -15,18 +15,22 @@ from typing import Iterator
 
 import numpy as np
 
-from . import gguf_moe
+from . import gguf_archs, gguf_moe
 from .name_map import CheckpointError
 
 # GGUF architecture -> (HF architecture, HF model_type)
 # ("llama" with {arch}.expert_count > 0 is Mixtral: gguf_moe.MOE_ARCHS)
 _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-               "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
+               "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
+               "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
                "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"]}
 SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
+# the i-quants, ternary and MXFP4 types dequantize through the gguf package (`gguf_dequant`); a
+# gguf too old for one is a CheckpointError naming the type
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                        "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
 _PERMUTED_ARCHS = ("llama",)
 
 _GGUF_TO_HF = [
@@ -44,21 +48,13 @@ _GGUF_TO_HF = [
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", r"model.layers.\1.mlp.\2_proj.weight"),
     (r"rope_freqs\.weight", None),  # per-frequency rope divisors: read into the config (gguf_hf_config)
 ]
-# Gemma 3: llama.cpp's ffn_norm is the pre-MLP norm; the sandwich norms have names of their own
-_GEMMA_TO_HF = [
-    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.pre_feedforward_layernorm.weight"),
-    (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
-] + [r for r in _GGUF_TO_HF if "ffn_norm" not in r[0]]
 # keyed by GGUF arch, and "mixtral" for arch "llama" with experts (`_rules_key`); the stacked
 # *_exps tensors are split before these rules apply (gguf_moe.expert_tensors)
-GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF_TO_HF, "gemma2": _GEMMA_TO_HF,
-                      "gemma3": _GEMMA_TO_HF, "qwen2moe": gguf_moe.MOE_RULES + _GGUF_TO_HF,
-                      "qwen3moe": gguf_moe.MOE_RULES + _GGUF_TO_HF, "mixtral": gguf_moe.MIXTRAL_RULES + _GGUF_TO_HF}
+GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF_TO_HF, "gemma2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
+                      "gemma3": gguf_archs.GEMMA_RULES + _GGUF_TO_HF, "phi3": gguf_archs.PHI3_RULES + _GGUF_TO_HF,
+                      "qwen2moe": gguf_moe.MOE_RULES + _GGUF_TO_HF, "qwen3moe": gguf_moe.MOE_RULES + _GGUF_TO_HF,
+                      "mixtral": gguf_moe.MIXTRAL_RULES + _GGUF_TO_HF}
 _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GGUF_RULES_BY_ARCH.items()}
-# llama.cpp stores Gemma's norm weights as 1 + w (convert_hf_to_gguf.py adds 1; transformers'
-# GGUF reader subtracts it again): the checkpoint's w is the stored value minus 1
-_NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
 
 
 def _rules_key(r, arch: str) -> str:
@@ -138,47 +134,46 @@ def gguf_hf_config(path: str) -> dict:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
-    if arch == "gemma3":
-        cfg.update(_gemma3_fields(cfg, g))
-    if arch == "gemma2":
-        cfg.update(gguf_moe.gemma2_fields(cfg, g))
+    cfg.update(_rope_fields(r, path, g, cfg["head_dim"]))
+    if arch in gguf_archs.ARCH_FIELDS:
+        cfg.update(gguf_archs.ARCH_FIELDS[arch](cfg, g, lambda name: _f32_tensor(r, path, name)))
     if hf_arch in (a for a, _ in gguf_moe.MOE_ARCHS.values()):
         cfg.update(gguf_moe.moe_fields(arch, g, cfg))
-    st = g("rope.scaling.type")
-    freqs = next((t for t in r.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:  # Llama 3.1-style scaling, as llama.cpp stores it: one divisor per frequency
-        if st and st != "none":
-            raise ValueError(f"{path}: a rope_freqs tensor together with rope.scaling.type {st!r} is not implemented")
-        if freqs.ggml_type != 0:
-            raise ValueError(f"{path}: rope_freqs.weight must be F32 (ggml type 0), got type {freqs.ggml_type}")
-        factors = r.tensor_bytes(freqs).view(np.float32)
-        cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
-    elif st and st != "none":
-        cfg["rope_scaling"] = {"rope_type": st, "factor": float(g("rope.scaling.factor", 1.0))}
-        orig = g("rope.scaling.original_context_length")
-        if orig:
-            cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
     return cfg
 
 
-def _gemma3_fields(cfg: dict, g) -> dict:
-    """What llama.cpp fixes for Gemma 3 rather than storing: every 6th layer global (the rest
-    sliding), the sliding layers' rope base 10000, query_pre_attn_scalar = head_dim (hidden/heads
-    for the 62-layer 27B), GeGLU; a stored rope scaling applies to the global layers only."""
-    n, hd = cfg["num_hidden_layers"], cfg["head_dim"]
-    full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
-    if "rope_scaling" in cfg:
-        full.update(cfg.pop("rope_scaling"))
-    return {
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": int(g("attention.sliding_window", 4096)),
-        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)],
-        "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else hd,
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-    }
+def _f32_tensor(r, path: str, name: str) -> np.ndarray | None:
+    """The file's F32 tensor `name` as a numpy array (None when absent; ValueError for another type)."""
+    t = next((t for t in r.tensors if t.name == name), None)
+    if t is None:
+        return None
+    if t.ggml_type != 0:
+        raise ValueError(f"{path}: {name} must be F32 (ggml type 0), got type {t.ggml_type}")
+    return r.tensor_bytes(t).view(np.float32).reshape(t.numpy_shape)
+
+
+def _rope_fields(r, path: str, g, head_dim: int) -> dict:
+    """partial_rotary_factor from rope.dimension_count; rope_scaling from rope.scaling.* or, for a
+    Llama 3.1-style file, the rope_freqs tensor (llama.cpp stores llama3 scaling as one divisor per
+    frequency and no rope.scaling keys)."""
+    out = {}
+    dims = g("rope.dimension_count")
+    if dims is not None and int(dims) != head_dim:
+        if not 0 < int(dims) <= head_dim:
+            raise ValueError(f"{path}: rope.dimension_count {dims} must be in 1..head_dim ({head_dim})")
+        out["partial_rotary_factor"] = int(dims) / head_dim
+    st = g("rope.scaling.type")
+    freqs = _f32_tensor(r, path, "rope_freqs.weight")
+    if freqs is not None:
+        if st and st != "none":
+            raise ValueError(f"{path}: a rope_freqs tensor together with rope.scaling.type {st!r} is not implemented")
+        out["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(x) for x in freqs.reshape(-1)]}
+    elif st and st != "none":
+        out["rope_scaling"] = {"rope_type": st, "factor": float(g("rope.scaling.factor", 1.0))}
+        orig = g("rope.scaling.original_context_length")
+        if orig:
+            out["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+    return out
 
 
 def model_config_from_dict(cfg: dict):
@@ -236,7 +231,7 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
                 a = gguf_moe.shared_gate_row(a)
             if arch in _PERMUTED_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 a = unpermute(a, H if ".q_proj" in hf_name else KV)
-            if arch in _NORM_PLUS_ONE_ARCHS and hf_name.endswith("norm.weight"):
+            if arch in gguf_archs.NORM_PLUS_ONE_ARCHS and hf_name.endswith("norm.weight"):
                 a = a - np.float32(1.0)
             return a
 

@@ -1,4 +1,4 @@
-"""GGUF files of the mixture-of-experts families and Gemma 2: architecture, config and names.
+"""GGUF files of the mixture-of-experts families: architecture, config and names.
 
 What llama.cpp's converter (convert_hf_to_gguf.py) writes, and how it reads back as HF:
 
@@ -6,7 +6,6 @@ What llama.cpp's converter (convert_hf_to_gguf.py) writes, and how it reads back
   llama       MixtralForCausalLM when {arch}.expert_count > 0 (Mixtral has no arch of its own)
   qwen2moe    Qwen2MoeForCausalLM (shared expert + sigmoid gate; every layer sparse)
   qwen3moe    Qwen3MoeForCausalLM (q/k norms; top-k renormalised)
-  gemma2      Gemma2ForCausalLM (dense; see `gemma2_fields`)
 
 Experts are stacked per layer and projection: `blk.N.ffn_{gate,up,down}_exps.weight` with numpy
 shape [E, out, in] (each expert as HF's Linear weight), the router `blk.N.ffn_gate_inp.weight`
@@ -102,27 +101,6 @@ def moe_fields(arch: str, g, cfg: dict) -> dict:
         out["shared_expert_intermediate_size"] = int(g("expert_shared_feed_forward_length") or 0)
         out["attention_bias"] = True
     return out
-
-
-def gemma2_fields(cfg: dict, g) -> dict:
-    """What llama.cpp fixes for Gemma 2 rather than storing: even layers sliding, odd global;
-    query_pre_attn_scalar = head_dim (hidden/heads for the 46-layer 27B, as llama.cpp's attention
-    scale), GeGLU. A checkpoint whose query_pre_attn_scalar differs from that rule cannot be
-    written to GGUF faithfully (llama.cpp drops the field). The soft-caps are stored."""
-    n, hd = cfg["num_hidden_layers"], cfg["head_dim"]
-    return {
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": int(g("attention.sliding_window", 4096)),
-        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
-        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if n == 46 else hd,
-        "attn_logit_softcapping": _opt_float(g("attn_logit_softcapping")),
-        "final_logit_softcapping": _opt_float(g("final_logit_softcapping")),
-    }
-
-
-def _opt_float(v):
-    return None if v is None else float(v)
 
 
 def is_stacked_experts(name: str) -> bool:

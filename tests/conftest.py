@@ -36,7 +36,7 @@ def ckpt_dir(tmp_path_factory):
     cache = {}
 
     def make(arch="llama", tokenizer=False, fmt="safetensors", **kw):
-        key = (arch, tokenizer, fmt, tuple(sorted(kw.items())))
+        key = (arch, tokenizer, fmt, repr(sorted(kw.items())))  # repr: overrides may hold dicts
         if key not in cache:
             d = tmp_path_factory.mktemp(f"{arch}_{fmt}")
             make_checkpoint(str(d), arch, tokenizer=tokenizer, fmt=fmt, **kw)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-# byte offsets of the float16 scale fields inside one 256-value K-quant block (ggml-common.h)
-_KQ = {"Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
-       "Q6_K": (210, (208,))}
+# block types written as random but valid blocks (gguf.quants has no quantize for them): type ->
+# (values per block, bytes per block, byte offsets of its float16 scale fields), from ggml-common.h.
+# IQ1_M packs its scale into the top nibbles of its four 16-bit block scales (bytes 48..55).
+_KQ = {"Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K": (256, 144, (0, 2)),
+       "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "IQ2_XXS": (256, 66, (0,)), "IQ2_XS": (256, 74, (0,)),
+       "IQ2_S": (256, 82, (0,)), "IQ3_XXS": (256, 98, (0,)), "IQ3_S": (256, 110, (0,)), "IQ1_S": (256, 50, (0,)),
+       "IQ1_M": (256, 56, (49, 51, 53, 55)), "IQ4_XS": (256, 136, (0,)), "IQ4_NL": (32, 18, (0,)),
+       "TQ1_0": (256, 54, (52,)), "TQ2_0": (256, 66, (64,))}
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -15,9 +20,16 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def random_kquant(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
-    nbytes, scale_offs = _KQ[qtype]
-    assert cols % 256 == 0
-    raw = rng.integers(0, 256, (rows, cols // 256, nbytes), dtype=np.uint8)
+    """[rows, bytes] of random blocks of `qtype` (a `_KQ` type) whose scales are small finite
+    float16s, so the values they decode to are finite."""
+    block, nbytes, scale_offs = _KQ[qtype]
+    assert cols % block == 0
+    raw = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    if qtype == "IQ1_M":  # f16 bits 4i..4i+3 in the high nibble of scale word i
+        bits = int(np.float16(rng.uniform(0.001, 0.01)).view(np.uint16))
+        for i, off in enumerate(scale_offs):
+            raw[..., off] = (raw[..., off] & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4)
+        return raw.reshape(rows, -1)
     for off in scale_offs:
         raw[..., off:off + 2] = np.frombuffer(np.float16(rng.uniform(0.001, 0.01)).tobytes(), np.uint8)
     return raw.reshape(rows, -1)
@@ -90,16 +102,19 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
 
 # HF model_type -> GGUF arch, as llama.cpp's convert_hf_to_gguf.py names them (Mixtral is "llama")
 HF_TO_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-                   "gemma2": "gemma2"}
+                   "gemma2": "gemma2", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}
 
 
 def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32"):
-    """Re-encode a tiny HF checkpoint (llama, mixtral, qwen2_moe, qwen3_moe, gemma2) as
-    llama.cpp's converter does: metadata keys of the arch, tensor names from the gguf package's
-    own name map (`gguf.get_tensor_name_map`, llama.cpp's table: an independent source of names
-    for the reader under test), experts stacked per layer into [E, out, in], q/k rows permuted for
-    arch llama, Gemma norms stored as 1 + w, Qwen2-MoE's shared-expert gate as [D]. qtype_for
-    picks each 2-D/3-D tensor's type (F32, F16 or a quants.quantize type)."""
+    """Re-encode a tiny HF checkpoint (`HF_TO_GGUF_ARCH`'s model types) as llama.cpp's converter
+    does: metadata keys of the arch, tensor names from the gguf package's own name map
+    (`gguf.get_tensor_name_map`, llama.cpp's table: an independent source of names for the reader
+    under test), experts stacked per layer into [E, out, in], q/k rows permuted for arch llama,
+    Gemma norms stored as 1 + w, Qwen2-MoE's shared-expert gate as [D], a global rope scaling as
+    rope.scaling.*, Phi-3's longrope as rope_factors_{short,long} tensors and its partial rotary as
+    rope.dimension_count. qtype_for picks each 2-D/3-D tensor's type (F32, F16 or a
+    quants.quantize type)."""
+    import math
     import os
 
     import gguf
@@ -121,7 +136,11 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     rp = getattr(c, "rope_parameters", None) or {}
+    rp = rp.get("full_attention", rp)  # Gemma 3: the global layers' rope (the sliding ones' is fixed)
     w.add_rope_freq_base(float(rp.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
+    if rp.get("rope_type") in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(rp["rope_type"]))
+        w.add_rope_scaling_factor(rp["factor"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     n_experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
@@ -136,7 +155,19 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
         w.add_sliding_window(c.sliding_window)
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
     tensors = {}
+    if arch == "phi3":  # llama.cpp's Phi3MiniModel: rope dims from hidden / heads, window 0 for none
+        w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * c.hidden_size) // c.num_attention_heads)
+        orig = rp.get("original_max_position_embeddings") or c.original_max_position_embeddings
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_sliding_window(c.sliding_window or 0)
+        if rp.get("long_factor"):
+            scale = c.max_position_embeddings / orig
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+            tensors["rope_factors_long"] = np.asarray(rp["long_factor"], np.float32)
+            tensors["rope_factors_short"] = np.asarray(rp["short_factor"], np.float32)
     experts: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, arr in sd.items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
@@ -150,13 +181,14 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
     for merged, by_j in experts.items():
         tensors[merged + ".weight"] = np.stack([by_j[j] for j in range(len(by_j))])
     for hf_name, arr in tensors.items():
-        g = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        g = (hf_name + ".weight" if hf_name.startswith("rope_factors")
+             else tmap.get_name(hf_name, try_suffixes=(".weight", ".bias")))
         assert g is not None, f"llama.cpp's name map has no GGUF name for {hf_name}"
         if arch == "llama" and g.endswith("attn_q.weight"):
             arr = permute(arr, c.num_attention_heads)
         elif arch == "llama" and g.endswith("attn_k.weight"):
             arr = permute(arr, c.num_key_value_heads)
-        if arch == "gemma2" and g.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and g.endswith("norm.weight"):
             arr = arr + np.float32(1.0)
         if g.endswith("ffn_gate_inp_shexp.weight"):
             arr = arr.reshape(-1)
@@ -181,3 +213,23 @@ def _expert_of(hf_name: str):
 
     m = re.fullmatch(r"(model\.layers\.\d+\.(?:block_sparse_moe|mlp)\.experts)\.(\d+)\.(\w+)\.weight", hf_name)
     return None if m is None else (f"{m.group(1)}.{m.group(3)}", int(m.group(2)))
+
+
+def jvllm_logits(path: str, ids: list[list[int]]) -> list[np.ndarray]:
+    """jvllm's float32 logits [len, vocab] of each prompt in `ids`, from checkpoint `path` (a GGUF
+    file or an HF folder), one sequence at a time through a ModelRunner."""
+    import jax.numpy as jnp
+
+    from jvllm.config import cdiv
+    from jvllm.converters import load_checkpoint
+    from jvllm.models import bind
+    from jvllm.worker.model_runner import ModelRunner
+
+    ck = load_checkpoint(path, "float32")
+    cfg = ck.config
+    g, s = bind(cfg, ck.params, jnp.float32)
+    head = ck.params["embed"] if cfg.tie_word_embeddings else ck.params["lm_head"]
+    n = max(len(p) for p in ids)
+    r = ModelRunner(cfg, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=cdiv(n, 16) + 1,
+                    max_model_len=n, max_num_seqs=1, token_buckets=(n,))
+    return [r.sequence_logits(p) for p in ids]

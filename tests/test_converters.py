@@ -110,8 +110,10 @@ def test_gguf_types_vs_transformers(ckpt_dir, tmp_path, qtype):
     assert ok, [(r.max_abs_diff, r.top1_agreement) for r in reps]
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_M", "IQ2_XXS", "IQ3_S", "IQ4_NL",
+                                   "IQ4_XS", "TQ2_0"])
 def test_gguf_kquants_vs_transformers(ckpt_dir, tmp_path, qtype):
+    """Projections in each block type (random valid blocks): jvllm == transformers reading the file."""
     hf = ckpt_dir("llama", hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=64, vocab_size=64, num_hidden_layers=1)
     path = write_llama_gguf(hf, str(tmp_path / f"m-{qtype}.gguf"),
@@ -170,7 +172,7 @@ def test_gguf_unsupported_type(ckpt_dir, tmp_path):
     hf = ckpt_dir("llama")
     path = str(tmp_path / "iq.gguf")
     write_llama_gguf(hf, path)
-    # rewrite one tensor's type field to IQ4_NL in place (same block size as Q4_0: it parses)
+    # rewrite one tensor as Q8_1 (llama.cpp's activation type, never a weight's: not supported)
     r = gguf.GGUFReader(path)
     t = [t for t in r.tensors if t.name == "blk.0.ffn_up.weight"][0]
     path2 = str(tmp_path / "iq2.gguf")
@@ -181,15 +183,15 @@ def test_gguf_unsupported_type(ckpt_dir, tmp_path):
             (w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
     for tt in r.tensors:
         if tt is t:
-            data = np.zeros((tt.data.shape[0], tt.data.shape[-1] // 32 * 18), np.uint8)
-            w.add_tensor(tt.name, data, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+            data = np.zeros((tt.data.shape[0], tt.data.shape[-1] // 32 * 40), np.uint8)
+            w.add_tensor(tt.name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
         else:
             w.add_tensor(tt.name, np.asarray(tt.data))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(CheckpointError, match="'blk.0.ffn_up.weight' has unsupported GGUF type IQ4_NL; supported: F32"):
+    with pytest.raises(CheckpointError, match="'blk.0.ffn_up.weight' has unsupported GGUF type Q8_1; supported: F32"):
         load_checkpoint(path2)
 
 

@@ -63,7 +63,7 @@ def write_all_types(path, rng):
         arr = rng.standard_normal((4, 256)).astype(np.float32)
         if qt in ("F32", "F16", "F64"):
             w.add_tensor(f"t.{qt}", arr.astype({"F32": np.float32, "F16": np.float16, "F64": np.float64}[qt]))
-        elif qt in _KQ:
+        elif qt in _KQ:  # the super-block and i-quant types: random valid blocks
             w.add_tensor(f"t.{qt}", random_kquant(qt, 4, 256, rng), raw_dtype=Q)
         else:
             w.add_tensor(f"t.{qt}", gguf.quants.quantize(arr, Q), raw_dtype=Q)
@@ -157,3 +157,51 @@ def test_block_kernels_bit_identical_across_chunks(qt):
     want = np.asarray(gguf.quants.dequantize(raw.reshape(-1), Q), np.float32).reshape(n * block // 64, 64)
     got = dequantize(raw.reshape(-1), Q, (n * block // 64, 64))
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _iq4_reference(raw: np.ndarray, xs: bool) -> np.ndarray:
+    """IQ4_NL / IQ4_XS decoded from ggml-common.h's layout (an implementation independent of the
+    gguf package's): 4-bit indices into a fixed non-linear table, low nibbles then high ones per
+    32 values; IQ4_XS adds a 6-bit scale per 32 values (low 4 bits in scales_l, high 2 in scales_h),
+    offset by 32."""
+    nb = 136 if xs else 18
+    blocks = raw.reshape(-1, nb)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    if not xs:
+        qs = blocks[:, 2:]
+        idx = np.concatenate([qs & 0xF, qs >> 4], axis=1)
+        return (d * _IQ4_VALUES[idx]).reshape(-1)
+    sh = blocks[:, 2:4].copy().view(np.uint16).astype(np.int32)  # [n, 1]
+    sl = blocks[:, 4:8].astype(np.int32)
+    qs = blocks[:, 8:].reshape(-1, 8, 16)
+    ib = np.arange(8)
+    ls = ((sl[:, ib // 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)  # [n, 8]
+    dl = d * (ls - 32).astype(np.float32)
+    idx = np.concatenate([qs & 0xF, qs >> 4], axis=2)  # [n, 8, 32]
+    return (dl[:, :, None] * _IQ4_VALUES[idx]).reshape(-1)
+
+
+@pytest.mark.parametrize("qt", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_against_independent_decoder(qt, tmp_path):
+    """The two common 4-bit i-quants, read from a file, equal a decoder written from ggml's block
+    layout (the other i-quant types go through the same gguf package path; their grids are not
+    re-derived here)."""
+    import gguf
+
+    rng = np.random.default_rng(4)
+    raw = random_kquant(qt, 8, 512, rng)
+    path = str(tmp_path / "iq4.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("t", raw, raw_dtype=gguf.GGMLQuantizationType[qt])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    (t,) = f.tensors
+    got = dequantize(f.tensor_bytes(t), gguf.GGMLQuantizationType[qt], t.numpy_shape)
+    assert got.shape == (8, 512)
+    np.testing.assert_allclose(got.reshape(-1), _iq4_reference(raw.reshape(-1), qt == "IQ4_XS"), rtol=1e-6)

@@ -74,7 +74,7 @@ def test_split_layout_logits_match_transformers(mixtral_files):
     import torch
     import transformers
 
-    from tests.test_gguf_moe import _jvllm_logits
+    from tests.gguf_util import jvllm_logits as _jvllm_logits
 
     hf, _, split = mixtral_files
     ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()

@@ -1,46 +1,58 @@
-"""GGUF files of the mixture-of-experts families (Mixtral as arch llama with experts, qwen2moe,
-qwen3moe) and Gemma 2: tiny random HF checkpoints re-encoded the way llama.cpp does
+"""GGUF files of every family whose llama.cpp layout differs from a plain Llama's: the mixture-of-
+experts files (Mixtral as arch llama with experts, qwen2moe, qwen3moe), Gemma 2 and 3, Phi-3 and
+Qwen2/3: tiny random HF checkpoints re-encoded the way llama.cpp does
 (tests.gguf_util.write_hf_as_gguf, names from the gguf package's own table), read back name by
-name and shape by shape, and their float32 logits against transformers on the original
-checkpoint; quantized experts against the gguf package's dequantization."""
+name and shape by shape, their config and rope read back from the metadata, and their float32
+logits against transformers on the original checkpoint; quantized experts against the gguf
+package's dequantization."""
 import dataclasses
 
 import numpy as np
 import pytest
 
-from tests.gguf_util import write_hf_as_gguf
+from tests.gguf_util import jvllm_logits, write_hf_as_gguf
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7], [200, 17, 3, 3, 3, 9] * 5]
-# overrides llama.cpp's format can carry: Qwen2-MoE with every layer sparse (its converter has no
-# dense-layer names), Gemma 2 with query_pre_attn_scalar = head_dim (GGUF does not store it)
-CASES = {"mixtral": {}, "qwen2_moe": dict(mlp_only_layers=None), "qwen3_moe": {},
-         "gemma2": dict(query_pre_attn_scalar=16)}
+# case -> (tests.helpers.ARCHS key, overrides llama.cpp's format can carry): Qwen2-MoE with every
+# layer sparse (its converter has no dense-layer names), Gemma 2 with query_pre_attn_scalar =
+# head_dim (GGUF does not store it), Gemma 3 in llama.cpp's fixed layer pattern (5 sliding, then 1
+# global with the linear rope scaling of the 4B and larger), Qwen2 without its window (llama.cpp
+# stores none), Phi-3 with longrope + partial rotary + a window, and a 4k Phi-3 with plain rope
+CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", dict(mlp_only_layers=None)),
+         "qwen3_moe": ("qwen3_moe", {}), "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
+         "gemma3": ("gemma3", dict(num_hidden_layers=6, layer_types=None)),
+         "qwen2": ("qwen2", dict(use_sliding_window=False)), "qwen3": ("qwen3", {}),
+         "phi3": ("phi3", dict(sliding_window=8)),
+         "phi3_4k": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))}
 
 
 @pytest.fixture(scope="module")
 def gguf_case(ckpt_dir, tmp_path_factory):
     made = {}
 
-    def make(arch, qtype="F32"):
-        if (arch, qtype) not in made:
-            hf = ckpt_dir(arch, **CASES[arch])
-            out = str(tmp_path_factory.mktemp(f"gguf_{arch}") / f"{arch}-{qtype}.gguf")
-            made[arch, qtype] = (hf, write_hf_as_gguf(hf, out, lambda n, s: qtype))
-        return made[arch, qtype]
+    def make(case, qtype="F32"):
+        if (case, qtype) not in made:
+            arch, overrides = CASES[case]
+            hf = ckpt_dir(arch, **overrides)
+            out = str(tmp_path_factory.mktemp(f"gguf_{case}") / f"{case}-{qtype}.gguf")
+            made[case, qtype] = (hf, write_hf_as_gguf(hf, out, lambda n, s: qtype))
+        return made[case, qtype]
 
     return make
 
 
-@pytest.mark.parametrize("arch", sorted(CASES))
-def test_gguf_names_shapes_and_config(gguf_case, arch):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gguf_names_shapes_and_config(gguf_case, case):
     """Every tensor of the file comes back under the checkpoint's HF name with its shape and
-    values (float32 file), and the config read from the metadata is the checkpoint's."""
+    values (float32 file), and the config read from the metadata is the checkpoint's, its rope
+    per layer kind included (GGUF stores floats as float32)."""
     from safetensors.numpy import load_file
 
     from jvllm.config import ModelConfig
     from jvllm.converters.gguf import gguf_hf_config, gguf_tensor_stream, model_config_from_dict
+    from jvllm.models.layers import layer_rope
 
-    hf, path = gguf_case(arch)
+    hf, path = gguf_case(case)
     want = load_file(f"{hf}/model.safetensors")
     got = {name: load() for name, load in gguf_tensor_stream(path)}
     assert sorted(got) == sorted(want)
@@ -49,46 +61,41 @@ def test_gguf_names_shapes_and_config(gguf_case, arch):
         np.testing.assert_allclose(a, want[name], atol=1e-6, err_msg=name)
     ours = model_config_from_dict(gguf_hf_config(path))
     ref = ModelConfig.from_pretrained(hf)
-    skip = {"max_position_embeddings", "bos_token_id", "eos_token_ids", "rope_scaling"}
+    skip = {"max_position_embeddings", "bos_token_id", "eos_token_ids", "rope_scaling", "local_rope_scaling"}
 
-    def same(a, b):  # GGUF stores floats as float32
+    def same(a, b):
         return a == pytest.approx(b, rel=1e-6) if isinstance(b, float) else a == b
 
     diff = {f.name: (getattr(ours, f.name), getattr(ref, f.name)) for f in dataclasses.fields(ModelConfig)
             if f.name not in skip and not same(getattr(ours, f.name), getattr(ref, f.name))}
     assert diff == {}
+    assert ours.rope_type == ref.rope_type
+    for local in (False, True):
+        a, b = layer_rope(ours, local), layer_rope(ref, local)
+        assert (a.long_inv_freq is None) == (b.long_inv_freq is None) and a.long_from == b.long_from
+        np.testing.assert_allclose(a.inv_freq + (a.long_inv_freq or ()), b.inv_freq + (b.long_inv_freq or ()),
+                                   rtol=1e-6)
+        assert a.scale == pytest.approx(b.scale, rel=1e-6)
 
 
-def _jvllm_logits(path, ids):
-    import jax.numpy as jnp
-
-    from jvllm.config import cdiv
-    from jvllm.converters import load_checkpoint
-    from jvllm.models import bind
-    from jvllm.worker.model_runner import ModelRunner
-
-    ck = load_checkpoint(path, "float32")
-    cfg = ck.config
-    g, s = bind(cfg, ck.params, jnp.float32)
-    head = ck.params["embed"] if cfg.tie_word_embeddings else ck.params["lm_head"]
-    n = max(len(p) for p in ids)
-    r = ModelRunner(cfg, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=cdiv(n, 16) + 1,
-                    max_model_len=n, max_num_seqs=1, token_buckets=(n,))
-    return [r.sequence_logits(p) for p in ids]
-
-
-@pytest.mark.parametrize("arch", sorted(CASES))
-def test_gguf_logits_match_transformers(gguf_case, arch):
-    """jvllm from the GGUF file == transformers from the original safetensors (float32, 1e-4)."""
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gguf_logits_match_transformers(gguf_case, case):
+    """jvllm from the GGUF file == transformers from the original safetensors (float32, 1e-4); and
+    == jvllm from the safetensors on a prompt past Phi-3's original context (its long factors:
+    transformers switches a whole pass to them there, jvllm per position, so transformers is no
+    reference for that prompt)."""
     import torch
     import transformers
 
-    hf, path = gguf_case(arch)
+    hf, path = gguf_case(case)
     ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    for ids, ours in zip(PROMPTS, _jvllm_logits(path, PROMPTS)):
+    for ids, ours in zip(PROMPTS, jvllm_logits(path, PROMPTS)):
         with torch.no_grad():
             theirs = ref(torch.tensor([ids])).logits[0].numpy()
-        assert np.abs(ours - theirs).max() < 1e-4, (arch, float(np.abs(ours - theirs).max()))
+        assert np.abs(ours - theirs).max() < 1e-4, (case, float(np.abs(ours - theirs).max()))
+    long = [list(range(3, 83))]
+    (ours,), (want,) = jvllm_logits(path, long), jvllm_logits(hf, long)
+    assert np.abs(ours - want).max() < 1e-4, (case, float(np.abs(ours - want).max()))
 
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q8_0"), ("mixtral", "Q4_0")])

@@ -1,0 +1,110 @@
+"""GGUF files of the dense families whose llama.cpp layout differs from Llama's: Gemma 2, Gemma 3
+and Phi-3. Per architecture, the HF config fields llama.cpp fixes in its graph code instead of
+storing (`ARCH_FIELDS`) and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each
+put in front of the Llama rules: the first match wins).
+
+  GGUF arch   what llama.cpp's converter (convert_hf_to_gguf.py) writes
+  gemma2      norms stored as 1 + w; ffn_norm is the pre-MLP norm, the sandwich norms have names
+              of their own; even layers sliding, odd global (not stored)
+  gemma3      as gemma2; every 6th layer global, the sliding layers' rope base 10000 (not stored)
+  phi3        fused attn_qkv and ffn_up (gate rows first, HF's qkv_proj / gate_up_proj); longrope
+              as two F32 tensors rope_factors_{short,long} plus rope.scaling.attn_factor and
+              rope.scaling.original_context_length; partial rotary as rope.dimension_count;
+              sliding_window 0 for "none" (Phi-4)
+
+`ARCH_FIELDS[arch](cfg, g, tensor)`: `cfg` is the generic part already read (sizes, rope_theta,
+rope_scaling, partial_rotary_factor), `g(key)` reads `{arch}.key`, `tensor(name)` is a float32 F32
+tensor of the file or None; the result updates `cfg`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+_LLAMA_FFN_NORM = r"blk\.(\d+)\.ffn_norm\.weight"
+GEMMA_RULES = [
+    (_LLAMA_FFN_NORM, r"model.layers.\1.pre_feedforward_layernorm.weight"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
+]
+PHI3_RULES = [
+    (r"blk\.(\d+)\.attn_qkv\.weight", r"model.layers.\1.self_attn.qkv_proj.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight"),
+    (r"rope_factors_(long|short)\.weight", None),  # read into the config (phi3_fields)
+]
+# llama.cpp stores Gemma's norm weights as 1 + w (its converter adds 1; transformers' GGUF reader
+# subtracts it again): the checkpoint's w is the stored value minus 1
+NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
+
+
+def _opt_float(v):
+    return None if v is None else float(v)
+
+
+def gemma2_fields(cfg: dict, g, tensor) -> dict:
+    """Even layers sliding, odd global; query_pre_attn_scalar = head_dim (hidden/heads for the
+    46-layer 27B, as llama.cpp's attention scale), GeGLU. A checkpoint whose query_pre_attn_scalar
+    differs from that rule cannot be written to GGUF faithfully (llama.cpp drops the field). The
+    soft-caps are stored."""
+    n, hd = cfg["num_hidden_layers"], cfg["head_dim"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(g("attention.sliding_window", 4096)),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if n == 46 else hd,
+        "attn_logit_softcapping": _opt_float(g("attn_logit_softcapping")),
+        "final_logit_softcapping": _opt_float(g("final_logit_softcapping")),
+    }
+
+
+def gemma3_fields(cfg: dict, g, tensor) -> dict:
+    """Every 6th layer global (the rest sliding), the sliding layers' rope base 10000,
+    query_pre_attn_scalar = head_dim (hidden/heads for the 62-layer 27B), GeGLU; a stored rope
+    scaling (the 4B and larger: linear, factor 8) applies to the global layers only."""
+    n, hd = cfg["num_hidden_layers"], cfg["head_dim"]
+    full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    full.update(cfg.pop("rope_scaling", None) or {})
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(g("attention.sliding_window", 4096)),
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)],
+        "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else hd,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+
+
+def phi3_fields(cfg: dict, g, tensor) -> dict:
+    """Phi-3 / Phi-3.5 / Phi-4-mini: the window (0 = none), and longrope from the factor tensors
+    (a 4k model has none: plain rope). ValueError naming the tensor when only one of the two
+    factor tensors is present or their lengths differ from rotary_dim / 2."""
+    out = {"sliding_window": int(g("attention.sliding_window", 0) or 0) or None}
+    orig = g("rope.scaling.original_context_length")
+    if orig:
+        out["original_max_position_embeddings"] = int(orig)
+    short, long = tensor("rope_factors_short.weight"), tensor("rope_factors_long.weight")
+    if short is None and long is None:
+        return out
+    if short is None or long is None:
+        raise ValueError(f"GGUF phi3 has {'rope_factors_long' if short is None else 'rope_factors_short'}.weight "
+                         f"but not the other: longrope needs both")
+    half = round(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0)) // 2
+    for name, f in (("short", short), ("long", long)):
+        if f.shape != (half,):
+            raise ValueError(f"GGUF phi3 rope_factors_{name}.weight has shape {f.shape}; longrope needs "
+                             f"({half},) (rotary_dim / 2)")
+    if cfg.get("rope_scaling"):
+        raise ValueError(f"GGUF phi3 has rope factor tensors and rope.scaling.type "
+                         f"{cfg['rope_scaling'].get('rope_type')!r}: not implemented together")
+    rope = {"rope_type": "longrope", "short_factor": [float(x) for x in short], "long_factor": [float(x) for x in long],
+            "original_max_position_embeddings": int(orig or cfg["max_position_embeddings"])}
+    att = g("rope.scaling.attn_factor")
+    if att is not None:
+        rope["attention_factor"] = float(att)
+    out["rope_scaling"] = rope
+    return out
+
+
+ARCH_FIELDS: dict[str, Callable] = {"gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}
