@@ -95,7 +95,7 @@ SPM_TEXTS = ["hello world", "the hello and the world", " hello", "héllo, wörld
              "<s>hello</s>", ""]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
 def test_sentencepiece_llama_model_matches_transformers(tmp_path, arch):
     tpl = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
     path = write_spm_gguf(str(tmp_path / f"spm-{arch}.gguf"), arch, template=tpl)
