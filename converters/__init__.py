@@ -232,9 +232,10 @@ def load_checkpoint(spec: ModelSpec | str, dtype="float32",
         stream = gguf_tensor_stream(spec.path, hf_config_dict(spec))
     else:
         from .quantization import prequantized_stream
-        from .readers import hf_tensor_stream
+        from .readers import hf_tensor_stream, text_decoder_stream
 
-        stream = prequantized_stream(hf_tensor_stream(spec.path), hf_config_dict(spec))
+        d = hf_config_dict(spec)
+        stream = prequantized_stream(text_decoder_stream(hf_tensor_stream(spec.path), d), d)
     np_dtype = np.float32 if jdtype == jnp.float32 else (np.float16 if jdtype == jnp.float16 else jdtype)
     from jvllm.models.registry import family_of
 

@@ -114,3 +114,19 @@ def hf_tensor_stream(folder: str) -> Iterator[tuple[str, callable]]:
         return (x for f in st for x in read_safetensors(os.path.join(folder, f)))
     raise CheckpointError(f"{folder}: no weights found (model.safetensors, model.safetensors.index.json, "
                           f"pytorch_model.bin or .pt)")
+
+
+def text_decoder_stream(stream, config: dict) -> Iterator[tuple[str, callable]]:
+    """`stream` as its text decoder's tensors when `config` (config.json) names a multimodal
+    architecture served text-only (`jvllm.models.registry.TextOnly`): names renamed, the vision
+    tower's tensors skipped unread; any other checkpoint's stream unchanged."""
+    from jvllm.models.registry import arch_of_model_type, text_only
+
+    wrapper = text_only((config.get("architectures") or [None])[0] or arch_of_model_type(config.get("model_type", "")))
+    if wrapper is None:
+        yield from stream
+        return
+    for name, load in stream:
+        new = wrapper.rename(name)
+        if new is not None:
+            yield new, load

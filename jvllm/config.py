@@ -202,7 +202,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf) -> "ModelConfig":
         """From a `transformers.PretrainedConfig` (4.x or 5.x style)."""
-        from jvllm.models.registry import arch_of_model_type, family_of
+        from jvllm.models.registry import arch_of_model_type, family_of, text_only
 
         archs = list(getattr(hf, "architectures", None) or [])
         arch = archs[0] if archs else (arch_of_model_type(getattr(hf, "model_type", "")) or "<none>")
@@ -210,6 +210,9 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {arch!r} (architectures={archs}, model_type="
                 f"{getattr(hf, 'model_type', None)!r}); supported: {', '.join(supported_architectures())}")
+        wrapper = text_only(arch)
+        if wrapper is not None:  # a multimodal checkpoint served as its text decoder
+            hf, arch = hf.text_config, wrapper.text_architecture
         heads = hf.num_attention_heads
         kv = getattr(hf, "num_key_value_heads", None) or heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads

@@ -15,6 +15,11 @@ and how an HF config fills the family's `ModelConfig` fields:
 
 Adding a family (e.g. mixture-of-experts) is a new file plus one `register` call; nothing else in
 jvllm lists architectures.
+
+A multimodal checkpoint whose language model is a registered family is served as that decoder
+alone (`register_text_only(TextOnly(...))`): its config's `text_config` is the model's config, its
+tensors under the wrapper's prefixes are renamed to the text model's names and the vision tower's
+are skipped (`TextOnly.rename`). Images are not implemented: prompts are text (or token ids).
 """
 from __future__ import annotations
 
@@ -71,6 +76,29 @@ class Family:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class TextOnly:
+    """A multimodal architecture served as its text decoder `text_architecture` (a registered
+    family's). `prefixes` maps the wrapper's tensor-name prefixes to the text model's (both the
+    hub's layout, `language_model.model.`, and transformers 5's, `model.language_model.`);
+    tensors under `skipped` (the vision tower, the projector) are not read."""
+    architecture: str
+    model_type: str
+    text_architecture: str
+    prefixes: tuple = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                       ("language_model.lm_head.", "lm_head."))
+    skipped: tuple = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+    def rename(self, name: str) -> str | None:
+        """The text model's name for checkpoint tensor `name`, or None for a skipped tensor."""
+        if name.startswith(self.skipped):
+            return None
+        for old, new in self.prefixes:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+
 _FAMILIES: dict[str, Family] = {}
 _BY_ARCH: dict[str, Family] = {}
 _BY_MODEL_TYPE: dict[str, str] = {}
@@ -90,8 +118,28 @@ def register(family: Family) -> Family:
     return family
 
 
+_TEXT_ONLY: dict[str, TextOnly] = {}
+
+
+def register_text_only(wrapper: TextOnly) -> TextOnly:
+    """Serve multimodal `wrapper.architecture` as its (registered) text decoder."""
+    family_of(wrapper.text_architecture)  # ValueError for an unregistered decoder
+    if wrapper.architecture in _BY_ARCH or wrapper.architecture in _TEXT_ONLY:
+        raise ValueError(f"architecture {wrapper.architecture!r} is registered twice")
+    if wrapper.model_type in _BY_MODEL_TYPE:
+        raise ValueError(f"model_type {wrapper.model_type!r} is registered twice")
+    _TEXT_ONLY[wrapper.architecture] = wrapper
+    _BY_MODEL_TYPE[wrapper.model_type] = wrapper.architecture
+    return wrapper
+
+
+def text_only(arch: str) -> TextOnly | None:
+    """The TextOnly registration of multimodal architecture `arch`, else None."""
+    return _TEXT_ONLY.get(arch)
+
+
 def supported_architectures() -> tuple[str, ...]:
-    return tuple(_BY_ARCH)
+    return tuple(_BY_ARCH) + tuple(_TEXT_ONLY)
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -102,7 +150,7 @@ def family_of(arch: str) -> Family:
     try:
         return _BY_ARCH[arch]
     except KeyError:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(_BY_ARCH)}") from None
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(supported_architectures())}") from None
 
 
 def arch_of_model_type(model_type: str) -> str | None:
@@ -155,4 +203,8 @@ register(Family(
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     per_arch={"Qwen2MoeForCausalLM": {"attention_bias": FromHF("qkv_bias", True), "o_bias": False},
               "Qwen3MoeForCausalLM": {"qk_norm": True}},
+))
+register_text_only(TextOnly(
+    # Gemma 3 4B / 12B / 27B (SigLIP vision tower + projector around a Gemma 3 decoder)
+    architecture="Gemma3ForConditionalGeneration", model_type="gemma3", text_architecture="Gemma3ForCausalLM",
 ))
