@@ -21,7 +21,8 @@ from .name_map import CheckpointError
 # GGUF architecture -> (HF architecture, HF model_type)
 # ("llama" with {arch}.expert_count > 0 is Mixtral: gguf_moe.MOE_ARCHS)
 _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma": ("GemmaForCausalLM", "gemma"),
+               "gemma2": ("Gemma2ForCausalLM", "gemma2"),
                "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
                "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
                "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"]}
@@ -50,7 +51,8 @@ _GGUF_TO_HF = [
 ]
 # keyed by GGUF arch, and "mixtral" for arch "llama" with experts (`_rules_key`); the stacked
 # *_exps tensors are split before these rules apply (gguf_moe.expert_tensors)
-GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF_TO_HF, "gemma2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
+GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF_TO_HF, "gemma": _GGUF_TO_HF,
+                      "gemma2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
                       "gemma3": gguf_archs.GEMMA_RULES + _GGUF_TO_HF, "phi3": gguf_archs.PHI3_RULES + _GGUF_TO_HF,
                       "qwen2moe": gguf_moe.MOE_RULES + _GGUF_TO_HF, "qwen3moe": gguf_moe.MOE_RULES + _GGUF_TO_HF,
                       "mixtral": gguf_moe.MIXTRAL_RULES + _GGUF_TO_HF}

@@ -1,9 +1,10 @@
-"""GGUF files of the dense families whose llama.cpp layout differs from Llama's: Gemma 2, Gemma 3
+"""GGUF files of the dense families whose llama.cpp layout differs from Llama's: Gemma 1, 2 and 3,
 and Phi-3. Per architecture, the HF config fields llama.cpp fixes in its graph code instead of
 storing (`ARCH_FIELDS`) and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each
 put in front of the Llama rules: the first match wins).
 
   GGUF arch   what llama.cpp's converter (convert_hf_to_gguf.py) writes
+  gemma       Llama's names; norms stored as 1 + w; GeGLU (not stored)
   gemma2      norms stored as 1 + w; ffn_norm is the pre-MLP norm, the sandwich norms have names
               of their own; even layers sliding, odd global (not stored)
   gemma3      as gemma2; every 6th layer global, the sliding layers' rope base 10000 (not stored)
@@ -33,11 +34,16 @@ PHI3_RULES = [
 ]
 # llama.cpp stores Gemma's norm weights as 1 + w (its converter adds 1; transformers' GGUF reader
 # subtracts it again): the checkpoint's w is the stored value minus 1
-NORM_PLUS_ONE_ARCHS = ("gemma2", "gemma3")
+NORM_PLUS_ONE_ARCHS = ("gemma", "gemma2", "gemma3")
 
 
 def _opt_float(v):
     return None if v is None else float(v)
+
+
+def gemma_fields(cfg: dict, g, tensor) -> dict:
+    """Gemma 1: GeGLU, the only thing llama.cpp fixes rather than stores."""
+    return {"hidden_act": "gelu_pytorch_tanh"}
 
 
 def gemma2_fields(cfg: dict, g, tensor) -> dict:
@@ -107,4 +113,4 @@ def phi3_fields(cfg: dict, g, tensor) -> dict:
     return out
 
 
-ARCH_FIELDS: dict[str, Callable] = {"gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}
+ARCH_FIELDS: dict[str, Callable] = {"gemma": gemma_fields, "gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}

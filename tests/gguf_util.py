@@ -102,7 +102,7 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
 
 # HF model_type -> GGUF arch, as llama.cpp's convert_hf_to_gguf.py names them (Mixtral is "llama")
 HF_TO_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-                   "gemma2": "gemma2", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}
+                   "gemma": "gemma", "gemma2": "gemma2", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}
 
 
 def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32"):
@@ -188,7 +188,7 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
             arr = permute(arr, c.num_attention_heads)
         elif arch == "llama" and g.endswith("attn_k.weight"):
             arr = permute(arr, c.num_key_value_heads)
-        if arch in ("gemma2", "gemma3") and g.endswith("norm.weight"):
+        if arch in ("gemma", "gemma2", "gemma3") and g.endswith("norm.weight"):
             arr = arr + np.float32(1.0)
         if g.endswith("ffn_gate_inp_shexp.weight"):
             arr = arr.reshape(-1)

@@ -25,6 +25,8 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8,
                                                        max_window_layers=1)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict()),
+    # Gemma 1: no sandwich norms, no soft-caps; head_dim != hidden / heads as the 7B
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     # soft-caps small enough to bite on these random weights; query_pre_attn_scalar != head_dim
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=0.05, final_logit_softcapping=1.0,

@@ -1,5 +1,5 @@
 """GGUF files of every family whose llama.cpp layout differs from a plain Llama's: the mixture-of-
-experts files (Mixtral as arch llama with experts, qwen2moe, qwen3moe), Gemma 2 and 3, Phi-3 and
+experts files (Mixtral as arch llama with experts, qwen2moe, qwen3moe), Gemma 1, 2 and 3, Phi-3 and
 Qwen2/3: tiny random HF checkpoints re-encoded the way llama.cpp does
 (tests.gguf_util.write_hf_as_gguf, names from the gguf package's own table), read back name by
 name and shape by shape, their config and rope read back from the metadata, and their float32
@@ -19,7 +19,7 @@ PROMPTS = [list(range(3, 40)), [5, 6, 7], [200, 17, 3, 3, 3, 9] * 5]
 # global with the linear rope scaling of the 4B and larger), Qwen2 without its window (llama.cpp
 # stores none), Phi-3 with longrope + partial rotary + a window, and a 4k Phi-3 with plain rope
 CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", dict(mlp_only_layers=None)),
-         "qwen3_moe": ("qwen3_moe", {}), "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
+         "qwen3_moe": ("qwen3_moe", {}), "gemma": ("gemma", {}), "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
          "gemma3": ("gemma3", dict(num_hidden_layers=6, layer_types=None)),
          "qwen2": ("qwen2", dict(use_sliding_window=False)), "qwen3": ("qwen3", {}),
          "phi3": ("phi3", dict(sliding_window=8)),

@@ -1,6 +1,7 @@
 """The Llama family in Flax NNX: Llama 2/3 (llama3 rope scaling), Mistral (sliding window),
-Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), SmolLM2, and Phi-3 (longrope, partial rotary; its fused
-checkpoint tensors are split by the converters' name map).
+Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), SmolLM2, Gemma 1 ((1 + w) norms, scaled embeddings, GeGLU:
+config fields) and Phi-3 (longrope, partial rotary; its fused checkpoint tensors are split by the
+converters' name map).
 
 Forward contract (what the engine calls, see jvllm.worker.model_runner):
     hidden, kv = model(tokens[T], kv, md)

@@ -178,6 +178,16 @@ register(Family(
     name_map="phi3",
 ))
 register(Family(
+    # Gemma (1) and CodeGemma: a Llama-shaped decoder with Gemma's (1 + w) norms, embeddings scaled
+    # by sqrt(hidden) and GeGLU (transformers reads a legacy hidden_act "gelu" as the tanh form)
+    name="gemma1",
+    architectures=("GemmaForCausalLM",),
+    model_types={"gemma": "GemmaForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    defaults={"norm_unit_offset": True, "embed_scale": True},
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+))
+register(Family(
     name="gemma",
     architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
     model_types={"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"},
