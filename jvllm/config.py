@@ -87,6 +87,7 @@ class ModelConfig:
       attn_logit_softcap   attention scores s -> cap * tanh(s / cap) before masking (Gemma 2)
       final_logit_softcap  logits z -> cap * tanh(z / cap) (Gemma 2)
       partial_rotary_factor  rotary embedding on the first head_dim * factor dims only
+      nope_layers          layers whose attention has no rotary embedding at all (SmolLM3's NoPE)
     """
 
     architecture: str
@@ -117,6 +118,7 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: tuple | None = None
     partial_rotary_factor: float = 1.0
+    nope_layers: tuple = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     moe: MoEConfig | None = None  # mixture-of-experts layers (the MoE architectures only)
@@ -149,6 +151,9 @@ class ModelConfig:
                              f"even rotary dimension of head_dim {self.head_dim}")
         if len(self.layer_windows) != self.num_layers:
             object.__setattr__(self, "layer_windows", tuple([None] * self.num_layers))
+        bad = [i for i in self.nope_layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
+        if bad:
+            raise ValueError(f"nope_layers {bad} are not layer indices of a {self.num_layers}-layer model")
         for rtype in (self.rope_type, _rope_type(self.local_rope_scaling)):
             if rtype not in _ROPE_TYPES:
                 raise ValueError(f"unsupported rope scaling type {rtype!r}; supported: {', '.join(_ROPE_TYPES)}")
@@ -241,6 +246,8 @@ class ModelConfig:
         windows = [None] * n
         sw = getattr(hf, "sliding_window", None)
         layer_types = getattr(hf, "layer_types", None)
+        if arch == "SmolLM3ForCausalLM" and not getattr(hf, "use_sliding_window", False):
+            sw = None  # SmolLM3 windows its layer_types' sliding layers only with use_sliding_window
         if sw:
             # transformers applies these models' sliding_window to every layer and never reads
             # layer_types (Mistral reads layer_types when a config has them)
@@ -255,6 +262,8 @@ class ModelConfig:
                 windows = [sw if i >= mwl else None for i in range(n)]
         eos = getattr(hf, "eos_token_id", None)
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        uses_rope = getattr(hf, "no_rope_layers", None)  # SmolLM3: 1 = rope, 0 = NoPE, per layer
+        nope = tuple(i for i, r in enumerate(uses_rope) if not r) if uses_rope is not None else ()
         fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -274,6 +283,7 @@ class ModelConfig:
             local_rope_theta=local_theta,
             local_rope_scaling=_freeze(local_rope),
             partial_rotary_factor=partial,
+            nope_layers=nope,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos,
             moe=_moe_from_hf(hf, arch),

@@ -25,6 +25,11 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8,
                                                        max_window_layers=1)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict()),
+    # NoPE every 2nd layer (the real ones: every 4th); tied embeddings as SmolLM3-3B
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, tie_word_embeddings=True)),
+    # the sliding window on the NoPE layers (use_sliding_window)
+    "smollm3_window": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4, no_rope_layer_interval=2,
+                                                                   use_sliding_window=True, sliding_window=8)),
     # Gemma 1: no sandwich norms, no soft-caps; head_dim != hidden / heads as the 7B
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     # soft-caps small enough to bite on these random weights; query_pre_attn_scalar != head_dim

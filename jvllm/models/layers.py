@@ -259,7 +259,8 @@ class Attention(nnx.Module):
         self.window = cfg.layer_windows[layer]
         self.softcap = cfg.attn_logit_softcap
         self.scale = float(cfg.query_pre_attn_scalar or hd) ** -0.5
-        self.rope = layer_rope(cfg, local=self.window is not None)  # trace-time constants
+        # trace-time constants; None: a NoPE layer (no rotary embedding)
+        self.rope = None if layer in cfg.nope_layers else layer_rope(cfg, local=self.window is not None)
 
     def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks, attention="xla"):
         q, k, v = self.proj.many("td,dhk->thk", x, [(self.q_proj, self.q_proj_scale), (self.k_proj, self.k_proj_scale),
@@ -268,9 +269,9 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        pos = jnp.maximum(md.positions, 0)
-        q = apply_rope(q, pos, self.rope)
-        k = apply_rope(k, pos, self.rope)
+        if self.rope is not None:
+            pos = jnp.maximum(md.positions, 0)
+            q, k = apply_rope(q, pos, self.rope), apply_rope(k, pos, self.rope)
         k_pages, v_pages = kv
         interpret = attention.endswith("_interpret")
 

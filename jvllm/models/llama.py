@@ -1,5 +1,5 @@
 """The Llama family in Flax NNX: Llama 2/3 (llama3 rope scaling), Mistral (sliding window),
-Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), SmolLM2, Gemma 1 ((1 + w) norms, scaled embeddings, GeGLU:
+Qwen2 (qkv bias), Qwen3 (q/k RMSNorm), SmolLM2, SmolLM3 (NoPE layers), Gemma 1 ((1 + w) norms, scaled embeddings, GeGLU:
 config fields) and Phi-3 (longrope, partial rotary; its fused checkpoint tensors are split by the
 converters' name map).
 

@@ -160,9 +160,10 @@ def arch_of_model_type(model_type: str) -> str | None:
 # ------------------------------------------------------------------------- built-in families
 register(Family(
     name="llama",
-    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "SmolLM3ForCausalLM"),
     model_types={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"},
+                 "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"},
     model="jvllm.models.llama:LlamaForCausalLM",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     per_arch={"Qwen2ForCausalLM": {"attention_bias": True, "o_bias": False},
