@@ -108,12 +108,16 @@ HF_RULES: list[tuple[str, str | None, Callable | None]] = [
 GEMMA_RULES = HF_RULES + [  # the sandwich norms around the MLP
     (_L + r"(pre_feedforward_layernorm|post_feedforward_layernorm)\.weight", r"layers.\1.\2.weight", t_identity),
 ]
+OLMO_RULES = [  # q/k norms over the whole projection ([heads * hd] -> [heads, hd]); post-MLP norm
+    (_L + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight", t_bias_heads),
+    (_L + r"post_feedforward_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
+] + HF_RULES
 PHI3_RULES = [
     (_L + r"self_attn\.qkv_proj\.weight",
      (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj"), t_split_qkv),
     (_L + r"mlp\.gate_up_proj\.weight", (r"layers.\1.mlp.gate_proj", r"layers.\1.mlp.up_proj"), t_split_gate_up),
 ] + HF_RULES
-HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES,
+HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES, "olmo": OLMO_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

@@ -81,6 +81,9 @@ class ModelConfig:
 
     Family variants (each read by the shared layers in `jvllm.models.layers`):
       norm_unit_offset     RMSNorm scales by (1 + w) in float32, then casts (Gemma)
+      norm_scale_f32       RMSNorm scales by w in float32, then casts (OLMo 2; Llama casts first)
+      qk_norm_full         the q/k RMSNorms span the whole projection, all heads jointly (OLMo 2),
+                           instead of each head
       embed_scale          embeddings are multiplied by sqrt(hidden_size) in the model dtype (Gemma)
       sandwich_norms       extra norms after attention and around the MLP (Gemma 2/3)
       query_pre_attn_scalar  attention scale is its -1/2 power instead of head_dim's
@@ -107,9 +110,11 @@ class ModelConfig:
     o_bias: bool = False  # o_proj bias (Llama / Qwen3 with attention_bias; never Qwen2)
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_full: bool = False
     layer_windows: tuple = ()
     hidden_act: str = "silu"
     norm_unit_offset: bool = False
+    norm_scale_f32: bool = False
     embed_scale: bool = False
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None

@@ -32,6 +32,14 @@ ARCHS = {
                                                                    use_sliding_window=True, sliding_window=8)),
     # Gemma 1: no sandwich norms, no soft-caps; head_dim != hidden / heads as the 7B
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # 3 sliding layers then a global one whose rope has its own (yarn) scaling
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        num_hidden_layers=4, sliding_window=8, max_position_embeddings=1024,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
+                                            "original_max_position_embeddings": 256}})),
     # soft-caps small enough to bite on these random weights; query_pre_attn_scalar != head_dim
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=0.05, final_logit_softcapping=1.0,

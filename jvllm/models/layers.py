@@ -48,28 +48,36 @@ def declare(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, ones: bool 
 class RMSNorm(nnx.Module):
     """unit_offset=False: transformers' LlamaRMSNorm (normalise in float32, cast back, scale by w in
     the input dtype). unit_offset=True: Gemma's (scale the float32 result by (1 + w), then cast;
-    the stored weight is w, initialised to 0 in checkpoints). fixed_order (batch-invariant mode):
-    the mean of squares summed in a fixed order whatever the number of rows (`jvllm.ops.fixed_order`)."""
+    the stored weight is w, initialised to 0 in checkpoints). scale_f32=True: OLMo 2's (scale the
+    float32 result by w, then cast). fixed_order (batch-invariant mode): the mean of squares summed
+    in a fixed order whatever the number of rows (`jvllm.ops.fixed_order`). `shape` of more than one
+    dim normalises over that many trailing axes jointly (OLMo 2's q/k norms over all heads)."""
 
-    def __init__(self, dim: int, eps: float, dtype, axes=("norm",), unit_offset: bool = False,
-                 fixed_order: bool = False):
+    def __init__(self, shape: int | tuple[int, ...], eps: float, dtype, axes=("norm",), unit_offset: bool = False,
+                 fixed_order: bool = False, scale_f32: bool = False):
         self.eps = eps
         self.unit_offset = unit_offset
+        self.scale_f32 = scale_f32 or unit_offset
         self.mean = tree_mean if fixed_order else jnp.mean  # chosen once
-        self.weight = declare((dim,), axes, dtype, ones=not unit_offset)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.ndims = len(shape)
+        self.weight = declare(shape, axes, dtype, ones=not unit_offset)
 
     def __call__(self, x):
+        n = self.ndims
         xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(self.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        if self.unit_offset:
-            return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        flat = xf.reshape(*xf.shape[:-n], -1) if n > 1 else xf
+        y = (flat * jax.lax.rsqrt(self.mean(flat * flat, axis=-1, keepdims=True) + self.eps)).reshape(xf.shape)
+        if self.scale_f32:
+            w = self.weight[...].astype(jnp.float32)
+            return (y * (1.0 + w if self.unit_offset else w)).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
 
 
-def norm(cfg: ModelConfig, dim: int, dtype, axes=("norm",)) -> RMSNorm:
-    """The family's RMSNorm for a `dim`-wide activation."""
-    return RMSNorm(dim, cfg.rms_norm_eps, dtype, axes=axes, unit_offset=cfg.norm_unit_offset,
-                   fixed_order=cfg.batch_invariant)
+def norm(cfg: ModelConfig, shape: int | tuple[int, ...], dtype, axes=("norm",)) -> RMSNorm:
+    """The family's RMSNorm for an activation whose trailing dims are `shape`."""
+    return RMSNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, unit_offset=cfg.norm_unit_offset,
+                   fixed_order=cfg.batch_invariant, scale_f32=cfg.norm_scale_f32)
 
 
 # ----------------------------------------------------------------------------------- projections
@@ -250,7 +258,10 @@ class Attention(nnx.Module):
             self.v_bias = declare((K, hd), ("kv_heads", "head_dim"), dtype)
         if cfg.o_bias:
             self.o_bias = declare((D,), ("embed",), dtype)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_full:  # over the whole projection (all heads jointly)
+            self.q_norm = norm(cfg, (H, hd), dtype, axes=("heads", "head_dim"))
+            self.k_norm = norm(cfg, (K, hd), dtype, axes=("kv_heads", "head_dim"))
+        elif cfg.qk_norm:
             self.q_norm = norm(cfg, hd, dtype, axes=("head_dim",))
             self.k_norm = norm(cfg, hd, dtype, axes=("head_dim",))
         self.bias = cfg.attention_bias

@@ -203,6 +203,16 @@ register(Family(
     refused={"Gemma3ForCausalLM": ("use_bidirectional_attention",)},  # EmbeddingGemma-style non-causal attention
 ))
 register(Family(
+    # OLMo 2 / OLMo 3 (jvllm.models.olmo): post-norm blocks, q/k norms over all heads jointly
+    name="olmo",
+    architectures=("Olmo2ForCausalLM", "Olmo3ForCausalLM"),
+    model_types={"olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"},
+    model="jvllm.models.olmo:Olmo2ForCausalLM",
+    name_map="olmo",
+    defaults={"qk_norm": True, "qk_norm_full": True, "norm_scale_f32": True},
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+))
+register(Family(
     # mixture of experts (jvllm.models.moe): Llama's attention, norms and head around a routed,
     # grouped-matmul expert MLP; the MoE settings come from `ModelConfig.moe` (config._moe_from_hf)
     name="moe",

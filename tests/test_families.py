@@ -1,6 +1,7 @@
-"""Gemma 2 / Gemma 3 / Phi-3 beyond logit parity (tests/test_models.py has that): each variant
-really changes the numbers, and the engine equals transformers' greedy generation token for token
-with batching, chunked prefill, prefix-cache hits and preemption all in one run per family."""
+"""The families beyond Llama (Gemma 2 / 3, Phi-3, OLMo 2 / 3, SmolLM3) beyond logit parity
+(tests/test_models.py has that): each variant really changes the numbers, the engine equals
+transformers' greedy generation token for token with batching, chunked prefill, prefix-cache hits
+and preemption all in one run per family, and tensor parallelism gives the one-device tokens."""
 import dataclasses
 
 import numpy as np
@@ -28,7 +29,7 @@ def _logits(cfg, params, ids):
 @pytest.mark.parametrize("arch,field,value", [
     ("gemma2", "attn_logit_softcap", None), ("gemma2", "final_logit_softcap", None),
     ("gemma2", "query_pre_attn_scalar", None), ("gemma3", "local_rope_theta", None),
-    ("gemma3", "embed_scale", False), ("phi3", "partial_rotary_factor", 1.0)])
+    ("gemma3", "embed_scale", False), ("phi3", "partial_rotary_factor", 1.0), ("smollm3", "nope_layers", ())])
 def test_variant_matters(ckpt_dir, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""
@@ -46,7 +47,7 @@ def test_variant_matters(ckpt_dir, arch, field, value):
     assert np.abs(_logits(cfg, ck.params, ids) - base).max() > 1e-3
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
     prefill), prompts that share a 35-token prefix and a second pass (prefix-cache hits); the
@@ -89,16 +90,24 @@ def _tp_run(path, **kw):
 
 
 @pytest.fixture(scope="module")
-def gemma3_one_device(ckpt_dir):
-    path = ckpt_dir("gemma3")
-    return path, _tp_run(path)
+def one_device(ckpt_dir):
+    made = {}
+
+    def run(arch):
+        if arch not in made:
+            made[arch] = (ckpt_dir(arch), _tp_run(ckpt_dir(arch)))
+        return made[arch]
+
+    return run
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "olmo2"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_gemma3_tensor_parallel_identical(gemma3_one_device, tp):
-    """Gemma 3 (head_dim 256, sliding + global layers, q/k norms) on 2 and 4 fake CPU devices gives
-    the one-device tokens; TP=4 has fewer KV heads (2) than devices (replicated KV path)."""
-    path, expected = gemma3_one_device
+def test_tensor_parallel_identical(one_device, arch, tp):
+    """Gemma 3 (head_dim 256, sliding + global layers, q/k norms) and OLMo 2 (q/k norms over all
+    heads jointly, so over the sharded head axis) on 2 and 4 fake CPU devices give the one-device
+    tokens; TP=4 has fewer KV heads (2) than devices (replicated KV path)."""
+    path, expected = one_device(arch)
     assert _tp_run(path, tensor_parallel_size=tp) == expected
 
 
