@@ -91,6 +91,9 @@ class ModelConfig:
       final_logit_softcap  logits z -> cap * tanh(z / cap) (Gemma 2)
       partial_rotary_factor  rotary embedding on the first head_dim * factor dims only
       nope_layers          layers whose attention has no rotary embedding at all (SmolLM3's NoPE)
+      embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling  Granite's
+                           scales: of the embeddings, of each block's output before its residual
+                           add, the attention scale itself, and a divisor of the logits
     """
 
     architecture: str
@@ -124,6 +127,10 @@ class ModelConfig:
     local_rope_scaling: tuple | None = None
     partial_rotary_factor: float = 1.0
     nope_layers: tuple = ()
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     moe: MoEConfig | None = None  # mixture-of-experts layers (the MoE architectures only)

@@ -33,6 +33,11 @@ ARCHS = {
     # Gemma 1: no sandwich norms, no soft-caps; head_dim != hidden / heads as the 7B
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # Granite 3.x's scales (the 8B's: 12.0, 0.22, 0.0078125, 16.0; here large enough to change the
+    # logits of random weights well past the parity tolerance), tied embeddings as the 2B
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=12.0, residual_multiplier=0.5, attention_multiplier=4.0, logits_scaling=0.25,
+        tie_word_embeddings=True)),
     # 3 sliding layers then a global one whose rope has its own (yarn) scaling
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
         num_hidden_layers=4, sliding_window=8, max_position_embeddings=1024,

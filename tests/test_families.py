@@ -1,4 +1,4 @@
-"""The families beyond Llama (Gemma 2 / 3, Phi-3, OLMo 2 / 3, SmolLM3) beyond logit parity
+"""The families beyond Llama (Gemma 2 / 3, Phi-3, OLMo 2 / 3, SmolLM3, Granite) beyond logit parity
 (tests/test_models.py has that): each variant really changes the numbers, the engine equals
 transformers' greedy generation token for token with batching, chunked prefill, prefix-cache hits
 and preemption all in one run per family, and tensor parallelism gives the one-device tokens."""
@@ -29,7 +29,9 @@ def _logits(cfg, params, ids):
 @pytest.mark.parametrize("arch,field,value", [
     ("gemma2", "attn_logit_softcap", None), ("gemma2", "final_logit_softcap", None),
     ("gemma2", "query_pre_attn_scalar", None), ("gemma3", "local_rope_theta", None),
-    ("gemma3", "embed_scale", False), ("phi3", "partial_rotary_factor", 1.0), ("smollm3", "nope_layers", ())])
+    ("gemma3", "embed_scale", False), ("phi3", "partial_rotary_factor", 1.0), ("smollm3", "nope_layers", ()),
+    ("granite", "embedding_multiplier", None), ("granite", "residual_multiplier", 1.0),
+    ("granite", "attention_multiplier", None), ("granite", "logits_scaling", None)])
 def test_variant_matters(ckpt_dir, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""

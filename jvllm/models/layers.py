@@ -269,7 +269,8 @@ class Attention(nnx.Module):
         self.qk_norm = cfg.qk_norm
         self.window = cfg.layer_windows[layer]
         self.softcap = cfg.attn_logit_softcap
-        self.scale = float(cfg.query_pre_attn_scalar or hd) ** -0.5
+        self.scale = (float(cfg.attention_multiplier) if cfg.attention_multiplier is not None
+                      else float(cfg.query_pre_attn_scalar or hd) ** -0.5)
         # trace-time constants; None: a NoPE layer (no rotary embedding)
         self.rope = None if layer in cfg.nope_layers else layer_rope(cfg, local=self.window is not None)
 
@@ -335,16 +336,18 @@ class LMHead:
     """float32 logits [.., vocab] of hidden states h [.., embed] through the LM head weight `w`
     ([embed, vocab], or the embedding [vocab, embed] when `tied`); `softcap` (Gemma 2's final-logit
     soft-cap) maps z -> softcap * tanh(z / softcap); `fixed_tile` (batch-invariant mode) computes
-    the product with `jvllm.ops.fixed_tile_matmul`, whose rows do not depend on how many there are.
+    the product with `jvllm.ops.fixed_tile_matmul`, whose rows do not depend on how many there are;
+    `divisor` (Granite's logits_scaling) divides the logits first.
     The one place logits are computed: samplers, greedy, prompt logprobs, speculative verification
     and `sequence_logits` all call it. Frozen and hashable: a static argument of those programs."""
     tied: bool
     softcap: float | None = None
     fixed_tile: bool = False
+    divisor: float | None = None
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "LMHead":
-        return cls(cfg.tie_word_embeddings, cfg.final_logit_softcap, cfg.batch_invariant)
+        return cls(cfg.tie_word_embeddings, cfg.final_logit_softcap, cfg.batch_invariant, cfg.logits_scaling)
 
     def __call__(self, w, h):
         if self.fixed_tile:
@@ -353,4 +356,6 @@ class LMHead:
             z = z.reshape(*lead, z.shape[-1])
         else:
             z = jnp.dot(h, w.T if self.tied else w, preferred_element_type=jnp.float32)
+        if self.divisor is not None:
+            z = z / self.divisor
         return z if self.softcap is None else self.softcap * jnp.tanh(z / self.softcap)

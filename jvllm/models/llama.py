@@ -75,6 +75,8 @@ class LlamaForCausalLM(nnx.Module):
             x = self.embed[...][x]
             if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the model dtype, as transformers
                 x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+            elif self.config.embedding_multiplier is not None:  # Granite: a float32 product, rounded once
+                x = (x.astype(jnp.float32) * self.config.embedding_multiplier).astype(x.dtype)
             if hooks is not None:
                 x = hooks.embedded(x)
         new_kv = []

@@ -203,6 +203,16 @@ register(Family(
     refused={"Gemma3ForCausalLM": ("use_bidirectional_attention",)},  # EmbeddingGemma-style non-causal attention
 ))
 register(Family(
+    # IBM Granite 3.x (jvllm.models.granite): Llama with embedding / residual / attention / logit scales
+    name="granite",
+    architectures=("GraniteForCausalLM",),
+    model_types={"granite": "GraniteForCausalLM"},
+    model="jvllm.models.granite:GraniteForCausalLM",
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias",
+               "embedding_multiplier": "embedding_multiplier", "residual_multiplier": "residual_multiplier",
+               "attention_multiplier": "attention_multiplier", "logits_scaling": "logits_scaling"},
+))
+register(Family(
     # OLMo 2 / OLMo 3 (jvllm.models.olmo): post-norm blocks, q/k norms over all heads jointly
     name="olmo",
     architectures=("Olmo2ForCausalLM", "Olmo3ForCausalLM"),

@@ -1,0 +1,38 @@
+"""IBM Granite 3.x (GraniteForCausalLM) in Flax NNX: the Llama decoder with four scales, each a
+ModelConfig field: `embedding_multiplier` (the embeddings, in `LlamaForCausalLM`),
+`attention_multiplier` (the attention scale itself, in `layers.Attention`), `logits_scaling` (a
+divisor of the logits, in `layers.LMHead`) and `residual_multiplier`, which scales each block's
+output before its residual add (this file's decoder layer; a float32 product rounded once to the
+model dtype, as torch computes a bf16 tensor times a Python float)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jvllm.config import ModelConfig
+from jvllm.models.layers import MLP, Attention, norm
+from jvllm.models.llama import LlamaForCausalLM
+
+
+class GraniteDecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        self.input_layernorm = norm(cfg, cfg.hidden_size, dtype)
+        self.self_attn = Attention(cfg, layer, dtype)
+        self.post_attention_layernorm = norm(cfg, cfg.hidden_size, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.residual_multiplier = float(cfg.residual_multiplier)
+
+    def _scaled(self, y):
+        return (y.astype(jnp.float32) * self.residual_multiplier).astype(y.dtype)
+
+    def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
+        a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
+        x = x + self._scaled(a)
+        x = x + self._scaled(self.mlp(self.post_attention_layernorm(x)))
+        return x, kv
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Granite: the Llama model's embedding, stages and forward contract with the scaled residuals."""
+
+    layer_cls = GraniteDecoderLayer
