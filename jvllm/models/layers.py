@@ -130,9 +130,11 @@ def projection(cfg: ModelConfig) -> Projection:
 class Rope:
     """Rotary embedding of one layer kind: `inv_freq` [rotary_dim/2] and the cos/sin scale.
     longrope: `long_inv_freq` replaces `inv_freq` at positions >= `long_from` (the original
-    context length). Per position, as vLLM does; transformers switches a whole forward pass to the
-    long factors once its longest position passes `long_from`, so the two agree on every sequence
-    within the original context."""
+    context length), per position. transformers switches a whole forward pass to the long factors
+    once its longest position passes `long_from`, so the two agree on every sequence within the
+    original context. Hazard: vLLM (and llama.cpp) instead pick one set for the whole engine, the
+    long one when max_model_len exceeds the original context; and a sequence that crosses
+    `long_from` here attends from long-factor queries to short-factor keys."""
     inv_freq: tuple           # floats (hashable: a module attribute is static graph metadata)
     scale: float
     long_inv_freq: tuple | None = None
