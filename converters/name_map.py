@@ -84,6 +84,38 @@ def t_experts_down(name, a, tgt):  # fused experts [E, D, I] -> [E, I, D]
     return a.transpose(0, 2, 1)
 
 
+def t_conv1d_qkv(name, a, tgts):  # GPT-2's Conv1D c_attn [embed, 3 * H*hd] (q | k | v) -> q, k, v [embed, H, hd]
+    (d, h, hd), _, _ = tgts
+    _expect(name, a, (d, 3 * h * hd))
+    return tuple(p.reshape(d, h, hd) for p in np.split(a, 3, axis=1))
+
+
+def t_conv1d_qkv_bias(name, a, tgts):  # [3 * H*hd] -> q, k, v biases [H, hd]
+    (h, hd), _, _ = tgts
+    _expect(name, a, (3 * h * hd,))
+    return tuple(p.reshape(h, hd) for p in np.split(a, 3))
+
+
+def t_conv1d_out_heads(name, a, tgt):  # GPT-2's Conv1D attn.c_proj [H*hd, embed] -> [H, hd, embed]
+    h, hd, d = tgt
+    _expect(name, a, (h * hd, d))
+    return a.reshape(h, hd, d)
+
+
+def t_neox_qkv(name, a, tgts):  # [H * (q | k | v) * hd, embed], per head -> q, k, v [embed, H, hd]
+    (d, h, hd), _, _ = tgts
+    _expect(name, a, (3 * h * hd, d))
+    per_head = a.reshape(h, 3, hd, d)
+    return tuple(per_head[:, i].transpose(2, 0, 1) for i in range(3))
+
+
+def t_neox_qkv_bias(name, a, tgts):  # [H * 3 * hd], per head -> q, k, v biases [H, hd]
+    (h, hd), _, _ = tgts
+    _expect(name, a, (3 * h * hd,))
+    per_head = a.reshape(h, 3, hd)
+    return tuple(per_head[:, i] for i in range(3))
+
+
 def t_row(name, a, tgt):  # Linear(D, 1) [1, D] -> [D]
     _expect(name, a, (1, tgt[0]))
     return a[0]
@@ -117,7 +149,45 @@ PHI3_RULES = [
      (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj"), t_split_qkv),
     (_L + r"mlp\.gate_up_proj\.weight", (r"layers.\1.mlp.gate_proj", r"layers.\1.mlp.up_proj"), t_split_gate_up),
 ] + HF_RULES
+_QKV = (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj")
+_QKV_BIAS = (r"layers.\1.self_attn.q_bias", r"layers.\1.self_attn.k_bias", r"layers.\1.self_attn.v_bias")
+_G = r"(?:transformer\.)?"  # GPT-2 checkpoints name their tensors with and without the prefix
+_GH = _G + r"h\.(\d+)\."
+GPT2_RULES = [  # Conv1D weights are [in, out]: the model's layout already, no transpose
+    (_G + r"wte\.weight", "embed", t_identity),
+    (_G + r"wpe\.weight", "pos_embed", t_identity),
+    (_GH + r"ln_1\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
+    (_GH + r"ln_2\.(weight|bias)", r"layers.\1.post_attention_layernorm.\2", t_identity),
+    (_GH + r"attn\.c_attn\.weight", _QKV, t_conv1d_qkv),
+    (_GH + r"attn\.c_attn\.bias", _QKV_BIAS, t_conv1d_qkv_bias),
+    (_GH + r"attn\.c_proj\.weight", r"layers.\1.self_attn.o_proj", t_conv1d_out_heads),
+    (_GH + r"attn\.c_proj\.bias", r"layers.\1.self_attn.o_bias", t_identity),
+    (_GH + r"mlp\.c_fc\.weight", r"layers.\1.mlp.up_proj", t_identity),
+    (_GH + r"mlp\.c_fc\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_GH + r"mlp\.c_proj\.weight", r"layers.\1.mlp.down_proj", t_identity),
+    (_GH + r"mlp\.c_proj\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (_G + r"ln_f\.(weight|bias)", r"norm.\1", t_identity),
+    (r"lm_head\.weight", "lm_head", t_transpose),
+    (_GH + r"attn\.(bias|masked_bias)", None, None),  # old checkpoints' causal-mask buffers
+]
+_N = r"gpt_neox\.layers\.(\d+)\."
+NEOX_RULES = [
+    (r"gpt_neox\.embed_in\.weight", "embed", t_identity),
+    (_N + r"(input_layernorm|post_attention_layernorm)\.(weight|bias)", r"layers.\1.\2.\3", t_identity),
+    (_N + r"attention\.query_key_value\.weight", _QKV, t_neox_qkv),
+    (_N + r"attention\.query_key_value\.bias", _QKV_BIAS, t_neox_qkv_bias),
+    (_N + r"attention\.dense\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_N + r"attention\.dense\.bias", r"layers.\1.self_attn.o_bias", t_identity),
+    (_N + r"mlp\.dense_h_to_4h\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_N + r"mlp\.dense_h_to_4h\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_N + r"mlp\.dense_4h_to_h\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_N + r"mlp\.dense_4h_to_h\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (r"gpt_neox\.final_layer_norm\.(weight|bias)", r"norm.\1", t_identity),
+    (r"(?:embed_out|lm_head)\.weight", "lm_head", t_transpose),
+    (_N + r"attention\.(bias|masked_bias|rotary_emb\.inv_freq)", None, None),  # old checkpoints' buffers
+]
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES, "olmo": OLMO_RULES,
+                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

@@ -17,7 +17,9 @@ from jvllm.quantization.config import QuantConfig
 # freq_factors: llama.cpp's rope_freqs tensor (a GGUF of a Llama 3.1-style model stores its llama3
 # scaling as one divisor per frequency, no rope.scaling keys): rope_scaling {"factors": (...)}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "freq_factors")
-_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+# jvllm.ops.activations.NAMES (named here: this module imports no jax)
+_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu")
+_NORM_KINDS = ("rms", "layer")
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -82,6 +84,12 @@ class ModelConfig:
     Family variants (each read by the shared layers in `jvllm.models.layers`):
       norm_unit_offset     RMSNorm scales by (1 + w) in float32, then casts (Gemma)
       norm_scale_f32       RMSNorm scales by w in float32, then casts (OLMo 2; Llama casts first)
+      norm_kind            "rms" (RMSNorm) or "layer" (LayerNorm with a bias: GPT-2, GPT-NeoX);
+                           `rms_norm_eps` is the epsilon of either
+      mlp_gated            down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-2, GPT-NeoX)
+      parallel_residual    x + attn(norm1(x)) + mlp(norm2(x)) in one step (GPT-NeoX)
+      learned_positions    absolute position embeddings added to the token embeddings, no rotary
+                           embedding (GPT-2)
       qk_norm_full         the q/k RMSNorms span the whole projection, all heads jointly (OLMo 2),
                            instead of each head
       embed_scale          embeddings are multiplied by sqrt(hidden_size) in the model dtype (Gemma)
@@ -118,6 +126,10 @@ class ModelConfig:
     hidden_act: str = "silu"
     norm_unit_offset: bool = False
     norm_scale_f32: bool = False
+    norm_kind: str = "rms"
+    mlp_gated: bool = True
+    parallel_residual: bool = False
+    learned_positions: bool = False
     embed_scale: bool = False
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
@@ -151,6 +163,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{f} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.norm_kind not in _NORM_KINDS:
+            raise ValueError(f"unsupported norm_kind {self.norm_kind!r}; supported: {', '.join(_NORM_KINDS)}")
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}")
         for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
@@ -280,7 +294,9 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            # GPT-2 names it n_inner (None: 4 x hidden)
+            intermediate_size=(getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None)
+                               or 4 * hf.hidden_size),
             num_layers=n,
             num_heads=heads,
             num_kv_heads=kv,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from jax.sharding import NamedSharding, PartitionSpec
 
 REPLICATED = {"vocab": None, "embed": None, "heads": None, "kv_heads": None, "head_dim": None, "mlp": None,
-              "norm": None, "expert": None, "moe_mlp": None, "router": None}
+              "norm": None, "expert": None, "moe_mlp": None, "router": None, "positions": None}
 TENSOR = dict(REPLICATED, vocab="tensor", heads="tensor", kv_heads="tensor", mlp="tensor",
               expert="expert", moe_mlp="tensor")
 # Expert parallel (vLLM's enable_expert_parallel): attention, dense MLPs and shared experts as

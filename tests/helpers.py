@@ -33,6 +33,12 @@ ARCHS = {
     # Gemma 1: no sandwich norms, no soft-caps; head_dim != hidden / heads as the 7B
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # GPT-2 (multi-head; its own names for the sizes are aliases in transformers' config)
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(num_key_value_heads=None, n_inner=128, n_positions=512)),
+    # GPT-NeoX / Pythia: parallel residual, a quarter of each head rotary (the default); untied head
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=None)),
+    "gpt_neox_seq": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=None,
+                                                                  use_parallel_residual=False)),
     # Granite 3.x's scales (the 8B's: 12.0, 0.22, 0.0078125, 16.0; here large enough to change the
     # logits of random weights well past the parity tolerance), tied embeddings as the 2B
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(

@@ -1,4 +1,5 @@
-"""The families beyond Llama (Gemma 2 / 3, Phi-3, OLMo 2 / 3, SmolLM3, Granite) beyond logit parity
+"""The families beyond Llama (Gemma 2 / 3, Phi-3, OLMo 2 / 3, SmolLM3, Granite, GPT-2, GPT-NeoX)
+beyond logit parity
 (tests/test_models.py has that): each variant really changes the numbers, the engine equals
 transformers' greedy generation token for token with batching, chunked prefill, prefix-cache hits
 and preemption all in one run per family, and tensor parallelism gives the one-device tokens."""
@@ -31,7 +32,8 @@ def _logits(cfg, params, ids):
     ("gemma2", "query_pre_attn_scalar", None), ("gemma3", "local_rope_theta", None),
     ("gemma3", "embed_scale", False), ("phi3", "partial_rotary_factor", 1.0), ("smollm3", "nope_layers", ()),
     ("granite", "embedding_multiplier", None), ("granite", "residual_multiplier", 1.0),
-    ("granite", "attention_multiplier", None), ("granite", "logits_scaling", None)])
+    ("granite", "attention_multiplier", None), ("granite", "logits_scaling", None),
+    ("gpt_neox", "parallel_residual", False), ("gpt_neox", "partial_rotary_factor", 0.5)])
 def test_variant_matters(ckpt_dir, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""
@@ -40,7 +42,7 @@ def test_variant_matters(ckpt_dir, arch, field, value):
     ck = load_checkpoint(ckpt_dir(arch))
     ids = list(range(3, 40))
     base = _logits(ck.config, ck.params, ids)
-    if field == "partial_rotary_factor":  # full rotary needs factors for every pair
+    if field == "partial_rotary_factor" and ck.config.rope_type == "longrope":  # factors for every pair
         rs = dict(ck.config.rope_params)
         rs.update(short_factor=rs["short_factor"] * 2, long_factor=rs["long_factor"] * 2)
         cfg = dataclasses.replace(ck.config, partial_rotary_factor=1.0, rope_scaling=tuple(sorted(rs.items())))
@@ -49,7 +51,27 @@ def test_variant_matters(ckpt_dir, arch, field, value):
     assert np.abs(_logits(cfg, ck.params, ids) - base).max() > 1e-3
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window"])
+def test_activations_are_transformers():
+    """Each hidden_act name is transformers' function (exact and tanh GELU differ by a few 1e-4, too
+    little to show in the random models' logits, so they are checked here), and the config check
+    knows the same names."""
+    import torch
+    from transformers.activations import ACT2FN
+
+    from jvllm.config import _ACTIVATIONS
+    from jvllm.ops.activations import NAMES, activation
+
+    assert set(NAMES) == set(_ACTIVATIONS)
+    x = np.linspace(-6, 6, 241, dtype=np.float32)
+    for name in NAMES:
+        want = ACT2FN[name](torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(np.asarray(activation(name)(x)), want, atol=2e-6, err_msg=name)
+    assert np.abs(np.asarray(activation("gelu")(x)) - np.asarray(activation("gelu_new")(x))).max() > 1e-4
+    with pytest.raises(ValueError, match="unsupported activation 'relu2'; supported: silu"):
+        activation("relu2")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "gpt_neox"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
     prefill), prompts that share a 35-token prefix and a second pass (prefix-cache hits); the
@@ -103,12 +125,13 @@ def one_device(ckpt_dir):
     return run
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "olmo2"])
+@pytest.mark.parametrize("arch", ["gemma3", "olmo2", "gpt_neox"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_identical(one_device, arch, tp):
-    """Gemma 3 (head_dim 256, sliding + global layers, q/k norms) and OLMo 2 (q/k norms over all
-    heads jointly, so over the sharded head axis) on 2 and 4 fake CPU devices give the one-device
-    tokens; TP=4 has fewer KV heads (2) than devices (replicated KV path)."""
+    """Gemma 3 (head_dim 256, sliding + global layers, q/k norms), OLMo 2 (q/k norms over all
+    heads jointly, so over the sharded head axis) and GPT-NeoX (biases, dense MLP, parallel
+    residual) on 2 and 4 fake CPU devices give the one-device tokens; TP=4 has fewer KV heads (2)
+    than devices for Gemma 3 and OLMo 2 (replicated KV path)."""
     path, expected = one_device(arch)
     assert _tp_run(path, tensor_parallel_size=tp) == expected
 

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jvllm.config import ModelConfig
+from jvllm.ops.activations import activation
 from jvllm.ops.attention import AttentionMetadata, paged_attention, pallas_decode_attention, shard_local
 from jvllm.ops.fixed_order import tree_mean
 from jvllm.ops.fixed_tile_matmul import fixed_tile_matmul, fixed_tile_matmuls
@@ -31,7 +32,8 @@ List = getattr(nnx, "List", list)  # a module list nnx tracks (older flax: a pla
 
 # Logical axis names used by model code (jvllm.sharding maps them onto mesh axes).
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm",
-                "expert", "moe_mlp", "router")  # mixture of experts (jvllm.models.moe)
+                "expert", "moe_mlp", "router",  # mixture of experts (jvllm.models.moe)
+                "positions")  # learned position embeddings (GPT-2)
 
 
 def declare(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, ones: bool = False) -> nnx.Param:
@@ -74,8 +76,27 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
 
 
-def norm(cfg: ModelConfig, shape: int | tuple[int, ...], dtype, axes=("norm",)) -> RMSNorm:
-    """The family's RMSNorm for an activation whose trailing dims are `shape`."""
+class LayerNorm(nnx.Module):
+    """torch.nn.LayerNorm (GPT-2, GPT-NeoX): (x - mean) / sqrt(var + eps) * w + b over the last
+    axis, in float32, then cast. fixed_order as RMSNorm's."""
+
+    def __init__(self, dim: int, eps: float, dtype, axes=("norm",), fixed_order: bool = False):
+        self.eps = eps
+        self.mean = tree_mean if fixed_order else jnp.mean  # chosen once
+        self.weight = declare((dim,), axes, dtype, ones=True)
+        self.bias = declare((dim,), axes, dtype)
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        d = xf - self.mean(xf, axis=-1, keepdims=True)
+        y = d * jax.lax.rsqrt(self.mean(d * d, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, shape: int | tuple[int, ...], dtype, axes=("norm",)) -> RMSNorm | LayerNorm:
+    """The family's norm (`cfg.norm_kind`) for an activation whose trailing dims are `shape`."""
+    if cfg.norm_kind == "layer":
+        return LayerNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, fixed_order=cfg.batch_invariant)
     return RMSNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, unit_offset=cfg.norm_unit_offset,
                    fixed_order=cfg.batch_invariant, scale_f32=cfg.norm_scale_f32)
 
@@ -274,7 +295,8 @@ class Attention(nnx.Module):
         self.scale = (float(cfg.attention_multiplier) if cfg.attention_multiplier is not None
                       else float(cfg.query_pre_attn_scalar or hd) ** -0.5)
         # trace-time constants; None: a NoPE layer (no rotary embedding)
-        self.rope = None if layer in cfg.nope_layers else layer_rope(cfg, local=self.window is not None)
+        self.rope = (None if layer in cfg.nope_layers or cfg.learned_positions
+                     else layer_rope(cfg, local=self.window is not None))
 
     def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks, attention="xla"):
         q, k, v = self.proj.many("td,dhk->thk", x, [(self.q_proj, self.q_proj_scale), (self.k_proj, self.k_proj_scale),
@@ -322,15 +344,41 @@ class MLP(nnx.Module):
             self.up_bias = declare((I,), ("mlp",), dtype)
             self.down_bias = declare((D,), ("embed",), dtype)
         self.has_bias = cfg.mlp_bias
-        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        self.act = cfg.hidden_act
 
     def __call__(self, x):
         g, u = self.proj.many("td,di->ti", x, [(self.gate_proj, self.gate_proj_scale), (self.up_proj, self.up_proj_scale)])
         if self.has_bias:
             g, u = g + self.gate_bias[...], u + self.up_bias[...]
-        act = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        y = self.proj("ti,id->td", act * u, self.down_proj, self.down_proj_scale)
+        y = self.proj("ti,id->td", activation(self.act)(g) * u, self.down_proj, self.down_proj_scale)
         return y + self.down_bias[...] if self.has_bias else y
+
+
+class DenseMLP(nnx.Module):
+    """down(act(up(x))), no gate (GPT-2, GPT-NeoX), with the optional biases of `mlp_bias`."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        D, I = cfg.hidden_size, cfg.intermediate_size
+        self.proj = p = projection(cfg)
+        self.up_proj, self.up_proj_scale = p.declare((D, I), ("embed", "mlp"), 1, dtype)
+        self.down_proj, self.down_proj_scale = p.declare((I, D), ("mlp", "embed"), 1, dtype)
+        if cfg.mlp_bias:
+            self.up_bias = declare((I,), ("mlp",), dtype)
+            self.down_bias = declare((D,), ("embed",), dtype)
+        self.has_bias = cfg.mlp_bias
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        u = self.proj("td,di->ti", x, self.up_proj, self.up_proj_scale)
+        if self.has_bias:
+            u = u + self.up_bias[...]
+        y = self.proj("ti,id->td", activation(self.act)(u), self.down_proj, self.down_proj_scale)
+        return y + self.down_bias[...] if self.has_bias else y
+
+
+def mlp(cfg: ModelConfig, dtype) -> MLP | DenseMLP:
+    """The family's MLP: gated (`cfg.mlp_gated`) or dense."""
+    return MLP(cfg, dtype) if cfg.mlp_gated else DenseMLP(cfg, dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.config import ModelConfig
-from jvllm.models.layers import MLP, Attention, List, declare, norm
+from jvllm.models.layers import Attention, List, declare, mlp, norm
 from jvllm.ops.attention import AttentionMetadata
 
 
@@ -34,7 +34,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = norm(cfg, cfg.hidden_size, dtype)
         self.self_attn = Attention(cfg, layer, dtype)
         self.post_attention_layernorm = norm(cfg, cfg.hidden_size, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = mlp(cfg, dtype)
 
     def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
         a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
@@ -72,11 +72,7 @@ class LlamaForCausalLM(nnx.Module):
         sliding-window layers on the ragged kernel). A "_interpret" suffix runs the Pallas kernels
         in interpret mode (CPU tests). `hooks`: `jvllm.models.hooks` (None: no hook traced)."""
         if self.first:
-            x = self.embed[...][x]
-            if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the model dtype, as transformers
-                x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
-            elif self.config.embedding_multiplier is not None:  # Granite: a float32 product, rounded once
-                x = (x.astype(jnp.float32) * self.config.embedding_multiplier).astype(x.dtype)
+            x = self.embed_tokens(x, md)
             if hooks is not None:
                 x = hooks.embedded(x)
         new_kv = []
@@ -89,3 +85,13 @@ class LlamaForCausalLM(nnx.Module):
             return x, new_kv
         h = self.norm(x)
         return (hooks.final(h) if hooks is not None else h), new_kv
+
+    def embed_tokens(self, tokens, md: AttentionMetadata):
+        """The first stage's input: token ids [T] -> embeddings [T, hidden] (a family with
+        position embeddings overrides this)."""
+        x = self.embed[...][tokens]
+        if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the model dtype, as transformers
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        elif self.config.embedding_multiplier is not None:  # Granite: a float32 product, rounded once
+            x = (x.astype(jnp.float32) * self.config.embedding_multiplier).astype(x.dtype)
+        return x

@@ -63,7 +63,7 @@ class SharedExpertMLP(MLP):
         self.down_proj = declare((I, D), ("mlp", "embed"), dtype)
         self.gate_proj_scale = self.up_proj_scale = self.down_proj_scale = None
         self.has_bias = False
-        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        self.act = cfg.hidden_act
 
 
 class SparseMoE(nnx.Module):

@@ -223,6 +223,32 @@ register(Family(
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
 ))
 register(Family(
+    # GPT-2 (jvllm.models.gpt2): LayerNorm, dense GELU MLP, biases, learned positions, tied head;
+    # its Conv1D names and fused c_attn through name map "gpt2"
+    name="gpt2",
+    architectures=("GPT2LMHeadModel",),
+    model_types={"gpt2": "GPT2LMHeadModel"},
+    model="jvllm.models.gpt2:GPT2LMHeadModel",
+    name_map="gpt2",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "learned_positions": True, "attention_bias": True,
+              "o_bias": True, "mlp_bias": True},
+    hf_fields={"hidden_act": "activation_function", "rms_norm_eps": "layer_norm_epsilon"},
+    # attention variants transformers' GPT-2 honours and jvllm does not implement
+    refused={"GPT2LMHeadModel": ("scale_attn_by_inverse_layer_idx",)},
+))
+register(Family(
+    # GPT-NeoX / Pythia (jvllm.models.neox): LayerNorm, dense GELU MLP, biases, partial rotary,
+    # parallel residual; its fused per-head query_key_value through name map "gpt_neox"
+    name="gpt_neox",
+    architectures=("GPTNeoXForCausalLM",),
+    model_types={"gpt_neox": "GPTNeoXForCausalLM"},
+    model="jvllm.models.neox:GPTNeoXForCausalLM",
+    name_map="gpt_neox",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "mlp_bias": True},
+    hf_fields={"rms_norm_eps": "layer_norm_eps", "attention_bias": "attention_bias", "o_bias": "attention_bias",
+               "parallel_residual": "use_parallel_residual"},
+))
+register(Family(
     # mixture of experts (jvllm.models.moe): Llama's attention, norms and head around a routed,
     # grouped-matmul expert MLP; the MoE settings come from `ModelConfig.moe` (config._moe_from_hf)
     name="moe",

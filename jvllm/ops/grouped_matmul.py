@@ -38,6 +38,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from jvllm.ops.activations import activation
+
 
 def sort_by_expert(top_idx: jax.Array, num_experts: int, valid: jax.Array | None = None):
     """(order [T*k], group_sizes [E] int32): row r of the sorted buffer is pair order[r] of the
@@ -86,16 +88,10 @@ def ragged_dot_fn(backend: str):
 GMM_SCOPE, ROUTING_SCOPE = "moe_grouped_matmul", "moe_routing"
 
 
-ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")  # the experts' `hidden_act` (swish is silu)
-
-
 def glu(g, u, act: str):
-    """act(g) * u: SwiGLU (silu / swish) or GeGLU (gelu_pytorch_tanh, transformers' tanh approximation)."""
-    if act == "gelu_pytorch_tanh":
-        return jax.nn.gelu(g, approximate=True) * u
-    if act in ("silu", "swish"):
-        return jax.nn.silu(g) * u
-    raise ValueError(f"mixture of experts: unsupported expert activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
+    """act(g) * u: SwiGLU (silu / swish) or GeGLU (gelu_pytorch_tanh, transformers' tanh
+    approximation): any of `jvllm.ops.activations.NAMES`."""
+    return activation(act)(g) * u
 
 
 def _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend, act):
