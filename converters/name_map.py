@@ -149,6 +149,14 @@ PHI3_RULES = [
      (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj"), t_split_qkv),
     (_L + r"mlp\.gate_up_proj\.weight", (r"layers.\1.mlp.gate_proj", r"layers.\1.mlp.up_proj"), t_split_gate_up),
 ] + HF_RULES
+STARCODER2_RULES = [  # LayerNorms with biases; the ungated MLP's c_fc / c_proj
+    (_L + r"mlp\.c_fc\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_L + r"mlp\.c_fc\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_L + r"mlp\.c_proj\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_L + r"mlp\.c_proj\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (_L + r"(input_layernorm|post_attention_layernorm)\.bias", r"layers.\1.\2.bias", t_identity),
+    (r"model\.norm\.bias", "norm.bias", t_identity),
+] + HF_RULES
 _QKV = (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj")
 _QKV_BIAS = (r"layers.\1.self_attn.q_bias", r"layers.\1.self_attn.k_bias", r"layers.\1.self_attn.v_bias")
 _G = r"(?:transformer\.)?"  # GPT-2 checkpoints name their tensors with and without the prefix
@@ -187,7 +195,7 @@ NEOX_RULES = [
     (_N + r"attention\.(bias|masked_bias|rotary_emb\.inv_freq)", None, None),  # old checkpoints' buffers
 ]
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES, "olmo": OLMO_RULES,
-                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES,
+                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

@@ -277,7 +277,7 @@ class ModelConfig:
         if sw:
             # transformers applies these models' sliding_window to every layer and never reads
             # layer_types (Mistral reads layer_types when a config has them)
-            if arch in ("Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+            if arch in ("Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Starcoder2ForCausalLM"):
                 windows = [sw] * n
             elif layer_types:
                 windows = [sw if t == "sliding_attention" else None for t in layer_types]

@@ -33,6 +33,8 @@ ARCHS = {
     # Gemma 1: no sandwich norms, no soft-caps; head_dim != hidden / heads as the 7B
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # StarCoder2: LayerNorms, c_fc / c_proj, biases, a window on every layer
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=8)),
     # GPT-2 (multi-head; its own names for the sizes are aliases in transformers' config)
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(num_key_value_heads=None, n_inner=128, n_positions=512)),
     # GPT-NeoX / Pythia: parallel residual, a quarter of each head rotary (the default); untied head

@@ -1,5 +1,5 @@
-"""The families beyond Llama (Gemma 2 / 3, Phi-3, OLMo 2 / 3, SmolLM3, Granite, GPT-2, GPT-NeoX)
-beyond logit parity
+"""The families beyond Llama (Gemma 2 / 3, Phi-3, OLMo 2 / 3, SmolLM3, Granite, GPT-2, GPT-NeoX,
+StarCoder2) beyond logit parity
 (tests/test_models.py has that): each variant really changes the numbers, the engine equals
 transformers' greedy generation token for token with batching, chunked prefill, prefix-cache hits
 and preemption all in one run per family, and tensor parallelism gives the one-device tokens."""
@@ -71,7 +71,8 @@ def test_activations_are_transformers():
         activation("relu2")
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "gpt_neox",
+                                  "starcoder2"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
     prefill), prompts that share a 35-token prefix and a second pass (prefix-cache hits); the

@@ -223,6 +223,18 @@ register(Family(
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
 ))
 register(Family(
+    # StarCoder2: the Llama decoder with LayerNorms, an ungated GELU MLP (c_fc / c_proj) and
+    # biases everywhere (use_bias); its window applies to every layer
+    name="starcoder2",
+    architectures=("Starcoder2ForCausalLM",),
+    model_types={"starcoder2": "Starcoder2ForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    name_map="starcoder2",
+    defaults={"norm_kind": "layer", "mlp_gated": False},
+    hf_fields={"rms_norm_eps": "norm_epsilon", "attention_bias": "use_bias", "o_bias": "use_bias",
+               "mlp_bias": "use_bias"},
+))
+register(Family(
     # GPT-2 (jvllm.models.gpt2): LayerNorm, dense GELU MLP, biases, learned positions, tied head;
     # its Conv1D names and fused c_attn through name map "gpt2"
     name="gpt2",
