@@ -7,19 +7,16 @@ model dtype, as torch computes a bf16 tensor times a Python float)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-from flax import nnx
 
 from jvllm.config import ModelConfig
-from jvllm.models.layers import MLP, Attention, norm
-from jvllm.models.llama import LlamaForCausalLM
+from jvllm.models.llama import DecoderLayer, LlamaForCausalLM
 
 
-class GraniteDecoderLayer(nnx.Module):
+class GraniteDecoderLayer(DecoderLayer):
+    """Llama's layer with each block's output scaled before its residual add."""
+
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
-        self.input_layernorm = norm(cfg, cfg.hidden_size, dtype)
-        self.self_attn = Attention(cfg, layer, dtype)
-        self.post_attention_layernorm = norm(cfg, cfg.hidden_size, dtype)
-        self.mlp = MLP(cfg, dtype)
+        super().__init__(cfg, layer, dtype)
         self.residual_multiplier = float(cfg.residual_multiplier)
 
     def _scaled(self, y):

@@ -10,22 +10,13 @@ v per head; the converters' name map splits it.
 """
 from __future__ import annotations
 
-from flax import nnx
-
 from jvllm.config import ModelConfig
-from jvllm.models.layers import Attention, mlp, norm
 from jvllm.models.llama import DecoderLayer, LlamaForCausalLM
 
 
-class ParallelDecoderLayer(nnx.Module):
-    """x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x)) (transformers' order:
-    mlp + attn + x)."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, dtype):
-        self.input_layernorm = norm(cfg, cfg.hidden_size, dtype)
-        self.self_attn = Attention(cfg, layer, dtype)
-        self.post_attention_layernorm = norm(cfg, cfg.hidden_size, dtype)
-        self.mlp = mlp(cfg, dtype)
+class ParallelDecoderLayer(DecoderLayer):
+    """Llama's layer's modules, run in parallel: x + attn(input_layernorm(x)) +
+    mlp(post_attention_layernorm(x)) (transformers' order: mlp + attn + x)."""
 
     def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
         a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
