@@ -97,6 +97,19 @@ def test_gemma3_multimodal_transformers5_layout(gemma3_mm, tmp_path):
         assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
 
 
+def test_gemma3_multimodal_orbax_roundtrip(gemma3_mm, tmp_path):
+    """`jvllm convert` of the multimodal checkpoint writes the text decoder's params beside the
+    multimodal config.json, and they load back equal."""
+    from jvllm.converters import convert_to_orbax, load_checkpoint
+
+    d, _ = gemma3_mm
+    convert_to_orbax(d, str(tmp_path / "o"), "float32")
+    a, b = load_checkpoint(d, "float32"), load_checkpoint(str(tmp_path / "o"), "float32")
+    assert a.config == b.config and sorted(a.params) == sorted(b.params)
+    for k in a.params:
+        assert np.array_equal(np.asarray(a.params[k]), np.asarray(b.params[k])), k
+
+
 def test_multimodal_errors(gemma3_mm, tmp_path):
     """An image part in a chat message is refused by name (the decoder has no vision tower); an
     unregistered multimodal architecture names the supported ones, the wrapper among them."""
