@@ -178,3 +178,28 @@ def test_gemma2_pallas_kernels_match_transformers(ckpt_dir):
         llm.shutdown()
     ref = hf_model(path)
     assert ours == [hf_greedy(ref, p, 5) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "olmo2"])
+def test_hidden_states_match_transformers(ckpt_dir, arch):
+    """`return_hidden_states` in transformers' numbering for a family whose embedding stage adds
+    learned positions (GPT-2: hidden state 0 is token + position embeddings) and a post-norm one
+    (OLMo 2), within 1e-4 of each token's largest value."""
+    import torch
+
+    path = ckpt_dir(arch)
+    llm = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4,
+              token_buckets=(8, 32), use_tqdm_on_load=False)
+    try:
+        L = llm.llm_engine.model_config.num_layers
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_hidden_states=list(range(L + 1)))
+        c = llm.generate([{"prompt_token_ids": TP_PROMPTS[1]}], sp, use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    ids = TP_PROMPTS[1] + c.token_ids[:-1]
+    with torch.no_grad():
+        hf = hf_model(path)(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for i in range(L + 1):
+        want = hf[i][0].numpy()
+        assert c.hidden_states[i].shape == want.shape
+        assert (np.abs(c.hidden_states[i] - want) <= 1e-4 * np.abs(want).max(-1, keepdims=True)).all(), i
