@@ -59,6 +59,12 @@ def t_bias_heads(name, a, tgt):  # [heads*hd] -> [heads, hd]
     return a.reshape(h, hd)
 
 
+def t_qk_norm(name, a, tgt):  # per head [hd]; or over the whole projection [heads*hd] -> [heads, hd] (OLMo)
+    if len(tgt) == 1:
+        return t_identity(name, a, tgt)
+    return t_bias_heads(name, a, tgt)
+
+
 def t_split_qkv(name, a, tgts):  # [(H+2K)*hd, embed] -> q [embed, H, hd], k, v [embed, K, hd]
     (d, h, hd), (_, k, _), _ = tgts
     _expect(name, a, ((h + 2 * k) * hd, d))
@@ -128,7 +134,7 @@ HF_RULES: list[tuple[str, str | None, Callable | None]] = [
     (_L + r"self_attn\.(q|k|v)_proj\.bias", r"layers.\1.self_attn.\2_bias", t_bias_heads),
     (_L + r"self_attn\.o_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
     (_L + r"self_attn\.o_proj\.bias", r"layers.\1.self_attn.o_bias", t_identity),
-    (_L + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight", t_identity),
+    (_L + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight", t_qk_norm),
     (_L + r"mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj", t_transpose),
     (_L + r"mlp\.(gate|up|down)_proj\.bias", r"layers.\1.mlp.\2_bias", t_identity),
     (_L + r"(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight", t_identity),
@@ -140,8 +146,7 @@ HF_RULES: list[tuple[str, str | None, Callable | None]] = [
 GEMMA_RULES = HF_RULES + [  # the sandwich norms around the MLP
     (_L + r"(pre_feedforward_layernorm|post_feedforward_layernorm)\.weight", r"layers.\1.\2.weight", t_identity),
 ]
-OLMO_RULES = [  # q/k norms over the whole projection ([heads * hd] -> [heads, hd]); post-MLP norm
-    (_L + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight", t_bias_heads),
+OLMO_RULES = [  # the post-MLP norm (the q/k norms over the whole projection: t_qk_norm)
     (_L + r"post_feedforward_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
 ] + HF_RULES
 PHI3_RULES = [

@@ -27,7 +27,8 @@ def supported_architectures() -> tuple[str, ...]:
     from jvllm.models.registry import supported_architectures as archs
 
     return archs()
-_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # jvllm.models.moe
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                      "OlmoeForCausalLM")  # jvllm.models.moe
 
 
 def _freeze(d: dict | None) -> tuple | None:
@@ -350,6 +351,9 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
     if arch == "MixtralForCausalLM":
         return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                          expert_size=hf.intermediate_size, norm_topk_prob=True)
+    if arch == "OlmoeForCausalLM":  # every layer sparse; the experts' size is intermediate_size
+        return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.intermediate_size,
+                         norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)))
     return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.moe_intermediate_size,
                      norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
                      shared_expert_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)

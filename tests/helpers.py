@@ -78,6 +78,7 @@ ARCHS.update({  # mixture of experts (jvllm.models.moe); Qwen2-MoE with one dens
         mlp_only_layers=[1])),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=16, num_experts_per_tok=4,
                                                                  moe_intermediate_size=32, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32)),
     "mixtral_window": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                                     intermediate_size=32, sliding_window=8)),
 })

@@ -167,7 +167,7 @@ def _prompts(seed=3):
     return [rng.integers(3, 256, int(n)).tolist() for n in (5, 21, 57, 30, 44, 38)] + [shared + [7, 8], shared + [9]]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_moe_greedy_matches_transformers(ckpt_dir, arch):
     """One engine per family through every scheduling path at once: 32-token chunks (prompts up to
     57 tokens), a shared 33-token prefix, a second pass served from the prefix cache, and 12
@@ -242,11 +242,12 @@ def test_parallel_moe_equals_one_device(qwen3_moe_base, kw, want, monkeypatch):
     ("mixtral", dict(num_local_experts=8), dict(tensor_parallel_size=4, expert_parallel_size=2,
                                                 enable_expert_parallel=True)),
     ("qwen2_moe", {}, dict(tensor_parallel_size=2, expert_parallel_size=4)),
-    ("qwen2_moe", {}, dict(tensor_parallel_size=2, expert_parallel_size=2, enable_expert_parallel=True))],
-    ids=["mixtral-ep2xtp4", "qwen2_moe-groups4xtp2", "qwen2_moe-ep2xtp2"])
+    ("qwen2_moe", {}, dict(tensor_parallel_size=2, expert_parallel_size=2, enable_expert_parallel=True)),
+    ("olmoe", {}, dict(tensor_parallel_size=2, expert_parallel_size=2, enable_expert_parallel=True))],
+    ids=["mixtral-ep2xtp4", "qwen2_moe-groups4xtp2", "qwen2_moe-ep2xtp2", "olmoe-ep2xtp2"])
 def test_expert_axis_families_equal_one_device(ckpt_dir, arch, base_kw, kw):
-    """Mixtral and Qwen2-MoE (shared expert, one dense layer) on an ("expert", "tensor") stage
-    mesh equal one device."""
+    """Mixtral, Qwen2-MoE (shared expert, one dense layer) and OLMoE (q/k norms over the sharded
+    heads) on an ("expert", "tensor") stage mesh equal one device."""
     path = ckpt_dir(arch, **base_kw)
     prompts = _prompts()[:4]
     outs = []

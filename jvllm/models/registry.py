@@ -264,14 +264,16 @@ register(Family(
     # mixture of experts (jvllm.models.moe): Llama's attention, norms and head around a routed,
     # grouped-matmul expert MLP; the MoE settings come from `ModelConfig.moe` (config._moe_from_hf)
     name="moe",
-    architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
+    architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
     model_types={"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"},
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"},
     model="jvllm.models.moe:MoEForCausalLM",
     name_map="moe",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     per_arch={"Qwen2MoeForCausalLM": {"attention_bias": FromHF("qkv_bias", True), "o_bias": False},
-              "Qwen3MoeForCausalLM": {"qk_norm": True}},
+              "Qwen3MoeForCausalLM": {"qk_norm": True},
+              "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_full": True}},  # OLMoE: AI2's, OLMo's q/k norms
+    refused={"OlmoeForCausalLM": ("clip_qkv",)},
 ))
 register_text_only(TextOnly(
     # Gemma 3 4B / 12B / 27B (SigLIP vision tower + projector around a Gemma 3 decoder)
