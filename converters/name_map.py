@@ -65,6 +65,20 @@ def t_qk_norm(name, a, tgt):  # per head [hd]; or over the whole projection [hea
     return t_bias_heads(name, a, tgt)
 
 
+def _interleaved_to_half(hd: int) -> np.ndarray:
+    """Head-dim order taking interleaved rope pairs (2i, 2i+1) to rotate-half pairs (i, i + hd/2)."""
+    return np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
+
+
+def t_in_heads_rope_pairs(name, a, tgt):  # Cohere's q/k [heads*hd, embed] -> [embed, heads, hd], pairs regrouped
+    return t_in_heads(name, a, tgt)[..., _interleaved_to_half(tgt[-1])]
+
+
+def t_qk_norm_rope_pairs(name, a, tgt):  # Command R+'s per-head q/k norm [heads, hd], pairs regrouped
+    _expect(name, a, tgt)
+    return a[..., _interleaved_to_half(tgt[-1])]
+
+
 def t_split_qkv(name, a, tgts):  # [(H+2K)*hd, embed] -> q [embed, H, hd], k, v [embed, K, hd]
     (d, h, hd), (_, k, _), _ = tgts
     _expect(name, a, ((h + 2 * k) * hd, d))
@@ -162,6 +176,10 @@ STARCODER2_RULES = [  # LayerNorms with biases; the ungated MLP's c_fc / c_proj
     (_L + r"(input_layernorm|post_attention_layernorm)\.bias", r"layers.\1.\2.bias", t_identity),
     (r"model\.norm\.bias", "norm.bias", t_identity),
 ] + HF_RULES
+COHERE_RULES = [  # rope on interleaved pairs: q/k (and their per-head norms) in the rotate-half layout
+    (_L + r"self_attn\.(q|k)_proj\.weight", r"layers.\1.self_attn.\2_proj", t_in_heads_rope_pairs),
+    (_L + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight", t_qk_norm_rope_pairs),
+] + HF_RULES
 _QKV = (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj")
 _QKV_BIAS = (r"layers.\1.self_attn.q_bias", r"layers.\1.self_attn.k_bias", r"layers.\1.self_attn.v_bias")
 _G = r"(?:transformer\.)?"  # GPT-2 checkpoints name their tensors with and without the prefix
@@ -200,7 +218,7 @@ NEOX_RULES = [
     (_N + r"attention\.(bias|masked_bias|rotary_emb\.inv_freq)", None, None),  # old checkpoints' buffers
 ]
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES, "olmo": OLMO_RULES,
-                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES,
+                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "cohere": COHERE_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

@@ -20,6 +20,7 @@ _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "fr
 # jvllm.ops.activations.NAMES (named here: this module imports no jax)
 _ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu")
 _NORM_KINDS = ("rms", "layer")
+_QK_NORM_LAYOUTS = ("head", "per_head", "all")
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -85,14 +86,17 @@ class ModelConfig:
     Family variants (each read by the shared layers in `jvllm.models.layers`):
       norm_unit_offset     RMSNorm scales by (1 + w) in float32, then casts (Gemma)
       norm_scale_f32       RMSNorm scales by w in float32, then casts (OLMo 2; Llama casts first)
-      norm_kind            "rms" (RMSNorm) or "layer" (LayerNorm with a bias: GPT-2, GPT-NeoX);
+      norm_kind            "rms" (RMSNorm) or "layer" (LayerNorm: GPT-2, GPT-NeoX, Cohere);
                            `rms_norm_eps` is the epsilon of either
+      norm_bias            LayerNorms have a bias (False: Cohere's)
       mlp_gated            down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-2, GPT-NeoX)
       parallel_residual    x + attn(norm1(x)) + mlp(norm2(x)) in one step (GPT-NeoX)
       learned_positions    absolute position embeddings added to the token embeddings, no rotary
                            embedding (GPT-2)
-      qk_norm_full         the q/k RMSNorms span the whole projection, all heads jointly (OLMo 2),
-                           instead of each head
+      qk_norm_layout       the q/k norms' weights and span: "head" (each head over head_dim, one
+                           [head_dim] weight: Qwen3, Gemma 3), "per_head" (each head over head_dim,
+                           its own weight [heads, head_dim]: Command R+), "all" (all heads jointly,
+                           [heads, head_dim]: OLMo 2, OLMoE)
       embed_scale          embeddings are multiplied by sqrt(hidden_size) in the model dtype (Gemma)
       sandwich_norms       extra norms after attention and around the MLP (Gemma 2/3)
       query_pre_attn_scalar  attention scale is its -1/2 power instead of head_dim's
@@ -103,6 +107,7 @@ class ModelConfig:
       embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling  Granite's
                            scales: of the embeddings, of each block's output before its residual
                            add, the attention scale itself, and a divisor of the logits
+      logit_scale          a multiplier of the logits (Cohere)
     """
 
     architecture: str
@@ -122,12 +127,13 @@ class ModelConfig:
     o_bias: bool = False  # o_proj bias (Llama / Qwen3 with attention_bias; never Qwen2)
     mlp_bias: bool = False
     qk_norm: bool = False
-    qk_norm_full: bool = False
+    qk_norm_layout: str = "head"
     layer_windows: tuple = ()
     hidden_act: str = "silu"
     norm_unit_offset: bool = False
     norm_scale_f32: bool = False
     norm_kind: str = "rms"
+    norm_bias: bool = True
     mlp_gated: bool = True
     parallel_residual: bool = False
     learned_positions: bool = False
@@ -144,6 +150,7 @@ class ModelConfig:
     residual_multiplier: float | None = None
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
+    logit_scale: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     moe: MoEConfig | None = None  # mixture-of-experts layers (the MoE architectures only)
@@ -164,6 +171,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{f} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.qk_norm_layout not in _QK_NORM_LAYOUTS:
+            raise ValueError(f"unsupported qk_norm_layout {self.qk_norm_layout!r}; supported: {', '.join(_QK_NORM_LAYOUTS)}")
         if self.norm_kind not in _NORM_KINDS:
             raise ValueError(f"unsupported norm_kind {self.norm_kind!r}; supported: {', '.join(_NORM_KINDS)}")
         if self.hidden_act not in _ACTIVATIONS:
@@ -273,8 +282,6 @@ class ModelConfig:
         windows = [None] * n
         sw = getattr(hf, "sliding_window", None)
         layer_types = getattr(hf, "layer_types", None)
-        if arch == "SmolLM3ForCausalLM" and not getattr(hf, "use_sliding_window", False):
-            sw = None  # SmolLM3 windows its layer_types' sliding layers only with use_sliding_window
         if sw:
             # transformers applies these models' sliding_window to every layer and never reads
             # layer_types (Mistral reads layer_types when a config has them)
@@ -289,8 +296,7 @@ class ModelConfig:
                 windows = [sw if i >= mwl else None for i in range(n)]
         eos = getattr(hf, "eos_token_id", None)
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        uses_rope = getattr(hf, "no_rope_layers", None)  # SmolLM3: 1 = rope, 0 = NoPE, per layer
-        nope = tuple(i for i, r in enumerate(uses_rope) if not r) if uses_rope is not None else ()
+
         fields = dict(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -312,7 +318,6 @@ class ModelConfig:
             local_rope_theta=local_theta,
             local_rope_scaling=_freeze(local_rope),
             partial_rotary_factor=partial,
-            nope_layers=nope,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos,
             moe=_moe_from_hf(hf, arch),

@@ -33,6 +33,13 @@ ARCHS = {
     # Gemma 1: no sandwich norms, no soft-caps; head_dim != hidden / heads as the 7B
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # Cohere: parallel single-norm layers, interleaved rope, logit scale; Command R+'s per-head q/k norms
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+    "cohere_qk": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5, use_qk_norm=True)),
+    # Cohere 2: 3 sliding layers with rope, then a global one without
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
+        num_hidden_layers=4, sliding_window=8, logit_scale=0.5,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"])),
     # StarCoder2: LayerNorms, c_fc / c_proj, biases, a window on every layer
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=8)),
     # GPT-2 (multi-head; its own names for the sizes are aliases in transformers' config)

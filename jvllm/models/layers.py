@@ -47,28 +47,32 @@ def declare(shape: tuple[int, ...], axes: tuple[str, ...], dtype, *, ones: bool 
     return nnx.Param(init(shape, dtype), axes=tuple(axes))
 
 
+def _joint(x, n: int):
+    """x with its last `n` axes flattened into one (n == 1: x itself)."""
+    return x.reshape(*x.shape[:-n], -1) if n > 1 else x
+
+
 class RMSNorm(nnx.Module):
     """unit_offset=False: transformers' LlamaRMSNorm (normalise in float32, cast back, scale by w in
     the input dtype). unit_offset=True: Gemma's (scale the float32 result by (1 + w), then cast;
     the stored weight is w, initialised to 0 in checkpoints). scale_f32=True: OLMo 2's (scale the
     float32 result by w, then cast). fixed_order (batch-invariant mode): the mean of squares summed
-    in a fixed order whatever the number of rows (`jvllm.ops.fixed_order`). `shape` of more than one
-    dim normalises over that many trailing axes jointly (OLMo 2's q/k norms over all heads)."""
+    in a fixed order whatever the number of rows (`jvllm.ops.fixed_order`). The weight has `shape`;
+    the last `reduce_dims` axes are normalised jointly (2: OLMo 2's q/k norms over all heads)."""
 
     def __init__(self, shape: int | tuple[int, ...], eps: float, dtype, axes=("norm",), unit_offset: bool = False,
-                 fixed_order: bool = False, scale_f32: bool = False):
+                 fixed_order: bool = False, scale_f32: bool = False, reduce_dims: int = 1):
         self.eps = eps
         self.unit_offset = unit_offset
         self.scale_f32 = scale_f32 or unit_offset
         self.mean = tree_mean if fixed_order else jnp.mean  # chosen once
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        self.ndims = len(shape)
-        self.weight = declare(shape, axes, dtype, ones=not unit_offset)
+        self.reduce_dims = reduce_dims
+        self.weight = declare((shape,) if isinstance(shape, int) else tuple(shape), axes, dtype, ones=not unit_offset)
 
     def __call__(self, x):
-        n = self.ndims
+        n = self.reduce_dims
         xf = x.astype(jnp.float32)
-        flat = xf.reshape(*xf.shape[:-n], -1) if n > 1 else xf
+        flat = _joint(xf, n)
         y = (flat * jax.lax.rsqrt(self.mean(flat * flat, axis=-1, keepdims=True) + self.eps)).reshape(xf.shape)
         if self.scale_f32:
             w = self.weight[...].astype(jnp.float32)
@@ -77,28 +81,40 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """torch.nn.LayerNorm (GPT-2, GPT-NeoX): (x - mean) / sqrt(var + eps) * w + b over the last
-    axis, in float32, then cast. fixed_order as RMSNorm's."""
+    """torch.nn.LayerNorm (GPT-2, GPT-NeoX; Cohere's has no bias): (x - mean) / sqrt(var + eps) * w
+    (+ b), in float32, then cast. The weight has `shape`; the last `reduce_dims` axes are normalised
+    jointly (Command R+'s q/k norms: weights [heads, head_dim], each head over head_dim).
+    fixed_order as RMSNorm's."""
 
-    def __init__(self, dim: int, eps: float, dtype, axes=("norm",), fixed_order: bool = False):
+    def __init__(self, shape: int | tuple[int, ...], eps: float, dtype, axes=("norm",), fixed_order: bool = False,
+                 bias: bool = True, reduce_dims: int = 1):
         self.eps = eps
         self.mean = tree_mean if fixed_order else jnp.mean  # chosen once
-        self.weight = declare((dim,), axes, dtype, ones=True)
-        self.bias = declare((dim,), axes, dtype)
+        self.reduce_dims = reduce_dims
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.weight = declare(shape, axes, dtype, ones=True)
+        self.has_bias = bias
+        if bias:
+            self.bias = declare(shape, axes, dtype)
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
-        d = xf - self.mean(xf, axis=-1, keepdims=True)
-        y = d * jax.lax.rsqrt(self.mean(d * d, axis=-1, keepdims=True) + self.eps)
-        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        flat = _joint(xf, self.reduce_dims)
+        d = flat - self.mean(flat, axis=-1, keepdims=True)
+        y = (d * jax.lax.rsqrt(self.mean(d * d, axis=-1, keepdims=True) + self.eps)).reshape(xf.shape)
+        y = y * self.weight[...].astype(jnp.float32)
+        return (y + self.bias[...].astype(jnp.float32) if self.has_bias else y).astype(x.dtype)
 
 
-def norm(cfg: ModelConfig, shape: int | tuple[int, ...], dtype, axes=("norm",)) -> RMSNorm | LayerNorm:
-    """The family's norm (`cfg.norm_kind`) for an activation whose trailing dims are `shape`."""
+def norm(cfg: ModelConfig, shape: int | tuple[int, ...], dtype, axes=("norm",),
+         reduce_dims: int = 1) -> RMSNorm | LayerNorm:
+    """The family's norm (`cfg.norm_kind`) with a weight of `shape`, normalising the last
+    `reduce_dims` axes jointly."""
     if cfg.norm_kind == "layer":
-        return LayerNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, fixed_order=cfg.batch_invariant)
+        return LayerNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, fixed_order=cfg.batch_invariant,
+                         bias=cfg.norm_bias, reduce_dims=reduce_dims)
     return RMSNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, unit_offset=cfg.norm_unit_offset,
-                   fixed_order=cfg.batch_invariant, scale_f32=cfg.norm_scale_f32)
+                   fixed_order=cfg.batch_invariant, scale_f32=cfg.norm_scale_f32, reduce_dims=reduce_dims)
 
 
 # ----------------------------------------------------------------------------------- projections
@@ -281,9 +297,10 @@ class Attention(nnx.Module):
             self.v_bias = declare((K, hd), ("kv_heads", "head_dim"), dtype)
         if cfg.o_bias:
             self.o_bias = declare((D,), ("embed",), dtype)
-        if cfg.qk_norm and cfg.qk_norm_full:  # over the whole projection (all heads jointly)
-            self.q_norm = norm(cfg, (H, hd), dtype, axes=("heads", "head_dim"))
-            self.k_norm = norm(cfg, (K, hd), dtype, axes=("kv_heads", "head_dim"))
+        if cfg.qk_norm and cfg.qk_norm_layout != "head":  # a weight per head; "all": the heads jointly
+            joint = 2 if cfg.qk_norm_layout == "all" else 1
+            self.q_norm = norm(cfg, (H, hd), dtype, axes=("heads", "head_dim"), reduce_dims=joint)
+            self.k_norm = norm(cfg, (K, hd), dtype, axes=("kv_heads", "head_dim"), reduce_dims=joint)
         elif cfg.qk_norm:
             self.q_norm = norm(cfg, hd, dtype, axes=("head_dim",))
             self.k_norm = norm(cfg, hd, dtype, axes=("head_dim",))
@@ -387,17 +404,20 @@ class LMHead:
     ([embed, vocab], or the embedding [vocab, embed] when `tied`); `softcap` (Gemma 2's final-logit
     soft-cap) maps z -> softcap * tanh(z / softcap); `fixed_tile` (batch-invariant mode) computes
     the product with `jvllm.ops.fixed_tile_matmul`, whose rows do not depend on how many there are;
-    `divisor` (Granite's logits_scaling) divides the logits first.
+    `divisor` (Granite's logits_scaling) divides the logits first, `scale` (Cohere's logit_scale)
+    multiplies them.
     The one place logits are computed: samplers, greedy, prompt logprobs, speculative verification
     and `sequence_logits` all call it. Frozen and hashable: a static argument of those programs."""
     tied: bool
     softcap: float | None = None
     fixed_tile: bool = False
     divisor: float | None = None
+    scale: float | None = None
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "LMHead":
-        return cls(cfg.tie_word_embeddings, cfg.final_logit_softcap, cfg.batch_invariant, cfg.logits_scaling)
+        return cls(cfg.tie_word_embeddings, cfg.final_logit_softcap, cfg.batch_invariant, cfg.logits_scaling,
+                   cfg.logit_scale)
 
     def __call__(self, w, h):
         if self.fixed_tile:
@@ -408,4 +428,6 @@ class LMHead:
             z = jnp.dot(h, w.T if self.tied else w, preferred_element_type=jnp.float32)
         if self.divisor is not None:
             z = z / self.divisor
+        if self.scale is not None:
+            z = z * self.scale
         return z if self.softcap is None else self.softcap * jnp.tanh(z / self.softcap)

@@ -3,7 +3,7 @@
 Differences from the Llama decoder, each a ModelConfig field or this file's decoder layer:
   - post-norm blocks: no norm before attention or the MLP; `post_attention_layernorm` and
     `post_feedforward_layernorm` normalise each block's output before its residual add (this file)
-  - q/k RMSNorms over the whole projection, all heads jointly (`qk_norm_full`), before rope
+  - q/k RMSNorms over the whole projection, all heads jointly (`qk_norm_layout` "all"), before rope
   - RMSNorm scales by w in float32 before casting back (`norm_scale_f32`)
   - OLMo 3: sliding-window layers (`layer_types`) and a rope per layer type (its global layers'
     own scaling), both read by the shared config code

@@ -9,7 +9,8 @@ and how an HF config fills the family's `ModelConfig` fields:
   defaults   ModelConfig fields that are fixed for the family (Gemma: `norm_unit_offset=True`)
   hf_fields  {ModelConfig field: HF config attribute} read when the attribute is present and not None
   per_arch   {architecture: fields, applied last} (Qwen2's q/k/v bias without o bias, Qwen3's q/k norm);
-             a value `FromHF(attr, default)` reads that architecture's own HF attribute
+             a value `FromHF(attr, default)` reads that architecture's own HF attribute, a value
+             `Derived(fn)` is `fn(hf config)` (a rule over several attributes, pure Python)
   refused    {architecture: HF attributes} that must be unset or false: the reference honours them and
              jvllm does not implement them, so a config that sets one is an error naming it
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from typing import Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,12 @@ class FromHF:
     """A per_arch value read from the HF config's `attr` (`default` when absent or None)."""
     attr: str
     default: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """A per_arch value computed from the whole HF config: `fn(hf)`."""
+    fn: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +76,8 @@ class Family:
             if isinstance(v, FromHF):
                 got = getattr(hf, v.attr, None)
                 v = v.default if got is None else got
+            elif isinstance(v, Derived):
+                v = v.fn(hf)
             out[field] = v
         bad = [a for a in self.refused.get(arch, ()) if getattr(hf, a, None)]
         if bad:
@@ -158,6 +168,24 @@ def arch_of_model_type(model_type: str) -> str | None:
 
 
 # ------------------------------------------------------------------------- built-in families
+def _smollm3_nope(hf) -> tuple:
+    """SmolLM3's no_rope_layers: 1 = rope, 0 = no rotary embedding (NoPE)."""
+    return tuple(i for i, r in enumerate(getattr(hf, "no_rope_layers", None) or ()) if not r)
+
+
+def _smollm3_windows(hf) -> tuple:
+    """SmolLM3 windows its layer_types' sliding layers only under use_sliding_window."""
+    n, sw = hf.num_hidden_layers, getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None) or ["full_attention"] * n
+    on = bool(getattr(hf, "use_sliding_window", False) and sw)
+    return tuple(sw if on and t == "sliding_attention" else None for t in types)
+
+
+def _rope_on_sliding_layers_only(hf) -> tuple:
+    """Cohere 2: its global layers have no rotary embedding."""
+    return tuple(i for i, t in enumerate(hf.layer_types) if t != "sliding_attention")
+
+
 register(Family(
     name="llama",
     architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -167,7 +195,8 @@ register(Family(
     model="jvllm.models.llama:LlamaForCausalLM",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     per_arch={"Qwen2ForCausalLM": {"attention_bias": True, "o_bias": False},
-              "Qwen3ForCausalLM": {"qk_norm": True}},
+              "Qwen3ForCausalLM": {"qk_norm": True},
+              "SmolLM3ForCausalLM": {"nope_layers": Derived(_smollm3_nope), "layer_windows": Derived(_smollm3_windows)}},
 ))
 register(Family(
     # Phi-3 is a Llama-shaped decoder; its fused qkv_proj / gate_up_proj are split by the name map
@@ -219,8 +248,23 @@ register(Family(
     model_types={"olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"},
     model="jvllm.models.olmo:Olmo2ForCausalLM",
     name_map="olmo",
-    defaults={"qk_norm": True, "qk_norm_full": True, "norm_scale_f32": True},
+    defaults={"qk_norm": True, "qk_norm_layout": "all", "norm_scale_f32": True},
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+))
+register(Family(
+    # Cohere Command R / R+ / Aya Expanse and Cohere 2 (Command R7B, Command A; jvllm.models.cohere):
+    # one LayerNorm (no bias) feeding attention and MLP in parallel, interleaved rope (converted to
+    # the rotate-half layout at load by name map "cohere"), logits scaled; Command R+'s q/k norms
+    # have a weight per head; Cohere 2 has no rotary embedding on its global layers
+    name="cohere",
+    architectures=("CohereForCausalLM", "Cohere2ForCausalLM"),
+    model_types={"cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"},
+    model="jvllm.models.cohere:CohereForCausalLM",
+    name_map="cohere",
+    defaults={"norm_kind": "layer", "norm_bias": False, "qk_norm_layout": "per_head"},
+    hf_fields={"rms_norm_eps": "layer_norm_eps", "logit_scale": "logit_scale", "qk_norm": "use_qk_norm",
+               "attention_bias": "attention_bias", "o_bias": "attention_bias"},
+    per_arch={"Cohere2ForCausalLM": {"nope_layers": Derived(_rope_on_sliding_layers_only)}},
 ))
 register(Family(
     # StarCoder2: the Llama decoder with LayerNorms, an ungated GELU MLP (c_fc / c_proj) and
@@ -272,7 +316,7 @@ register(Family(
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     per_arch={"Qwen2MoeForCausalLM": {"attention_bias": FromHF("qkv_bias", True), "o_bias": False},
               "Qwen3MoeForCausalLM": {"qk_norm": True},
-              "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_full": True}},  # OLMoE: AI2's, OLMo's q/k norms
+              "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"}},  # OLMoE: AI2's, OLMo's q/k norms
     refused={"OlmoeForCausalLM": ("clip_qkv",)},
 ))
 register_text_only(TextOnly(
