@@ -203,3 +203,36 @@ def test_hidden_states_match_transformers(ckpt_dir, arch):
         want = hf[i][0].numpy()
         assert c.hidden_states[i].shape == want.shape
         assert (np.abs(c.hidden_states[i] - want) <= 1e-4 * np.abs(want).max(-1, keepdims=True)).all(), i
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "cohere_qk", "gpt2", "gpt_neox"])
+def test_update_weights_from_hf_pairs_uses_the_family_name_map(ckpt_dir, arch):
+    """`update_weights` with the checkpoint's own (HF name, array) pairs goes through the family's
+    name map: fused tensors split (Phi-3's qkv_proj, GPT-2's c_attn, NeoX's per-head
+    query_key_value), Gemma's extra norms, Cohere's q/k rows regrouped; after scrambling every
+    weight, the pairs bring back exactly the loaded params."""
+    from safetensors.numpy import load_file
+
+    from jvllm.worker.weights import live_params
+
+    path = ckpt_dir(arch)
+    llm = LLM(path, dtype="float32", max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4,
+              token_buckets=(8, 32), use_tqdm_on_load=False)
+    try:
+        loaded = {k: np.asarray(v) for k, v in live_params(llm.llm_engine.runner).items()}
+        llm.update_weights({k: v[::-1] * 0.5 for k, v in loaded.items()})
+        llm.update_weights(load_file(f"{path}/model.safetensors").items())
+        after = {k: np.asarray(v) for k, v in live_params(llm.llm_engine.runner).items()}
+    finally:
+        llm.shutdown()
+    assert sorted(after) == sorted(loaded)
+    for k in loaded:
+        np.testing.assert_array_equal(after[k], loaded[k], err_msg=k)
+
+
+def test_update_weights_refuses_one_expert_by_hf_name(ckpt_dir):
+    from jvllm.worker.weights import normalize
+
+    with pytest.raises(ValueError, match=r"one expert of the stacked parameter 'layers.0.mlp.expert_gate'"):
+        normalize([("model.layers.0.mlp.experts.1.gate_proj.weight", np.zeros((32, 64), np.float32))],
+                  {"layers.0.mlp.expert_gate": ((4, 64, 32), np.float32, ())}, tied=False, name_map="moe")

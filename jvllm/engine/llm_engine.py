@@ -406,7 +406,10 @@ class LLMEngine:
             mc = self.model_config
             self._param_specs = param_specs(mc, self.dtype)
             self._model_specs = None if mc.quant is None else param_specs(dataclasses.replace(mc, quant=None), self.dtype)
-        flat = normalize(weights, self._param_specs, self.model_config.tie_word_embeddings, self._model_specs)
+        from jvllm.models.registry import family_of
+
+        flat = normalize(weights, self._param_specs, self.model_config.tie_word_embeddings, self._model_specs,
+                         name_map=family_of(self.model_config.architecture).name_map)
         outs = self.drain()
         update_params(self.runner, flat)
         self.kv_manager.pool.invalidate_prefix_cache()

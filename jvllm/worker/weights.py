@@ -7,7 +7,10 @@ lives in. `normalize` accepts what a trainer holds:
   - an NNX `State` or a nested dict shaped like `get_weights()` ({'layers': {'3': {...}}}; integer
     keys are fine), or a flat dict {name: array};
   - an iterable of (Hugging Face name, array) pairs, as vLLM's `load_weights` takes: each goes
-    through the checkpoint name map and layout transforms of `converters.name_map` (host numpy).
+    through the model family's checkpoint name map and layout transforms of `converters.name_map`
+    (host numpy); a fused tensor (Phi-3's qkv_proj, GPT-2's c_attn) updates each of its parts.
+    Per-expert names of a mixture-of-experts checkpoint are refused: their parameter stacks every
+    expert, so give the stacked array by its jvllm name.
 
 A subset of the parameters may be given (the rest keep their values); an unknown name, a wrong
 shape or a non-array value is a ValueError naming it, raised before anything is swapped.
@@ -100,12 +103,13 @@ def _to_numpy(name, a) -> np.ndarray:
         raise ValueError(f"weight {name!r}: {type(a).__name__} is not an array") from e
 
 
-def normalize(weights, specs: dict, tied: bool, model_specs: dict | None = None) -> dict:
+def normalize(weights, specs: dict, tied: bool, model_specs: dict | None = None, name_map: str = "llama") -> dict:
     """`weights` (see the module docstring) -> {jvllm name: array}, names and shapes checked
     against `specs` (`param_specs` of the whole model). `model_specs`: the unquantized model's
     param_specs where a quantized engine stores some weights in another layout (the fp8 pallas
     backend): HF pairs convert to the model layout, and either shape passes here
-    (`jvllm.quantization.load.update_quantized` checks which one a dtype needs)."""
+    (`jvllm.quantization.load.update_quantized` checks which one a dtype needs). `name_map`: the
+    family's checkpoint name map (`jvllm.models.registry.Family.name_map`) for HF pairs."""
     from flax import nnx
 
     model_specs = model_specs or specs
@@ -118,6 +122,7 @@ def normalize(weights, specs: dict, tied: bool, model_specs: dict | None = None)
         raise ValueError(f"weights must be a params pytree (dict / nnx.State) or an iterable of "
                          f"(hf_name, array) pairs, got {type(weights).__name__}")
     else:
+        from converters.moe_names import ExpertSlice
         from converters.name_map import map_name
 
         flat = {}
@@ -125,14 +130,21 @@ def normalize(weights, specs: dict, tied: bool, model_specs: dict | None = None)
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise ValueError(f"weights: expected (hf_name, array) pairs, got {item!r:.100}")
             src, a = item
-            tgt, fn = map_name(src)  # CheckpointError (a ValueError) for an unknown name
+            tgt, fn = map_name(src, name_map)  # CheckpointError (a ValueError) for an unknown name
             if tgt is None or (tgt == "lm_head" and tied):
                 continue
-            if tgt not in specs:
-                raise ValueError(f"weight {src!r}: this model declares no parameter {tgt!r}")
-            if tgt in flat:
-                raise ValueError(f"weight {src!r} given twice")
-            flat[tgt] = fn(src, _to_numpy(src, a), model_specs.get(tgt, specs[tgt])[0])
+            if isinstance(fn, ExpertSlice):
+                raise ValueError(f"weight {src!r}: one expert of the stacked parameter {tgt!r}; update experts "
+                                 f"by that jvllm name with all of them stacked ([experts, ...], as get_weights())")
+            tgts = tgt if isinstance(tgt, tuple) else (tgt,)
+            for t in tgts:
+                if t not in specs:
+                    raise ValueError(f"weight {src!r}: this model declares no parameter {t!r}")
+                if t in flat:
+                    raise ValueError(f"weight {src!r} given twice")
+            shapes = [model_specs.get(t, specs[t])[0] for t in tgts]
+            parts = fn(src, _to_numpy(src, a), shapes if isinstance(tgt, tuple) else shapes[0])
+            flat.update(zip(tgts, parts if isinstance(tgt, tuple) else (parts,)))
     for name, a in flat.items():
         if name not in specs:
             hint = " (this model ties the LM head to 'embed')" if name == "lm_head" and tied else ""
