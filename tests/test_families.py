@@ -1,5 +1,5 @@
 """The families beyond Llama (Gemma 2 / 3, Phi-3, OLMo 2 / 3, SmolLM3, Granite, GPT-2, GPT-NeoX,
-StarCoder2) beyond logit parity
+StarCoder2, Cohere 1 / 2) beyond logit parity
 (tests/test_models.py has that): each variant really changes the numbers, the engine equals
 transformers' greedy generation token for token with batching, chunked prefill, prefix-cache hits
 and preemption all in one run per family, and tensor parallelism gives the one-device tokens."""
@@ -33,7 +33,8 @@ def _logits(cfg, params, ids):
     ("gemma3", "embed_scale", False), ("phi3", "partial_rotary_factor", 1.0), ("smollm3", "nope_layers", ()),
     ("granite", "embedding_multiplier", None), ("granite", "residual_multiplier", 1.0),
     ("granite", "attention_multiplier", None), ("granite", "logits_scaling", None),
-    ("gpt_neox", "parallel_residual", False), ("gpt_neox", "partial_rotary_factor", 0.5)])
+    ("gpt_neox", "parallel_residual", False), ("gpt_neox", "partial_rotary_factor", 0.5),
+    ("cohere", "logit_scale", None), ("cohere2", "nope_layers", ())])
 def test_variant_matters(ckpt_dir, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""
@@ -72,7 +73,7 @@ def test_activations_are_transformers():
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "gpt_neox",
-                                  "starcoder2"])
+                                  "starcoder2", "cohere2"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
     prefill), prompts that share a 35-token prefix and a second pass (prefix-cache hits); the
@@ -126,13 +127,14 @@ def one_device(ckpt_dir):
     return run
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "olmo2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["gemma3", "olmo2", "gpt_neox", "cohere_qk"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_identical(one_device, arch, tp):
     """Gemma 3 (head_dim 256, sliding + global layers, q/k norms), OLMo 2 (q/k norms over all
-    heads jointly, so over the sharded head axis) and GPT-NeoX (biases, dense MLP, parallel
-    residual) on 2 and 4 fake CPU devices give the one-device tokens; TP=4 has fewer KV heads (2)
-    than devices for Gemma 3 and OLMo 2 (replicated KV path)."""
+    heads jointly, so over the sharded head axis), GPT-NeoX (biases, dense MLP, parallel residual)
+    and Command R+ (q/k norm weights per head, sharded with them) on 2 and 4 fake CPU devices give
+    the one-device tokens; TP=4 has fewer KV heads (2) than devices for all but NeoX (replicated
+    KV path)."""
     path, expected = one_device(arch)
     assert _tp_run(path, tensor_parallel_size=tp) == expected
 
