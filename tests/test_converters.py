@@ -71,9 +71,9 @@ def test_unexpected_tensor(ckpt_dir, tmp_path):
 def test_unknown_architecture(ckpt_dir, tmp_path):
     d = _copy(ckpt_dir("llama"), tmp_path / "m")
     cfg = json.load(open(os.path.join(d, "config.json")))
-    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    cfg.update(model_type="bloom", architectures=["BloomForCausalLM"])
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
-    with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\].*supported: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"unsupported architecture \['BloomForCausalLM'\].*supported: LlamaForCausalLM"):
         load_checkpoint(d)
 
 

@@ -115,8 +115,8 @@ def test_config_styles_and_errors():
     ns = type("Cfg", (), fields)()
     c4 = ModelConfig.from_hf_config(ns)
     assert c4.rope_theta == 1234.0 and c4.rope_type == "linear" and c4.head_dim == 4
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
-        ModelConfig.from_hf_config(transformers.GPT2Config(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="unsupported architecture 'BloomForCausalLM'.*LlamaForCausalLM"):
+        ModelConfig.from_hf_config(transformers.BloomConfig(architectures=["BloomForCausalLM"]))
     with pytest.raises(ValueError, match="unsupported rope scaling type 'ntk_by_parts'"):
         ModelConfig.from_hf_config(type("C", (), dict(fields, rope_scaling={"rope_type": "ntk_by_parts"}))())
     with pytest.raises(ValueError, match="longrope short_factor needs 2 values"):
