@@ -127,7 +127,8 @@ def llama_config_defaults(d: dict) -> dict:
 
 
 def model_config(spec: ModelSpec):
-    from jvllm.config import ModelConfig, load_hf_config
+    from jvllm.config import ModelConfig
+    from jvllm.hf_config import load_hf_config
 
     if spec.kind == "gguf":  # the dict is complete: no transformers config class (its import pulls torch)
         from .gguf import model_config_from_dict

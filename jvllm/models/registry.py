@@ -306,7 +306,7 @@ register(Family(
 ))
 register(Family(
     # mixture of experts (jvllm.models.moe): Llama's attention, norms and head around a routed,
-    # grouped-matmul expert MLP; the MoE settings come from `ModelConfig.moe` (config._moe_from_hf)
+    # grouped-matmul expert MLP; the MoE settings come from `ModelConfig.moe` (hf_config._moe_from_hf)
     name="moe",
     architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
     model_types={"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",

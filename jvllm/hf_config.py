@@ -1,0 +1,150 @@
+"""A transformers config (4.x or 5.x style, or any object with its attributes, such as the dict a
+GGUF file's metadata gives) read into jvllm's `ModelConfig`: the fields every family shares here,
+each family's own through its registration (`jvllm.models.registry.Family.config_fields`). No jax
+import; transformers only to read a folder's config.json (`load_hf_config`)."""
+from __future__ import annotations
+
+import json
+import os
+
+from jvllm.config import _MOE_ARCHITECTURES, ModelConfig, MoEConfig, _freeze, supported_architectures
+
+
+def model_config_from_hf(hf) -> ModelConfig:
+    """jvllm's ModelConfig of HF config `hf`. ValueError naming the architecture when no family
+    serves it (or a field the family refuses)."""
+    from jvllm.models.registry import arch_of_model_type, family_of, text_only
+
+    archs = list(getattr(hf, "architectures", None) or [])
+    arch = archs[0] if archs else (arch_of_model_type(getattr(hf, "model_type", "")) or "<none>")
+    if arch not in supported_architectures():
+        raise ValueError(
+            f"unsupported architecture {arch!r} (architectures={archs}, model_type="
+            f"{getattr(hf, 'model_type', None)!r}); supported: {', '.join(supported_architectures())}")
+    wrapper = text_only(arch)
+    if wrapper is not None:  # a multimodal checkpoint served as its text decoder
+        hf, arch = hf.text_config, wrapper.text_architecture
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    rope = getattr(hf, "rope_parameters", None)
+    if rope is None:  # transformers 4.x
+        rope = dict(getattr(hf, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        if getattr(hf, "rope_local_base_freq", None):
+            rope = {"full_attention": rope, "sliding_attention": {"rope_theta": hf.rope_local_base_freq}}
+    rope = dict(rope)
+    local_theta = local_rope = None
+    if "full_attention" in rope:  # per layer type (Gemma 3): global rope, and the sliding layers' own
+        local = rope.get("sliding_attention")
+        rope = dict(rope["full_attention"])
+        if local is not None:
+            local_theta, local_rope = _split_rope(dict(local), None)
+    theta, rope = _split_rope(rope, getattr(hf, "rope_theta", None))
+    partial = float(rope.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None) or 1.0)
+    if rope.get("rope_type") == "longrope":
+        rope.setdefault("original_max_position_embeddings",
+                        getattr(hf, "original_max_position_embeddings", None) or hf.max_position_embeddings)
+        rope.setdefault("max_position_embeddings", hf.max_position_embeddings)
+    if local_rope is not None:
+        local_rope.pop("partial_rotary_factor", None)
+    n = hf.num_hidden_layers
+    windows = [None] * n
+    sw = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if sw:
+        # transformers applies these models' sliding_window to every layer and never reads
+        # layer_types (Mistral reads layer_types when a config has them)
+        if arch in ("Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Starcoder2ForCausalLM"):
+            windows = [sw] * n
+        elif layer_types:
+            windows = [sw if t == "sliding_attention" else None for t in layer_types]
+        elif arch == "MistralForCausalLM":
+            windows = [sw] * n
+        elif getattr(hf, "use_sliding_window", False):
+            mwl = getattr(hf, "max_window_layers", n)
+            windows = [sw if i >= mwl else None for i in range(n)]
+    eos = getattr(hf, "eos_token_id", None)
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+    fields = dict(
+        architecture=arch,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        # GPT-2 names it n_inner (None: 4 x hidden)
+        intermediate_size=(getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None)
+                           or 4 * hf.hidden_size),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=_freeze(rope),
+        max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048) or 2048),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        layer_windows=tuple(windows),
+        hidden_act=getattr(hf, "hidden_act", None) or "silu",
+        local_rope_theta=local_theta,
+        local_rope_scaling=_freeze(local_rope),
+        partial_rotary_factor=partial,
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_ids=eos,
+        moe=_moe_from_hf(hf, arch),
+    )
+    fields.update(family_of(arch).config_fields(arch, hf))
+    return ModelConfig(**fields)
+
+
+def _split_rope(rope: dict, theta_default) -> tuple[float, dict]:
+    """(rope_theta, scaling dict without it; {} for plain default rope) of one rope parameter set."""
+    if "rope_type" not in rope and "type" in rope:
+        rope["rope_type"] = rope["type"]
+    theta = float(rope.pop("rope_theta", None) or theta_default or 10000.0)
+    rope.pop("type", None)
+    rope.setdefault("rope_type", "default")
+    if rope["rope_type"] == "default" and set(rope) <= {"rope_type", "partial_rotary_factor"}:
+        rope = {k: v for k, v in rope.items() if k == "partial_rotary_factor"}
+    return theta, rope
+
+
+def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
+    """The MoE settings of a transformers config (None for dense architectures). Router options
+    jvllm does not implement are refused by name."""
+    if arch not in _MOE_ARCHITECTURES:
+        return None
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                         expert_size=hf.intermediate_size, norm_topk_prob=True)
+    if arch == "OlmoeForCausalLM":  # every layer sparse; the experts' size is intermediate_size
+        return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.intermediate_size,
+                         norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)))
+    return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.moe_intermediate_size,
+                     norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+                     shared_expert_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+                     if arch == "Qwen2MoeForCausalLM" else 0,
+                     decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+                     mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()))
+
+
+def load_hf_config(path: str):
+    """transformers' config of checkpoint folder `path` (ValueError naming the architecture before
+    transformers is asked, when no family serves its model_type)."""
+    import transformers
+
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"no config.json in {path!r}")
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    from jvllm.models.registry import supported_model_types
+
+    mt = raw.get("model_type")
+    if mt not in supported_model_types():
+        archs = raw.get("architectures")
+        raise ValueError(f"unsupported architecture {archs!r} (model_type={mt!r}); "
+                         f"supported: {', '.join(supported_architectures())}")
+    return transformers.AutoConfig.from_pretrained(path)
