@@ -43,6 +43,8 @@ VARIANTS = {
     "mixtral_ignores_layer_types": ("mixtral_window", {}, {"layer_types": ["full_attention", "sliding_attention"]}),
     # transformers' Gemma 3 reads attn_logit_softcapping nowhere
     "gemma3_attn_softcap_unused": ("gemma3", dict(attn_logit_softcapping=0.5), {}),
+    # GPT-2 without the 1 / sqrt(head_dim) attention scale
+    "gpt2_unscaled_attention": ("gpt2", dict(scale_attn_weights=False), {}),
 }
 
 

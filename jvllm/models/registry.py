@@ -181,6 +181,11 @@ def _smollm3_windows(hf) -> tuple:
     return tuple(sw if on and t == "sliding_attention" else None for t in types)
 
 
+def _gpt2_attention_scale(hf) -> float | None:
+    """GPT-2 with scale_attn_weights False does not scale its attention scores at all."""
+    return None if getattr(hf, "scale_attn_weights", True) else 1.0
+
+
 def _rope_on_sliding_layers_only(hf) -> tuple:
     """Cohere 2: its global layers have no rotary embedding."""
     return tuple(i for i, t in enumerate(hf.layer_types) if t != "sliding_attention")
@@ -289,6 +294,7 @@ register(Family(
     defaults={"norm_kind": "layer", "mlp_gated": False, "learned_positions": True, "attention_bias": True,
               "o_bias": True, "mlp_bias": True},
     hf_fields={"hidden_act": "activation_function", "rms_norm_eps": "layer_norm_epsilon"},
+    per_arch={"GPT2LMHeadModel": {"attention_multiplier": Derived(_gpt2_attention_scale)}},
     # attention variants transformers' GPT-2 honours and jvllm does not implement
     refused={"GPT2LMHeadModel": ("scale_attn_by_inverse_layer_idx",)},
 ))
