@@ -63,6 +63,17 @@ def test_host_profile_dry_run(tmp_path):
     assert any("generate" in r["function"] for r in d["top_cumulative"])  # the profiled call itself
 
 
+def test_gguf_dequant_bench_dry_run(tmp_path):
+    """gguf_dequant.py on a few blocks per type: every kernel type timed both ways, bit-identical."""
+    out = tmp_path / "dq.json"
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "gguf_dequant.py"), "--values", "8192", "--repeats", "1",
+                        "--file", "none", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert set(d["per_type"]) == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+    assert all(v["bit_identical"] and v["jvllm_s"] > 0 and v["gguf_s"] > 0 for v in d["per_type"].values())
+
+
 def test_cmdbuf_probe_dry_run(tmp_path):
     out = tmp_path / "probe.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -139,7 +139,7 @@ def test_model_config_without_transformers_classes_qwen(smollm2_path, arch):
     assert model_config_from_dict(d) == ref
 
 
-@pytest.mark.parametrize("qt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_block_kernels_bit_identical_across_chunks(qt):
     """jvllm's own block kernels against gguf's, on more blocks than one numpy pass takes (the
     chunk boundary) and on every nibble / int8 value with random finite f16 scales."""
@@ -149,11 +149,14 @@ def test_block_kernels_bit_identical_across_chunks(qt):
 
     Q = gguf.GGMLQuantizationType[qt]
     type_size, block, _ = gguf_dequant._KERNELS[qt]
-    n = gguf_dequant._CHUNK_BLOCKS + 38  # even: the values fill rows of 64
+    n = (gguf_dequant._CHUNK_BLOCKS * 32 // block) + 38  # even: the values fill rows of 64
     rng = np.random.default_rng(3)
-    raw = rng.integers(0, 256, (n, type_size), dtype=np.uint8)
-    n_scales = 2 if qt == "Q4_1" else 1
-    raw[:, :2 * n_scales] = rng.standard_normal((n, n_scales)).astype(np.float16).view(np.uint8)
+    if qt in _KQ:  # super-blocks: random bytes, finite scales
+        raw = random_kquant(qt, 1, n * block, rng).reshape(n, type_size)
+    else:
+        raw = rng.integers(0, 256, (n, type_size), dtype=np.uint8)
+        n_scales = 2 if qt in ("Q4_1", "Q5_1") else 1
+        raw[:, :2 * n_scales] = rng.standard_normal((n, n_scales)).astype(np.float16).view(np.uint8)
     want = np.asarray(gguf.quants.dequantize(raw.reshape(-1), Q), np.float32).reshape(n * block // 64, 64)
     got = dequantize(raw.reshape(-1), Q, (n * block // 64, 64))
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
