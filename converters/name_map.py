@@ -59,24 +59,10 @@ def t_bias_heads(name, a, tgt):  # [heads*hd] -> [heads, hd]
     return a.reshape(h, hd)
 
 
-def t_qk_norm(name, a, tgt):  # per head [hd]; or over the whole projection [heads*hd] -> [heads, hd] (OLMo)
-    if len(tgt) == 1:
+def t_qk_norm(name, a, tgt):  # [hd] shared; [heads, hd] per head (Cohere); [heads*hd] -> [heads, hd] (OLMo)
+    if len(tgt) == 1 or a.ndim == 2:
         return t_identity(name, a, tgt)
     return t_bias_heads(name, a, tgt)
-
-
-def _interleaved_to_half(hd: int) -> np.ndarray:
-    """Head-dim order taking interleaved rope pairs (2i, 2i+1) to rotate-half pairs (i, i + hd/2)."""
-    return np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
-
-
-def t_in_heads_rope_pairs(name, a, tgt):  # Cohere's q/k [heads*hd, embed] -> [embed, heads, hd], pairs regrouped
-    return t_in_heads(name, a, tgt)[..., _interleaved_to_half(tgt[-1])]
-
-
-def t_qk_norm_rope_pairs(name, a, tgt):  # Command R+'s per-head q/k norm [heads, hd], pairs regrouped
-    _expect(name, a, tgt)
-    return a[..., _interleaved_to_half(tgt[-1])]
 
 
 def t_split_qkv(name, a, tgts):  # [(H+2K)*hd, embed] -> q [embed, H, hd], k, v [embed, K, hd]
@@ -163,7 +149,7 @@ GEMMA_RULES = HF_RULES + [  # the sandwich norms around the MLP
 OLMO_RULES = [  # the post-MLP norm (the q/k norms over the whole projection: t_qk_norm)
     (_L + r"post_feedforward_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
 ] + HF_RULES
-PHI3_RULES = [
+FUSED_RULES = [  # fused qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM) split into the model's parameters
     (_L + r"self_attn\.qkv_proj\.weight",
      (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj"), t_split_qkv),
     (_L + r"mlp\.gate_up_proj\.weight", (r"layers.\1.mlp.gate_proj", r"layers.\1.mlp.up_proj"), t_split_gate_up),
@@ -175,10 +161,6 @@ STARCODER2_RULES = [  # LayerNorms with biases; the ungated MLP's c_fc / c_proj
     (_L + r"mlp\.c_proj\.bias", r"layers.\1.mlp.down_bias", t_identity),
     (_L + r"(input_layernorm|post_attention_layernorm)\.bias", r"layers.\1.\2.bias", t_identity),
     (r"model\.norm\.bias", "norm.bias", t_identity),
-] + HF_RULES
-COHERE_RULES = [  # rope on interleaved pairs: q/k (and their per-head norms) in the rotate-half layout
-    (_L + r"self_attn\.(q|k)_proj\.weight", r"layers.\1.self_attn.\2_proj", t_in_heads_rope_pairs),
-    (_L + r"self_attn\.(q|k)_norm\.weight", r"layers.\1.self_attn.\2_norm.weight", t_qk_norm_rope_pairs),
 ] + HF_RULES
 _QKV = (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj")
 _QKV_BIAS = (r"layers.\1.self_attn.q_bias", r"layers.\1.self_attn.k_bias", r"layers.\1.self_attn.v_bias")
@@ -217,8 +199,13 @@ NEOX_RULES = [
     (r"(?:embed_out|lm_head)\.weight", "lm_head", t_transpose),
     (_N + r"attention\.(bias|masked_bias|rotary_emb\.inv_freq)", None, None),  # old checkpoints' buffers
 ]
-HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "phi3": PHI3_RULES, "olmo": OLMO_RULES,
-                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "cohere": COHERE_RULES,
+GLM4_RULES = [  # GLM-4's sandwich norms under the names of jvllm's sandwich layer (models/gemma.py)
+    (_L + r"post_self_attn_layernorm\.weight", r"layers.\1.post_attention_layernorm.weight", t_identity),
+    (_L + r"post_attention_layernorm\.weight", r"layers.\1.pre_feedforward_layernorm.weight", t_identity),
+    (_L + r"post_mlp_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
+] + FUSED_RULES
+HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES, "glm4": GLM4_RULES, "olmo": OLMO_RULES,
+                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

@@ -102,6 +102,7 @@ class ModelConfig:
       final_logit_softcap  logits z -> cap * tanh(z / cap) (Gemma 2)
       partial_rotary_factor  rotary embedding on the first head_dim * factor dims only
       nope_layers          layers whose attention has no rotary embedding at all (SmolLM3's NoPE)
+      rope_interleaved     rope rotates dims (2i, 2i + 1) instead of (i, i + rotary_dim/2) (Cohere, GLM)
       embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling  Granite's
                            scales: of the embeddings, of each block's output before its residual
                            add, the attention scale itself, and a divisor of the logits
@@ -144,6 +145,7 @@ class ModelConfig:
     local_rope_scaling: tuple | None = None
     partial_rotary_factor: float = 1.0
     nope_layers: tuple = ()
+    rope_interleaved: bool = False
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None
     attention_multiplier: float | None = None

@@ -40,6 +40,9 @@ ARCHS = {
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
         num_hidden_layers=4, sliding_window=8, logit_scale=0.5,
         layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+    # GLM-4 (interleaved rope on half of each head, qkv biases, fused gate_up) and GLM-4-0414 (sandwich norms)
+    "glm": ("GlmConfig", "GlmForCausalLM", dict()),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict()),
     # StarCoder2: LayerNorms, c_fc / c_proj, biases, a window on every layer
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=8)),
     # GPT-2 (multi-head; its own names for the sizes are aliases in transformers' config)

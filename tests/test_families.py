@@ -1,5 +1,5 @@
 """The families beyond Llama (Gemma 2 / 3, Phi-3, OLMo 2 / 3, SmolLM3, Granite, GPT-2, GPT-NeoX,
-StarCoder2, Cohere 1 / 2) beyond logit parity
+StarCoder2, Cohere 1 / 2, GLM-4) beyond logit parity
 (tests/test_models.py has that): each variant really changes the numbers, the engine equals
 transformers' greedy generation token for token with batching, chunked prefill, prefix-cache hits
 and preemption all in one run per family, and tensor parallelism gives the one-device tokens."""
@@ -34,7 +34,8 @@ def _logits(cfg, params, ids):
     ("granite", "embedding_multiplier", None), ("granite", "residual_multiplier", 1.0),
     ("granite", "attention_multiplier", None), ("granite", "logits_scaling", None),
     ("gpt_neox", "parallel_residual", False), ("gpt_neox", "partial_rotary_factor", 0.5),
-    ("cohere", "logit_scale", None), ("cohere2", "nope_layers", ())])
+    ("cohere", "logit_scale", None), ("cohere2", "nope_layers", ()), ("cohere", "rope_interleaved", False),
+    ("glm4", "rope_interleaved", False)])
 def test_variant_matters(ckpt_dir, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""
@@ -73,7 +74,7 @@ def test_activations_are_transformers():
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "gpt_neox",
-                                  "starcoder2", "cohere2"])
+                                  "starcoder2", "cohere2", "glm4"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
     prefill), prompts that share a 35-token prefix and a second pass (prefix-cache hits); the
@@ -154,9 +155,9 @@ def test_registry_and_errors():
         register(Family("again", ("Gemma2ForCausalLM",), {}, "jvllm.models.gemma:GemmaForCausalLM"))
     with pytest.raises(ValueError, match=r"model_types map to unregistered architectures \['X'\]"):
         Family("bad", ("Y",), {"y": "X"}, "m:C")
-    with pytest.raises(ValueError, match=r"unknown name map 'moe2'; known: llama, gemma, phi3"):
+    with pytest.raises(ValueError, match=r"unknown name map 'moe2'; known: llama, gemma, fused"):
         map_name("model.norm.weight", "moe2")
-    assert map_name("model.layers.3.self_attn.qkv_proj.weight", "phi3")[0] == (
+    assert map_name("model.layers.3.self_attn.qkv_proj.weight", "fused")[0] == (
         "layers.3.self_attn.q_proj", "layers.3.self_attn.k_proj", "layers.3.self_attn.v_proj")
     with pytest.raises(CheckpointError, match=r"tensor 'qkv': shape \(10, 8\) but the model expects \(32, 8\)"):
         t_split_qkv("qkv", np.zeros((10, 8)), [(8, 2, 8), (8, 1, 8), (8, 1, 8)])

@@ -4,9 +4,7 @@ Cohere2ForCausalLM) in Flax NNX.
 Differences from the Llama decoder, each a ModelConfig field or this file's decoder layer:
   - one LayerNorm without a bias (`norm_kind` "layer", `norm_bias` False) feeds attention and the
     MLP in parallel: x + attn(h) + mlp(h), h = input_layernorm(x) (this file)
-  - rope on interleaved pairs (2i, 2i+1): the converters' name map permutes each head's q/k rows
-    to the rotate-half layout at load (a permutation applied to both q and k leaves q.k unchanged),
-    so the shared rope serves it; `get_weights` returns that layout
+  - rope on interleaved pairs (2i, 2i + 1) (`rope_interleaved`)
   - logits multiplied by `logit_scale`; Command R+'s q/k LayerNorms have a weight per head
     (`qk_norm_layout` "per_head"); Cohere 2's global layers have no rotary embedding (`nope_layers`)
     and its sliding ones a window (`layer_types`)

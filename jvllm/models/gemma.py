@@ -1,4 +1,5 @@
-"""Gemma 2 and Gemma 3 (text) in Flax NNX.
+"""Gemma 2 and Gemma 3 (text) in Flax NNX; GLM-4-0414's decoder is this sandwich layer with plain
+RMSNorms (its norms renamed by the converters' "glm4" name map).
 
 Differences from the Llama decoder, each a ModelConfig field read by the shared layers
 (`jvllm.models.layers`), set for this family by its registration (`registry.py`):

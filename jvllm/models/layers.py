@@ -90,6 +90,7 @@ class Rope:
     scale: float
     long_inv_freq: tuple | None = None
     long_from: int = 0
+    interleaved: bool = False  # rotate pairs (2i, 2i + 1) (Cohere, GLM) instead of (i, i + rot/2)
 
 
 def layer_rope(cfg: ModelConfig, local: bool) -> Rope:
@@ -109,9 +110,9 @@ def layer_rope(cfg: ModelConfig, local: bool) -> Rope:
         shape = np.arange(0, d, 2, dtype=np.float64) / d
         short = 1.0 / (np.asarray(p["short_factor"], np.float64) * base ** shape)
         long = 1.0 / (np.asarray(p["long_factor"], np.float64) * base ** shape)
-        return Rope(tuple(short.tolist()), float(att), tuple(long.tolist()), orig)
+        return Rope(tuple(short.tolist()), float(att), tuple(long.tolist()), orig, cfg.rope_interleaved)
     inv, scale = rope_inv_freq(cfg)
-    return Rope(tuple(inv.tolist()), float(scale))
+    return Rope(tuple(inv.tolist()), float(scale), interleaved=cfg.rope_interleaved)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
@@ -176,8 +177,9 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
 
 
 def apply_rope(x, positions, rope: Rope):
-    """x [T, heads, head_dim]; positions [T] int; rotate-half layout (transformers' convention) on
-    the first 2 * len(inv_freq) dims (partial rotary), the rest passed through."""
+    """x [T, heads, head_dim]; positions [T] int; on the first 2 * len(inv_freq) dims (partial
+    rotary; the rest passed through), pair i is dims (i, i + rot/2) (rotate-half, transformers'
+    Llama convention) or, with `rope.interleaved`, dims (2i, 2i + 1)."""
     inv = jnp.asarray(rope.inv_freq, jnp.float32)[None, :]
     if rope.long_inv_freq is not None:
         inv = jnp.where(positions[:, None] >= rope.long_from, jnp.asarray(rope.long_inv_freq, jnp.float32)[None, :], inv)
@@ -186,6 +188,10 @@ def apply_rope(x, positions, rope: Rope):
     sin = (jnp.sin(freqs) * rope.scale)[:, None, :]
     rot = 2 * len(rope.inv_freq)
     xf = x.astype(jnp.float32)
+    if rope.interleaved:
+        x1, x2 = xf[..., 0:rot:2], xf[..., 1:rot:2]
+        pairs = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(*xf.shape[:-1], rot)
+        return jnp.concatenate([pairs, xf[..., rot:]], axis=-1).astype(x.dtype)
     x1, x2 = jnp.split(xf[..., :rot], 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rot:]], axis=-1)
     return out.astype(x.dtype)

@@ -210,7 +210,28 @@ register(Family(
     architectures=("Phi3ForCausalLM",),
     model_types={"phi3": "Phi3ForCausalLM"},
     model="jvllm.models.llama:LlamaForCausalLM",
-    name_map="phi3",
+    name_map="fused",
+))
+register(Family(
+    # GLM-4 (GLM-4-9B-chat-hf, glm-edge; jvllm.models.llama) and GLM-4-0414 / GLM-Z1 (sandwich norms:
+    # jvllm.models.gemma's layer, plain RMSNorms): interleaved rope on half of each head, q/k/v biases
+    # without an o bias, a fused gate_up_proj
+    name="glm",
+    architectures=("GlmForCausalLM",),
+    model_types={"glm": "GlmForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    name_map="fused",
+    defaults={"rope_interleaved": True, "o_bias": False},
+    hf_fields={"attention_bias": "attention_bias"},
+))
+register(Family(
+    name="glm4",
+    architectures=("Glm4ForCausalLM",),
+    model_types={"glm4": "Glm4ForCausalLM"},
+    model="jvllm.models.gemma:GemmaForCausalLM",
+    name_map="glm4",
+    defaults={"rope_interleaved": True, "o_bias": False, "sandwich_norms": True},
+    hf_fields={"attention_bias": "attention_bias"},
 ))
 register(Family(
     # Gemma (1) and CodeGemma: a Llama-shaped decoder with Gemma's (1 + w) norms, embeddings scaled
@@ -258,15 +279,14 @@ register(Family(
 ))
 register(Family(
     # Cohere Command R / R+ / Aya Expanse and Cohere 2 (Command R7B, Command A; jvllm.models.cohere):
-    # one LayerNorm (no bias) feeding attention and MLP in parallel, interleaved rope (converted to
-    # the rotate-half layout at load by name map "cohere"), logits scaled; Command R+'s q/k norms
-    # have a weight per head; Cohere 2 has no rotary embedding on its global layers
+    # one LayerNorm (no bias) feeding attention and MLP in parallel, interleaved rope, logits
+    # scaled; Command R+'s q/k norms have a weight per head; Cohere 2 has no rotary embedding on its
+    # global layers
     name="cohere",
     architectures=("CohereForCausalLM", "Cohere2ForCausalLM"),
     model_types={"cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"},
     model="jvllm.models.cohere:CohereForCausalLM",
-    name_map="cohere",
-    defaults={"norm_kind": "layer", "norm_bias": False, "qk_norm_layout": "per_head"},
+    defaults={"norm_kind": "layer", "norm_bias": False, "qk_norm_layout": "per_head", "rope_interleaved": True},
     hf_fields={"rms_norm_eps": "layer_norm_eps", "logit_scale": "logit_scale", "qk_norm": "use_qk_norm",
                "attention_bias": "attention_bias", "o_bias": "attention_bias"},
     per_arch={"Cohere2ForCausalLM": {"nope_layers": Derived(_rope_on_sliding_layers_only)}},
