@@ -22,7 +22,9 @@ from .name_map import CheckpointError
 # ("llama" with {arch}.expert_count > 0 is Mixtral: gguf_moe.MOE_ARCHS)
 _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                "qwen3": ("Qwen3ForCausalLM", "qwen3"), "gemma": ("GemmaForCausalLM", "gemma"),
-               "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+               "gemma2": ("Gemma2ForCausalLM", "gemma2"), "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+               "granite": ("GraniteForCausalLM", "granite"), "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+               "command-r": ("CohereForCausalLM", "cohere"), "cohere2": ("Cohere2ForCausalLM", "cohere2"),
                "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
                "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
                "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"]}
@@ -32,7 +34,7 @@ SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                         "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
-_PERMUTED_ARCHS = ("llama",)
+_PERMUTED_ARCHS = ("llama", "smollm3", "granite")  # llama.cpp's LlamaModel lineage
 
 _GGUF_TO_HF = [
     (r"token_embd\.weight", "model.embed_tokens.weight"),
@@ -55,7 +57,9 @@ GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF
                       "gemma2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
                       "gemma3": gguf_archs.GEMMA_RULES + _GGUF_TO_HF, "phi3": gguf_archs.PHI3_RULES + _GGUF_TO_HF,
                       "qwen2moe": gguf_moe.MOE_RULES + _GGUF_TO_HF, "qwen3moe": gguf_moe.MOE_RULES + _GGUF_TO_HF,
-                      "mixtral": gguf_moe.MIXTRAL_RULES + _GGUF_TO_HF}
+                      "mixtral": gguf_moe.MIXTRAL_RULES + _GGUF_TO_HF, "smollm3": _GGUF_TO_HF,
+                      "granite": _GGUF_TO_HF, "olmo2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
+                      "command-r": _GGUF_TO_HF, "cohere2": _GGUF_TO_HF}
 _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GGUF_RULES_BY_ARCH.items()}
 
 
@@ -138,7 +142,7 @@ def gguf_hf_config(path: str) -> dict:
         cfg["attention_bias"] = True
     cfg.update(_rope_fields(r, path, g, cfg["head_dim"]))
     if arch in gguf_archs.ARCH_FIELDS:
-        cfg.update(gguf_archs.ARCH_FIELDS[arch](cfg, g, lambda name: _f32_tensor(r, path, name)))
+        cfg.update(gguf_archs.ARCH_FIELDS[arch](cfg, g, lambda name: _f32_tensor(r, path, name), names))
     if hf_arch in (a for a, _ in gguf_moe.MOE_ARCHS.values()):
         cfg.update(gguf_moe.moe_fields(arch, g, cfg))
     return cfg

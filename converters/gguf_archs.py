@@ -1,5 +1,5 @@
-"""GGUF files of the dense families whose llama.cpp layout differs from Llama's: Gemma 1, 2 and 3,
-and Phi-3. Per architecture, the HF config fields llama.cpp fixes in its graph code instead of
+"""GGUF files of the dense families whose llama.cpp layout or metadata differs from Llama's: Gemma 1,
+2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R and Cohere 2. Per architecture, the HF config fields llama.cpp fixes in its graph code instead of
 storing (`ARCH_FIELDS`) and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each
 put in front of the Llama rules: the first match wins).
 
@@ -12,10 +12,20 @@ put in front of the Llama rules: the first match wins).
               as two F32 tensors rope_factors_{short,long} plus rope.scaling.attn_factor and
               rope.scaling.original_context_length; partial rotary as rope.dimension_count;
               sliding_window 0 for "none" (Phi-4)
+  smollm3     Llama's (q/k permuted); every 4th layer without rope (not stored)
+  granite     Llama's (q/k permuted); its multipliers as embedding_scale, residual_scale,
+              attention.scale and logit_scale (the logits' divisor), each stored when non-zero
+  olmo2       the post-norms as post_attention_norm / post_ffw_norm (no pre-norms), q/k norms over
+              the whole projection
+  command-r   one bias-free LayerNorm (attn_norm, its epsilon attention.layer_norm_epsilon),
+              logit_scale; rope pairs interleaved (llama.cpp's own rope layout: nothing permuted)
+  cohere2     as command-r, plus attention.sliding_window; every 4th layer global and rope-free
+              (not stored)
 
-`ARCH_FIELDS[arch](cfg, g, tensor)`: `cfg` is the generic part already read (sizes, rope_theta,
-rope_scaling, partial_rotary_factor), `g(key)` reads `{arch}.key`, `tensor(name)` is a float32 F32
-tensor of the file or None; the result updates `cfg`.
+`ARCH_FIELDS[arch](cfg, g, tensor, names)`: `cfg` is the generic part already read (sizes,
+rope_theta, rope_scaling, partial_rotary_factor), `g(key)` reads `{arch}.key`, `tensor(name)` is a
+float32 F32 tensor of the file or None, `names` the set of the file's tensor names; the result
+updates `cfg`.
 """
 from __future__ import annotations
 
@@ -41,12 +51,12 @@ def _opt_float(v):
     return None if v is None else float(v)
 
 
-def gemma_fields(cfg: dict, g, tensor) -> dict:
+def gemma_fields(cfg: dict, g, tensor, names) -> dict:
     """Gemma 1: GeGLU, the only thing llama.cpp fixes rather than stores."""
     return {"hidden_act": "gelu_pytorch_tanh"}
 
 
-def gemma2_fields(cfg: dict, g, tensor) -> dict:
+def gemma2_fields(cfg: dict, g, tensor, names) -> dict:
     """Even layers sliding, odd global; query_pre_attn_scalar = head_dim (hidden/heads for the
     46-layer 27B, as llama.cpp's attention scale), GeGLU. A checkpoint whose query_pre_attn_scalar
     differs from that rule cannot be written to GGUF faithfully (llama.cpp drops the field). The
@@ -63,7 +73,7 @@ def gemma2_fields(cfg: dict, g, tensor) -> dict:
     }
 
 
-def gemma3_fields(cfg: dict, g, tensor) -> dict:
+def gemma3_fields(cfg: dict, g, tensor, names) -> dict:
     """Every 6th layer global (the rest sliding), the sliding layers' rope base 10000,
     query_pre_attn_scalar = head_dim (hidden/heads for the 62-layer 27B), GeGLU; a stored rope
     scaling (the 4B and larger: linear, factor 8) applies to the global layers only."""
@@ -82,7 +92,7 @@ def gemma3_fields(cfg: dict, g, tensor) -> dict:
     }
 
 
-def phi3_fields(cfg: dict, g, tensor) -> dict:
+def phi3_fields(cfg: dict, g, tensor, names) -> dict:
     """Phi-3 / Phi-3.5 / Phi-4-mini: the window (0 = none), and longrope from the factor tensors
     (a 4k model has none: plain rope). ValueError naming the tensor when only one of the two
     factor tensors is present or their lengths differ from rotary_dim / 2."""
@@ -113,4 +123,33 @@ def phi3_fields(cfg: dict, g, tensor) -> dict:
     return out
 
 
-ARCH_FIELDS: dict[str, Callable] = {"gemma": gemma_fields, "gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}
+def smollm3_fields(cfg: dict, g, tensor, names) -> dict:
+    """No rotary embedding on every 4th layer (llama.cpp's fixed n_no_rope_layer_step), no window."""
+    n = cfg["num_hidden_layers"]
+    return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)], "use_sliding_window": False}
+
+
+def granite_fields(cfg: dict, g, tensor, names) -> dict:
+    """Granite's four multipliers under llama.cpp's *_scale names (absent: no scaling)."""
+    return {"embedding_multiplier": _opt_float(g("embedding_scale")),
+            "residual_multiplier": float(g("residual_scale", 1.0) or 1.0),
+            "attention_multiplier": _opt_float(g("attention.scale")),
+            "logits_scaling": _opt_float(g("logit_scale"))}
+
+
+def command_r_fields(cfg: dict, g, tensor, names) -> dict:
+    """Command R / Cohere 2: the LayerNorms' epsilon, logit_scale, and Command R+'s q/k norms when
+    the file has them."""
+    out = {"layer_norm_eps": float(g("attention.layer_norm_epsilon", 1e-5)),
+           "logit_scale": float(g("logit_scale", 1.0)),
+           "use_qk_norm": "blk.0.attn_q_norm.weight" in names}
+    if g("attention.sliding_window") is not None:  # Cohere 2: 3 sliding layers, then a global one
+        n = cfg["num_hidden_layers"]
+        out["sliding_window"] = int(g("attention.sliding_window"))
+        out["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)]
+    return out
+
+
+ARCH_FIELDS: dict[str, Callable] = {"smollm3": smollm3_fields, "granite": granite_fields,
+                                    "command-r": command_r_fields, "cohere2": command_r_fields,
+                                    "gemma": gemma_fields, "gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}

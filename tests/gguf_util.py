@@ -57,7 +57,18 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]) if getattr(c, "rope_parameters", None)
                          else float(c.rope_theta))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch in ("command-r", "cohere2"):  # LayerNorms: their epsilon under llama.cpp's LayerNorm key
+        w.add_layer_norm_eps(c.layer_norm_eps)
+        w.add_logit_scale(c.logit_scale)
+    else:
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "cohere2":
+        w.add_sliding_window(c.sliding_window)
+    if arch == "granite":  # llama.cpp's names for Granite's multipliers
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_logit_scale(c.logits_scaling)
     w.add_vocab_size(c.vocab_size)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     for k, v in (extra or {}).items():
@@ -102,7 +113,8 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
 
 # HF model_type -> GGUF arch, as llama.cpp's convert_hf_to_gguf.py names them (Mixtral is "llama")
 HF_TO_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-                   "gemma": "gemma", "gemma2": "gemma2", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}
+                   "gemma": "gemma", "gemma2": "gemma2", "qwen2": "qwen2", "smollm3": "smollm3", "granite": "granite",
+                   "olmo2": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}
 
 
 def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32"):
@@ -125,7 +137,8 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
     arch = HF_TO_GGUF_ARCH[c.model_type]
     # the checkpoint's own (per-expert) tensors, not transformers 5's fused in-memory layout
     sd = load_file(os.path.join(hf_dir, "model.safetensors"))
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    tmap = gguf.get_tensor_name_map(by_name[arch], c.num_hidden_layers)
     w = gguf.GGUFWriter(out, arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -141,7 +154,18 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
     if rp.get("rope_type") in ("linear", "yarn"):
         w.add_rope_scaling_type(gguf.RopeScalingType(rp["rope_type"]))
         w.add_rope_scaling_factor(rp["factor"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch in ("command-r", "cohere2"):  # LayerNorms: their epsilon under llama.cpp's LayerNorm key
+        w.add_layer_norm_eps(c.layer_norm_eps)
+        w.add_logit_scale(c.logit_scale)
+    else:
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "cohere2":
+        w.add_sliding_window(c.sliding_window)
+    if arch == "granite":  # llama.cpp's names for Granite's multipliers
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_logit_scale(c.logits_scaling)
     w.add_vocab_size(c.vocab_size)
     n_experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
     if n_experts:
@@ -184,9 +208,9 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
         g = (hf_name + ".weight" if hf_name.startswith("rope_factors")
              else tmap.get_name(hf_name, try_suffixes=(".weight", ".bias")))
         assert g is not None, f"llama.cpp's name map has no GGUF name for {hf_name}"
-        if arch == "llama" and g.endswith("attn_q.weight"):
+        if arch in ("llama", "smollm3", "granite") and g.endswith("attn_q.weight"):
             arr = permute(arr, c.num_attention_heads)
-        elif arch == "llama" and g.endswith("attn_k.weight"):
+        elif arch in ("llama", "smollm3", "granite") and g.endswith("attn_k.weight"):
             arr = permute(arr, c.num_key_value_heads)
         if arch in ("gemma", "gemma2", "gemma3") and g.endswith("norm.weight"):
             arr = arr + np.float32(1.0)
