@@ -1,7 +1,8 @@
-"""GGUF files of the dense families whose llama.cpp layout or metadata differs from Llama's: Gemma 1,
-2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R and Cohere 2. Per architecture, the HF config fields llama.cpp fixes in its graph code instead of
-storing (`ARCH_FIELDS`) and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each
-put in front of the Llama rules: the first match wins).
+"""GGUF files of the dense families whose llama.cpp layout or metadata differs from Llama's: Gemma
+1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R and Cohere 2. Per architecture, the HF
+config fields llama.cpp stores under its own names or fixes in its graph code instead of storing
+(`ARCH_FIELDS`), and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each put in
+front of the Llama rules: the first match wins).
 
   GGUF arch   what llama.cpp's converter (convert_hf_to_gguf.py) writes
   gemma       Llama's names; norms stored as 1 + w; GeGLU (not stored)
