@@ -57,18 +57,7 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]) if getattr(c, "rope_parameters", None)
                          else float(c.rope_theta))
-    if arch in ("command-r", "cohere2"):  # LayerNorms: their epsilon under llama.cpp's LayerNorm key
-        w.add_layer_norm_eps(c.layer_norm_eps)
-        w.add_logit_scale(c.logit_scale)
-    else:
-        w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if arch == "cohere2":
-        w.add_sliding_window(c.sliding_window)
-    if arch == "granite":  # llama.cpp's names for Granite's multipliers
-        w.add_embedding_scale(c.embedding_multiplier)
-        w.add_residual_scale(c.residual_multiplier)
-        w.add_attention_scale(c.attention_multiplier)
-        w.add_logit_scale(c.logits_scaling)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     for k, v in (extra or {}).items():
