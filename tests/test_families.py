@@ -239,3 +239,11 @@ def test_update_weights_refuses_one_expert_by_hf_name(ckpt_dir):
     with pytest.raises(ValueError, match=r"one expert of the stacked parameter 'layers.0.mlp.expert_gate'"):
         normalize([("model.layers.0.mlp.experts.1.gate_proj.weight", np.zeros((32, 64), np.float32))],
                   {"layers.0.mlp.expert_gate": ((4, 64, 32), np.float32, ())}, tied=False, name_map="moe")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "cohere2"])
+def test_pipeline_stages_identical(one_device, arch):
+    """Two pipeline stages (GPT-2's position table in the first, Cohere 2's rope-free global layer
+    in the second) give the one-device tokens."""
+    path, expected = one_device(arch)
+    assert _tp_run(path, pipeline_parallel_size=2) == expected
