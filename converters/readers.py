@@ -116,6 +116,33 @@ def hf_tensor_stream(folder: str) -> Iterator[tuple[str, callable]]:
                           f"pytorch_model.bin or .pt)")
 
 
+def safetensors_names(folder: str) -> list[str] | None:
+    """The tensor names of a safetensors checkpoint folder from its index or file header (no
+    tensor is read); None for a folder without safetensors."""
+    ls = set(os.listdir(folder))
+    if "model.safetensors.index.json" in ls:
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            return list(json.load(f)["weight_map"])
+    if "model.safetensors" not in ls:
+        return None
+    with open(os.path.join(folder, "model.safetensors"), "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 * 2**20:
+            raise CheckpointError(f"{folder}/model.safetensors: corrupt safetensors header length {n}")
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
+
+
+HEAD_TENSORS = ("lm_head.weight", "embed_out.weight")  # an untied LM head (GPT-NeoX names it embed_out)
+
+
+def has_head_tensor(folder: str, config: dict) -> bool:
+    """Whether the safetensors checkpoint in `folder` (config.json's dict `config`) holds an LM
+    head of its own, under the text decoder's names for a multimodal wrapper. False when unknown."""
+    names = safetensors_names(folder) or []
+    renamed = (n for n, _ in text_decoder_stream(((n, None) for n in names), config))
+    return any(n in HEAD_TENSORS for n in renamed)
+
+
 def text_decoder_stream(stream, config: dict) -> Iterator[tuple[str, callable]]:
     """`stream` as its text decoder's tensors when `config` (config.json) names a multimodal
     architecture served text-only (`jvllm.models.registry.TextOnly`): names renamed, the vision

@@ -22,8 +22,13 @@ def model_config_from_hf(hf) -> ModelConfig:
             f"unsupported architecture {arch!r} (architectures={archs}, model_type="
             f"{getattr(hf, 'model_type', None)!r}); supported: {', '.join(supported_architectures())}")
     wrapper = text_only(arch)
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
     if wrapper is not None:  # a multimodal checkpoint served as its text decoder
-        hf, arch = hf.text_config, wrapper.text_architecture
+        # transformers 5 ties the head by the wrapper's own tie_word_embeddings (its configs move a
+        # pre-v5 text_config value up); absent there, the text config's
+        top = getattr(hf, "tie_word_embeddings", None)
+        hf, arch = hf.text_config, wrapper.text_arch(hf.text_config)
+        tied = bool(top if top is not None else getattr(hf, "tie_word_embeddings", False))
     heads = hf.num_attention_heads
     kv = getattr(hf, "num_key_value_heads", None) or heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
@@ -40,6 +45,14 @@ def model_config_from_hf(hf) -> ModelConfig:
         rope = dict(rope["full_attention"])
         if local is not None:
             local_theta, local_rope = _split_rope(dict(local), None)
+    if wrapper is not None:
+        # M-RoPE (Qwen-VL): a text-only prompt has the same position in every section, so its
+        # rotation is plain rope's; the sections matter only for image tokens (not implemented)
+        for k in ("mrope_section", "mrope_interleaved"):
+            rope.pop(k, None)
+        if rope.get("rope_type", rope.get("type")) == "mrope":  # transformers 4's name for it
+            rope["rope_type"] = "default"
+            rope.pop("type", None)
     theta, rope = _split_rope(rope, getattr(hf, "rope_theta", None))
     partial = float(rope.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None) or 1.0)
     if rope.get("rope_type") == "longrope":
@@ -82,7 +95,7 @@ def model_config_from_hf(hf) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=_freeze(rope),
         max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048) or 2048),
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        tie_word_embeddings=tied,
         layer_windows=tuple(windows),
         hidden_act=getattr(hf, "hidden_act", None) or "silu",
         local_rope_theta=local_theta,
@@ -147,4 +160,24 @@ def load_hf_config(path: str):
         archs = raw.get("architectures")
         raise ValueError(f"unsupported architecture {archs!r} (model_type={mt!r}); "
                          f"supported: {', '.join(supported_architectures())}")
-    return transformers.AutoConfig.from_pretrained(path)
+    hf = transformers.AutoConfig.from_pretrained(path)
+    _untie_if_checkpoint_has_head(hf, path)
+    return hf
+
+
+def _untie_if_checkpoint_has_head(hf, path: str) -> None:
+    """transformers 5 ties the LM head to the embedding only when the checkpoint has no head tensor
+    of its own (or one equal to the embedding): a config that says tied over a checkpoint with a
+    head (Mistral 3's default tie_word_embeddings=True over Mistral Small's untied head) loads
+    untied. The same here, from the safetensors tensor names (a head equal to the embedding is then
+    kept as a copy: the same logits); .bin checkpoints keep the config's word (their names need a
+    full read, and torch saves tied tensors twice)."""
+    if not getattr(hf, "tie_word_embeddings", False) and not getattr(getattr(hf, "text_config", None),
+                                                                    "tie_word_embeddings", False):
+        return
+    from converters.readers import has_head_tensor
+
+    if has_head_tensor(path, getattr(hf, "to_dict", dict)()):
+        hf.tie_word_embeddings = False
+        if getattr(hf, "text_config", None) is not None:
+            hf.text_config.tie_word_embeddings = False

@@ -126,3 +126,143 @@ def test_multimodal_errors(gemma3_mm, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"unsupported architecture 'PaliGemma.*Gemma3ForConditionalGeneration"):
         ModelConfig.from_pretrained(str(tmp_path))
+
+
+# ------------------------------------------------- LLaVA, Mistral 3, Qwen2-VL / 2.5-VL / 3-VL
+TINY_TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, vocab_size=300, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3]}  # 2 + 3 + 3 = head_dim 16 / 2
+
+
+def _wrapper_model(kind: str, tie=None):
+    """A tiny random multimodal model of `kind` (transformers' own class) with random norms."""
+    import torch
+    import transformers as T
+
+    vis_qwen = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64, intermediate_size=64, spatial_merge_size=2)
+    if kind == "llava":
+        cfg = T.LlavaConfig(text_config=dict(model_type="llama", **TINY_TEXT), image_token_index=299,
+                            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                                               patch_size=14, projection_dim=32))
+        cls = T.LlavaForConditionalGeneration
+    elif kind == "mistral3":
+        cfg = T.Mistral3Config(text_config=dict(model_type="mistral", head_dim=16, sliding_window=None, **TINY_TEXT),
+                               vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                                                  patch_size=14, head_dim=16), image_token_index=299)
+        cls = T.Mistral3ForConditionalGeneration
+    elif kind == "qwen2_vl":
+        cfg = T.Qwen2VLConfig(text_config=dict(rope_parameters={**MROPE, "rope_theta": 1e6}, **TINY_TEXT),
+                              vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+                              image_token_id=299, video_token_id=298, vision_start_token_id=297)
+        cls = T.Qwen2VLForConditionalGeneration
+    elif kind == "qwen2_5_vl":
+        cfg = T.Qwen2_5_VLConfig(text_config=dict(rope_parameters={**MROPE, "rope_theta": 1e6}, **TINY_TEXT),
+                                 vision_config=vis_qwen, image_token_id=299, video_token_id=298,
+                                 vision_start_token_id=297)
+        cls = T.Qwen2_5_VLForConditionalGeneration
+    else:
+        cfg = T.Qwen3VLConfig(text_config=dict(head_dim=16, **TINY_TEXT, rope_parameters={
+                                  **MROPE, "mrope_interleaved": True, "rope_theta": 5e6}),
+                              vision_config=dict(vis_qwen, patch_size=16, num_position_embeddings=16,
+                                                 deepstack_visual_indexes=[0]),
+                              image_token_id=299, video_token_id=298, vision_start_token_id=297)
+        cls = T.Qwen3VLForConditionalGeneration
+    if tie is not None:
+        cfg.tie_word_embeddings = tie
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def _max_diff(d, model, prompts=PROMPTS[:2]):
+    import torch
+
+    from tests.gguf_util import jvllm_logits
+
+    worst = 0.0
+    for ids, ours in zip(prompts, jvllm_logits(d, prompts)):
+        with torch.no_grad():
+            theirs = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+        worst = max(worst, float(np.abs(ours - theirs).max()))
+    return worst
+
+
+@pytest.mark.parametrize("kind, decoder, top", [
+    ("llava", "LlamaForCausalLM", "language_model.model."), ("mistral3", "MistralForCausalLM", "language_model.model."),
+    ("qwen2_vl", "Qwen2ForCausalLM", "model.layers."), ("qwen2_5_vl", "Qwen2ForCausalLM", "model.layers."),
+    ("qwen3_vl", "Qwen3ForCausalLM", "model.language_model.")])
+def test_multimodal_wrappers_text_logits_match_transformers(kind, decoder, top, tmp_path):
+    """Each wrapper's text decoder (the decoder taken from its text_config for LLaVA / Mistral 3;
+    Qwen-VL's M-RoPE as plain rope for text) == transformers' multimodal model on text input ids,
+    float32 within 1e-4, from the checkpoint as save_pretrained writes it (the hub's layout)."""
+    from safetensors import safe_open
+
+    from jvllm.config import ModelConfig
+
+    model = _wrapper_model(kind)
+    model.save_pretrained(str(tmp_path))
+    names = list(safe_open(str(tmp_path / "model.safetensors"), "np").keys())
+    assert any(n.startswith(top) for n in names) and any("vision" in n or "visual" in n for n in names)
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    assert cfg.architecture == decoder and cfg.tie_word_embeddings == (kind == "mistral3")
+    assert "mrope_section" not in dict(cfg.rope_scaling or ())
+    assert _max_diff(str(tmp_path), model) < 1e-4
+
+
+def test_wrapper_config_tied_but_checkpoint_has_a_head(tmp_path):
+    """Mistral Small 3.1's config.json sets no top-level tie_word_embeddings (transformers 5's
+    Mistral 3 default: True) over a checkpoint with its own lm_head: transformers unties, and so
+    does jvllm (the checkpoint's head is used, not the embedding)."""
+    import transformers
+
+    from jvllm.config import ModelConfig
+
+    _wrapper_model("mistral3", tie=False).save_pretrained(str(tmp_path))
+    raw = json.load(open(tmp_path / "config.json"))
+    raw.pop("tie_word_embeddings", None)
+    raw["text_config"].pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ref = transformers.Mistral3ForConditionalGeneration.from_pretrained(str(tmp_path)).eval()
+    assert ref.config.tie_word_embeddings  # what the config says ...
+    assert not np.array_equal(ref.lm_head.weight.detach().numpy(),  # ... and what transformers did
+                              ref.get_input_embeddings().weight.detach().numpy())
+    assert not ModelConfig.from_pretrained(str(tmp_path)).tie_word_embeddings
+    assert _max_diff(str(tmp_path), ref) < 1e-4
+
+
+def test_qwen2_5_vl_transformers5_layout_and_unsupported_decoder(tmp_path):
+    """Qwen2.5-VL under transformers 5's names (model.language_model.*, model.visual.*) loads the
+    same params as the hub layout; a LLaVA around a decoder jvllm has no family for is refused
+    naming its text model_type."""
+    from safetensors.numpy import load_file, save_file
+
+    from jvllm.config import ModelConfig
+    from jvllm.converters import load_checkpoint
+
+    hub = tmp_path / "hub"
+    _wrapper_model("qwen2_5_vl").save_pretrained(str(hub))
+    sd = load_file(str(hub / "model.safetensors"))
+    t5 = {("model.language_model." + k[len("model."):] if k.startswith("model.") else
+           "model." + k if k.startswith("visual.") else k): v for k, v in sd.items()}
+    assert any(k.startswith("model.visual.") for k in t5)
+    (tmp_path / "t5").mkdir()
+    save_file(t5, str(tmp_path / "t5" / "model.safetensors"))
+    (tmp_path / "t5" / "config.json").write_text((hub / "config.json").read_text())
+    a, b = load_checkpoint(str(hub), "float32").params, load_checkpoint(str(tmp_path / "t5"), "float32").params
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
+
+    llava = tmp_path / "llava"
+    _wrapper_model("llava").save_pretrained(str(llava))
+    raw = json.load(open(llava / "config.json"))
+    raw["text_config"] = {**raw["text_config"], "model_type": "phi"}
+    (llava / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration: its text decoder \(text_config model_type 'phi'\)"):
+        ModelConfig.from_pretrained(str(llava))

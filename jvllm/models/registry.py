@@ -86,18 +86,36 @@ class Family:
         return out
 
 
+LLAVA_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+LLAVA_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 @dataclasses.dataclass(frozen=True)
 class TextOnly:
-    """A multimodal architecture served as its text decoder `text_architecture` (a registered
-    family's). `prefixes` maps the wrapper's tensor-name prefixes to the text model's (both the
-    hub's layout, `language_model.model.`, and transformers 5's, `model.language_model.`);
-    tensors under `skipped` (the vision tower, the projector) are not read."""
+    """A multimodal architecture served as its text decoder: `text_architecture` (a registered
+    family's), or None to take the architecture of its `text_config`'s model_type (LLaVA and
+    Mistral 3 wrap several decoders). `prefixes` maps the wrapper's tensor-name prefixes to the
+    text model's (the hub's layout and transformers 5's; LLaVA-style by default:
+    `language_model.model.` / `model.language_model.`); tensors under `skipped` (the vision
+    tower, the projector) are not read."""
     architecture: str
     model_type: str
-    text_architecture: str
-    prefixes: tuple = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                       ("language_model.lm_head.", "lm_head."))
-    skipped: tuple = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+    text_architecture: str | None
+    prefixes: tuple = LLAVA_PREFIXES
+    skipped: tuple = LLAVA_SKIPPED
+
+    def text_arch(self, text_config) -> str:
+        """The decoder's architecture for this checkpoint's text config (ValueError naming an
+        unregistered one)."""
+        if self.text_architecture is not None:
+            return self.text_architecture
+        mt = getattr(text_config, "model_type", None)
+        arch = arch_of_model_type(mt or "")
+        if arch is None or arch not in _BY_ARCH:
+            raise ValueError(f"{self.architecture}: its text decoder (text_config model_type {mt!r}) is not a "
+                             f"supported architecture; supported: {', '.join(supported_architectures())}")
+        return arch
 
     def rename(self, name: str) -> str | None:
         """The text model's name for checkpoint tensor `name`, or None for a skipped tensor."""
@@ -133,7 +151,8 @@ _TEXT_ONLY: dict[str, TextOnly] = {}
 
 def register_text_only(wrapper: TextOnly) -> TextOnly:
     """Serve multimodal `wrapper.architecture` as its (registered) text decoder."""
-    family_of(wrapper.text_architecture)  # ValueError for an unregistered decoder
+    if wrapper.text_architecture is not None:
+        family_of(wrapper.text_architecture)  # ValueError for an unregistered decoder
     if wrapper.architecture in _BY_ARCH or wrapper.architecture in _TEXT_ONLY:
         raise ValueError(f"architecture {wrapper.architecture!r} is registered twice")
     if wrapper.model_type in _BY_MODEL_TYPE:
@@ -349,3 +368,19 @@ register_text_only(TextOnly(
     # Gemma 3 4B / 12B / 27B (SigLIP vision tower + projector around a Gemma 3 decoder)
     architecture="Gemma3ForConditionalGeneration", model_type="gemma3", text_architecture="Gemma3ForCausalLM",
 ))
+# LLaVA (1.5 and the LLaVA-style checkpoints: a Llama / Mistral / Qwen2 / ... decoder) and Mistral 3
+# (Mistral Small 3.1 / 3.2: Pixtral tower around a Mistral decoder): the decoder is the text_config's
+register_text_only(TextOnly(architecture="LlavaForConditionalGeneration", model_type="llava", text_architecture=None))
+register_text_only(TextOnly(architecture="Mistral3ForConditionalGeneration", model_type="mistral3",
+                            text_architecture=None))
+# Qwen2-VL / Qwen2.5-VL (a Qwen2 decoder) and Qwen3-VL (a Qwen3 decoder). Hub checkpoints of the
+# first two keep the decoder at the top (`model.layers.*`, `lm_head.*`) and the tower under
+# `visual.`; Qwen3-VL's and transformers 5's nest it under `model.language_model.`. Their M-RoPE
+# gives a text-only prompt the same position in all three sections: plain rope (hf_config).
+_QWEN_VL = dict(prefixes=(("model.language_model.", "model."),), skipped=("visual.", "model.visual."))
+register_text_only(TextOnly(architecture="Qwen2VLForConditionalGeneration", model_type="qwen2_vl",
+                            text_architecture="Qwen2ForCausalLM", **_QWEN_VL))
+register_text_only(TextOnly(architecture="Qwen2_5_VLForConditionalGeneration", model_type="qwen2_5_vl",
+                            text_architecture="Qwen2ForCausalLM", **_QWEN_VL))
+register_text_only(TextOnly(architecture="Qwen3VLForConditionalGeneration", model_type="qwen3_vl",
+                            text_architecture="Qwen3ForCausalLM", **_QWEN_VL))
