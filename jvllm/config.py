@@ -107,6 +107,9 @@ class ModelConfig:
                            scales: of the embeddings, of each block's output before its residual
                            add, the attention scale itself, and a divisor of the logits
       logit_scale          a multiplier of the logits (Cohere)
+      attn_temperature_beta, attn_temperature_len  Llama 4's attention temperature (Ministral 3's
+                           llama_4_scaling_beta): queries at position p are multiplied by
+                           1 + beta * log(1 + floor(p / len)) after rope
     """
 
     architecture: str
@@ -151,6 +154,8 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
     logit_scale: float | None = None
+    attn_temperature_beta: float | None = None
+    attn_temperature_len: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     moe: MoEConfig | None = None  # mixture-of-experts layers (the MoE architectures only)
@@ -171,6 +176,10 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{f} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.attn_temperature_beta is not None and not (isinstance(self.attn_temperature_len, int)
+                                                            and self.attn_temperature_len > 0):
+            raise ValueError(f"attn_temperature_len must be a positive integer with attn_temperature_beta, got "
+                             f"{self.attn_temperature_len!r}")
         if self.qk_norm_layout not in _QK_NORM_LAYOUTS:
             raise ValueError(f"unsupported qk_norm_layout {self.qk_norm_layout!r}; supported: {', '.join(_QK_NORM_LAYOUTS)}")
         if self.norm_kind not in _NORM_KINDS:

@@ -53,6 +53,7 @@ def model_config_from_hf(hf) -> ModelConfig:
         if rope.get("rope_type", rope.get("type")) == "mrope":  # transformers 4's name for it
             rope["rope_type"] = "default"
             rope.pop("type", None)
+    temp_beta = rope.pop("llama_4_scaling_beta", None)  # Ministral 3: a query temperature, not rope
     theta, rope = _split_rope(rope, getattr(hf, "rope_theta", None))
     partial = float(rope.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None) or 1.0)
     if rope.get("rope_type") == "longrope":
@@ -68,7 +69,8 @@ def model_config_from_hf(hf) -> ModelConfig:
     if sw:
         # transformers applies these models' sliding_window to every layer and never reads
         # layer_types (Mistral reads layer_types when a config has them)
-        if arch in ("Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Starcoder2ForCausalLM"):
+        if arch in ("Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Starcoder2ForCausalLM",
+                    "Ministral3ForCausalLM"):
             windows = [sw] * n
         elif layer_types:
             windows = [sw if t == "sliding_attention" else None for t in layer_types]
@@ -105,6 +107,9 @@ def model_config_from_hf(hf) -> ModelConfig:
         eos_token_ids=eos,
         moe=_moe_from_hf(hf, arch),
     )
+    if temp_beta:
+        fields.update(attn_temperature_beta=float(temp_beta), attn_temperature_len=int(
+            rope.get("original_max_position_embeddings") or hf.max_position_embeddings))
     fields.update(family_of(arch).config_fields(arch, hf))
     return ModelConfig(**fields)
 

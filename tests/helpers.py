@@ -22,6 +22,13 @@ ARCHS = {
     "smollm2": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_attention_heads=6,
                                                          num_key_value_heads=3, head_dim=16, hidden_size=96)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # Ministral (2410): alternating sliding / global layers from its default layer_types
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(sliding_window=8)),
+    # Ministral 3: yarn rope and Llama 4's query temperature, here from position 8 on (the real
+    # ones: 16384) with a beta large enough to show in the logits
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(max_position_embeddings=512, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=8, beta_fast=32.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5))),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8,
                                                        max_window_layers=1)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict()),

@@ -35,7 +35,7 @@ def _logits(cfg, params, ids):
     ("granite", "attention_multiplier", None), ("granite", "logits_scaling", None),
     ("gpt_neox", "parallel_residual", False), ("gpt_neox", "partial_rotary_factor", 0.5),
     ("cohere", "logit_scale", None), ("cohere2", "nope_layers", ()), ("cohere", "rope_interleaved", False),
-    ("glm4", "rope_interleaved", False)])
+    ("glm4", "rope_interleaved", False), ("ministral3", "attn_temperature_beta", None)])
 def test_variant_matters(ckpt_dir, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""

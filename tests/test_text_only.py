@@ -146,8 +146,13 @@ def _wrapper_model(kind: str, tie=None):
                                                num_hidden_layers=1, num_attention_heads=2, image_size=28,
                                                patch_size=14, projection_dim=32))
         cls = T.LlavaForConditionalGeneration
-    elif kind == "mistral3":
-        cfg = T.Mistral3Config(text_config=dict(model_type="mistral", head_dim=16, sliding_window=None, **TINY_TEXT),
+    elif kind in ("mistral3", "ministral3"):  # Mistral Small 3.1 / 3.2; Ministral 3 (yarn, query temperature)
+        text = dict(model_type="mistral", head_dim=16, sliding_window=None, **TINY_TEXT)
+        if kind == "ministral3":
+            text.update(model_type="ministral3", rope_parameters=dict(
+                rope_type="yarn", rope_theta=1e6, factor=16.0, original_max_position_embeddings=8,
+                llama_4_scaling_beta=0.5, mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))
+        cfg = T.Mistral3Config(text_config=text,
                                vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
                                                   num_hidden_layers=1, num_attention_heads=2, image_size=28,
                                                   patch_size=14, head_dim=16), image_token_index=299)
@@ -195,6 +200,7 @@ def _max_diff(d, model, prompts=PROMPTS[:2]):
 
 @pytest.mark.parametrize("kind, decoder, top", [
     ("llava", "LlamaForCausalLM", "language_model.model."), ("mistral3", "MistralForCausalLM", "language_model.model."),
+    ("ministral3", "Ministral3ForCausalLM", "language_model.model."),
     ("qwen2_vl", "Qwen2ForCausalLM", "model.layers."), ("qwen2_5_vl", "Qwen2ForCausalLM", "model.layers."),
     ("qwen3_vl", "Qwen3ForCausalLM", "model.language_model.")])
 def test_multimodal_wrappers_text_logits_match_transformers(kind, decoder, top, tmp_path):
@@ -210,7 +216,7 @@ def test_multimodal_wrappers_text_logits_match_transformers(kind, decoder, top, 
     names = list(safe_open(str(tmp_path / "model.safetensors"), "np").keys())
     assert any(n.startswith(top) for n in names) and any("vision" in n or "visual" in n for n in names)
     cfg = ModelConfig.from_pretrained(str(tmp_path))
-    assert cfg.architecture == decoder and cfg.tie_word_embeddings == (kind == "mistral3")
+    assert cfg.architecture == decoder and cfg.tie_word_embeddings == (kind in ("mistral3", "ministral3"))
     assert "mrope_section" not in dict(cfg.rope_scaling or ())
     assert _max_diff(str(tmp_path), model) < 1e-4
 

@@ -234,6 +234,8 @@ class Attention(nnx.Module):
         # trace-time constants; None: a NoPE layer (no rotary embedding)
         self.rope = (None if layer in cfg.nope_layers or cfg.learned_positions
                      else layer_rope(cfg, local=self.window is not None))
+        self.temperature = ((float(cfg.attn_temperature_beta), int(cfg.attn_temperature_len))
+                            if cfg.attn_temperature_beta else None)
 
     def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks, attention="xla"):
         q, k, v = self.proj.many("td,dhk->thk", x, [(self.q_proj, self.q_proj_scale), (self.k_proj, self.k_proj_scale),
@@ -245,6 +247,10 @@ class Attention(nnx.Module):
         if self.rope is not None:
             pos = jnp.maximum(md.positions, 0)
             q, k = apply_rope(q, pos, self.rope), apply_rope(k, pos, self.rope)
+        if self.temperature is not None:  # Llama 4 / Ministral 3: queries scaled up with the position
+            beta, n = self.temperature
+            t = 1.0 + beta * jnp.log1p(jnp.floor(jnp.maximum(md.positions, 0).astype(jnp.float32) / n))
+            q = q * t.astype(q.dtype)[:, None, None]
         k_pages, v_pages = kv
         interpret = attention.endswith("_interpret")
 

@@ -212,10 +212,13 @@ def _rope_on_sliding_layers_only(hf) -> tuple:
 
 register(Family(
     name="llama",
+    # Ministral (8B, 2410: alternating sliding layers) and Ministral 3 (3B / 8B / 14B, the decoder
+    # of Mistral 3 checkpoints: yarn rope and Llama 4's query temperature) are Mistral decoders
     architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "SmolLM3ForCausalLM"),
+                   "SmolLM3ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM"),
     model_types={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"},
+                 "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "ministral": "MinistralForCausalLM",
+                 "ministral3": "Ministral3ForCausalLM"},
     model="jvllm.models.llama:LlamaForCausalLM",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     per_arch={"Qwen2ForCausalLM": {"attention_bias": True, "o_bias": False},
