@@ -78,14 +78,22 @@ def t_split_gate_up(name, a, tgts):  # [2*mlp, embed] (gate rows first) -> gate,
     return a[:i].T, a[i:].T
 
 
+# Fused experts come in two layouts, told apart by shape as transformers 5 does (its Transpose with
+# check_dims: a tensor already in its in-memory shape is kept, so a square one reads as that):
+# transformers 5's in-memory [E, 2I, D] / [E, D, I], and Qwen3-VL-MoE's hub checkpoints' [E, D, 2I] /
+# [E, I, D] (transformers 4's Qwen3VLMoeTextExperts).
 def t_experts_gate_up(name, a, tgts):  # fused experts [E, 2*I, D] (gate rows first) -> gate, up [E, D, I]
     (e, d, i), _ = tgts
+    if tuple(a.shape) == (e, d, 2 * i) != (e, 2 * i, d):  # the hub layout: gate columns first
+        return a[:, :, :i], a[:, :, i:]
     _expect(name, a, (e, 2 * i, d))
     return a[:, :i].transpose(0, 2, 1), a[:, i:].transpose(0, 2, 1)
 
 
 def t_experts_down(name, a, tgt):  # fused experts [E, D, I] -> [E, I, D]
     e, i, d = tgt
+    if tuple(a.shape) == (e, i, d) != (e, d, i):  # the hub layout: already the model's
+        return a
     _expect(name, a, (e, d, i))
     return a.transpose(0, 2, 1)
 

@@ -167,13 +167,17 @@ def _wrapper_model(kind: str, tie=None):
                                  vision_config=vis_qwen, image_token_id=299, video_token_id=298,
                                  vision_start_token_id=297)
         cls = T.Qwen2_5_VLForConditionalGeneration
-    else:
-        cfg = T.Qwen3VLConfig(text_config=dict(head_dim=16, **TINY_TEXT, rope_parameters={
-                                  **MROPE, "mrope_interleaved": True, "rope_theta": 5e6}),
-                              vision_config=dict(vis_qwen, patch_size=16, num_position_embeddings=16,
-                                                 deepstack_visual_indexes=[0]),
-                              image_token_id=299, video_token_id=298, vision_start_token_id=297)
-        cls = T.Qwen3VLForConditionalGeneration
+    else:  # Qwen3-VL, Qwen3-VL-MoE (4 experts, top-2)
+        moe = kind == "qwen3_vl_moe"
+        C, cls = ((T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration) if moe else
+                  (T.Qwen3VLConfig, T.Qwen3VLForConditionalGeneration))
+        text = dict(head_dim=16, **TINY_TEXT, rope_parameters={**MROPE, "mrope_interleaved": True, "rope_theta": 5e6})
+        if moe:
+            # 2 x 24 != hidden 64: the two fused-expert layouts differ in shape
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)
+        cfg = C(text_config=text, vision_config=dict(vis_qwen, patch_size=16, num_position_embeddings=16,
+                                                     deepstack_visual_indexes=[0]),
+                image_token_id=299, video_token_id=298, vision_start_token_id=297)
     if tie is not None:
         cfg.tie_word_embeddings = tie
     torch.manual_seed(0)
@@ -202,7 +206,8 @@ def _max_diff(d, model, prompts=PROMPTS[:2]):
     ("llava", "LlamaForCausalLM", "language_model.model."), ("mistral3", "MistralForCausalLM", "language_model.model."),
     ("ministral3", "Ministral3ForCausalLM", "language_model.model."),
     ("qwen2_vl", "Qwen2ForCausalLM", "model.layers."), ("qwen2_5_vl", "Qwen2ForCausalLM", "model.layers."),
-    ("qwen3_vl", "Qwen3ForCausalLM", "model.language_model.")])
+    ("qwen3_vl", "Qwen3ForCausalLM", "model.language_model."),
+    ("qwen3_vl_moe", "Qwen3MoeForCausalLM", "model.language_model.")])
 def test_multimodal_wrappers_text_logits_match_transformers(kind, decoder, top, tmp_path):
     """Each wrapper's text decoder (the decoder taken from its text_config for LLaVA / Mistral 3;
     Qwen-VL's M-RoPE as plain rope for text) == transformers' multimodal model on text input ids,
@@ -272,3 +277,27 @@ def test_qwen2_5_vl_transformers5_layout_and_unsupported_decoder(tmp_path):
     (llava / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration: its text decoder \(text_config model_type 'phi'\)"):
         ModelConfig.from_pretrained(str(llava))
+
+
+def test_qwen3_vl_moe_hub_expert_layout(tmp_path):
+    """Qwen3-VL-MoE's hub checkpoints fuse the experts as [E, D, 2I] / [E, I, D] (transformers 4's
+    layout; transformers 5 saves [E, 2I, D] / [E, D, I] and reads both): both load to the same
+    params."""
+    from safetensors.numpy import load_file, save_file
+
+    from jvllm.converters import load_checkpoint
+
+    v5 = tmp_path / "v5"
+    _wrapper_model("qwen3_vl_moe").save_pretrained(str(v5))
+    sd = load_file(str(v5 / "model.safetensors"))
+    hub = {k: (v.transpose(0, 2, 1).copy() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
+           for k, v in sd.items()}
+    assert sd["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 48, 64)
+    assert hub["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 48)
+    (tmp_path / "hub").mkdir()
+    save_file(hub, str(tmp_path / "hub" / "model.safetensors"))
+    (tmp_path / "hub" / "config.json").write_text((v5 / "config.json").read_text())
+    a, b = load_checkpoint(str(v5), "float32").params, load_checkpoint(str(tmp_path / "hub"), "float32").params
+    assert sorted(a) == sorted(b) and any("expert_gate" in k for k in a)
+    for k in a:
+        assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k

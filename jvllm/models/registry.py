@@ -387,3 +387,5 @@ register_text_only(TextOnly(architecture="Qwen2_5_VLForConditionalGeneration", m
                             text_architecture="Qwen2ForCausalLM", **_QWEN_VL))
 register_text_only(TextOnly(architecture="Qwen3VLForConditionalGeneration", model_type="qwen3_vl",
                             text_architecture="Qwen3ForCausalLM", **_QWEN_VL))
+register_text_only(TextOnly(architecture="Qwen3VLMoeForConditionalGeneration", model_type="qwen3_vl_moe",
+                            text_architecture="Qwen3MoeForCausalLM", **_QWEN_VL))  # fused experts: name_map
