@@ -48,7 +48,13 @@ def load_reference(spec):
         d, f = os.path.split(os.path.abspath(spec.path))
         m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     elif spec.kind == "hf":
-        m = transformers.AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
+        from jvllm.converters import hf_config_dict
+        from jvllm.models.registry import text_only
+
+        arch = (hf_config_dict(spec).get("architectures") or [None])[0]
+        # a multimodal wrapper served text-only: its own class (AutoModelForCausalLM knows only some)
+        cls = getattr(transformers, arch) if arch and text_only(arch) else transformers.AutoModelForCausalLM
+        m = cls.from_pretrained(spec.path, dtype=torch.float32)
     else:
         raise ValueError(f"verify compares against transformers, which cannot read {spec.kind} checkpoints; "
                          f"verify the source checkpoint instead")

@@ -301,3 +301,11 @@ def test_qwen3_vl_moe_hub_expert_layout(tmp_path):
     assert sorted(a) == sorted(b) and any("expert_gate" in k for k in a)
     for k in a:
         assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
+
+
+def test_verify_loads_the_wrappers_own_class(tmp_path):
+    """`jvllm verify` of a LLaVA checkpoint (which AutoModelForCausalLM cannot load) compares
+    against transformers' LlavaForConditionalGeneration."""
+    _wrapper_model("llava").save_pretrained(str(tmp_path))
+    ok, reps = verify(str(tmp_path), prompts=PROMPTS[:2], atol=1e-4, log=lambda *a: None)
+    assert ok and len(reps) == 2, [r.max_abs_diff for r in reps]
