@@ -207,13 +207,25 @@ NEOX_RULES = [
     (r"(?:embed_out|lm_head)\.weight", "lm_head", t_transpose),
     (_N + r"attention\.(bias|masked_bias|rotary_emb\.inv_freq)", None, None),  # old checkpoints' buffers
 ]
+PHI_RULES = [  # Phi-1 / 1.5 / 2: dense, fc1 / fc2, LayerNorms with biases, q/k LayerNorms, a biased head
+    (_L + r"self_attn\.dense\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_L + r"self_attn\.dense\.bias", r"layers.\1.self_attn.o_bias", t_identity),
+    (_L + r"self_attn\.(q|k)_layernorm\.(weight|bias)", r"layers.\1.self_attn.\2_norm.\3", t_identity),
+    (_L + r"mlp\.fc1\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_L + r"mlp\.fc1\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_L + r"mlp\.fc2\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_L + r"mlp\.fc2\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (_L + r"input_layernorm\.bias", r"layers.\1.input_layernorm.bias", t_identity),
+    (r"model\.final_layernorm\.(weight|bias)", r"norm.\1", t_identity),
+    (r"lm_head\.bias", "lm_head_bias", t_identity),
+] + HF_RULES
 GLM4_RULES = [  # GLM-4's sandwich norms under the names of jvllm's sandwich layer (models/gemma.py)
     (_L + r"post_self_attn_layernorm\.weight", r"layers.\1.post_attention_layernorm.weight", t_identity),
     (_L + r"post_attention_layernorm\.weight", r"layers.\1.pre_feedforward_layernorm.weight", t_identity),
     (_L + r"post_mlp_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
 ] + FUSED_RULES
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES, "glm4": GLM4_RULES, "olmo": OLMO_RULES,
-                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES,
+                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

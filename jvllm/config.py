@@ -107,6 +107,7 @@ class ModelConfig:
                            scales: of the embeddings, of each block's output before its residual
                            add, the attention scale itself, and a divisor of the logits
       logit_scale          a multiplier of the logits (Cohere)
+      lm_head_bias         the LM head has a bias [vocab] (Phi), param `lm_head_bias`
       attn_temperature_beta, attn_temperature_len  Llama 4's attention temperature (Ministral 3's
                            llama_4_scaling_beta): queries at position p are multiplied by
                            1 + beta * log(1 + floor(p / len)) after rope
@@ -154,6 +155,7 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
     logit_scale: float | None = None
+    lm_head_bias: bool = False
     attn_temperature_beta: float | None = None
     attn_temperature_len: int | None = None
     bos_token_id: int | None = None

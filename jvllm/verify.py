@@ -99,7 +99,9 @@ def verify(model: str, prompts=None, atol: float = DEFAULT_ATOL, log=print) -> t
                    for p in prompts]
     max_len = max(len(ids) for _, ids in prompts)
     graphdef, state = bind(cfg, ck.params, jnp.float32)
-    head = ck.params["embed"] if cfg.tie_word_embeddings else ck.params["lm_head"]
+    from jvllm.models.layers import head_of
+
+    head = head_of(cfg, ck.params)
     bs = 16
     log(f"jvllm: compiling the forward pass for {max_len} tokens ...")
     runner = ModelRunner(cfg, graphdef, state, head, dtype=jnp.float32, block_size=bs,

@@ -236,12 +236,13 @@ def jvllm_logits(path: str, ids: list[list[int]]) -> list[np.ndarray]:
     from jvllm.config import cdiv
     from jvllm.converters import load_checkpoint
     from jvllm.models import bind
+    from jvllm.models.layers import head_of
     from jvllm.worker.model_runner import ModelRunner
 
     ck = load_checkpoint(path, "float32")
     cfg = ck.config
     g, s = bind(cfg, ck.params, jnp.float32)
-    head = ck.params["embed"] if cfg.tie_word_embeddings else ck.params["lm_head"]
+    head = head_of(cfg, ck.params)
     n = max(len(p) for p in ids)
     r = ModelRunner(cfg, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=cdiv(n, 16) + 1,
                     max_model_len=n, max_num_seqs=1, token_buckets=(n,))

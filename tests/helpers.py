@@ -22,6 +22,9 @@ ARCHS = {
     "smollm2": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_attention_heads=6,
                                                          num_key_value_heads=3, head_dim=16, hidden_size=96)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # Phi-2: parallel layer, partial rotary (0.4 of head_dim 16), biased head; Phi-1.5-style q/k LayerNorms
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=None, partial_rotary_factor=0.5)),
+    "phi_qk": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=None, qk_layernorm=True)),
     # Ministral (2410): alternating sliding / global layers from its default layer_types
     "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(sliding_window=8)),
     # Ministral 3: yarn rope and Llama 4's query temperature, here from position 8 on (the real

@@ -145,12 +145,13 @@ def test_gguf_llama3_rope_freqs(ckpt_dir, tmp_path):
 
     from jvllm.converters.gguf import gguf_hf_config
     from jvllm.models import bind
+    from jvllm.models.layers import head_of
     from jvllm.worker.model_runner import ModelRunner
 
     def logits(model):
         ck = load_checkpoint(model, "float32")
         g, s = bind(ck.config, ck.params)
-        head = ck.params["embed"] if ck.config.tie_word_embeddings else ck.params["lm_head"]
+        head = head_of(ck.config, ck.params)
         r = ModelRunner(ck.config, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=4, max_model_len=40,
                         max_num_seqs=1, token_buckets=(37,))
         return ck.config, np.asarray(r.sequence_logits(PROMPTS[0]))

@@ -18,10 +18,11 @@ def _logits(cfg, params, ids):
     import jax.numpy as jnp
 
     from jvllm.models import bind
+    from jvllm.models.layers import head_of
     from jvllm.worker.model_runner import ModelRunner
 
     g, s = bind(cfg, params)
-    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    head = head_of(cfg, params)
     r = ModelRunner(cfg, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=4, max_model_len=40,
                     max_num_seqs=1, token_buckets=(len(ids),))
     return r.sequence_logits(ids)

@@ -104,6 +104,7 @@ def test_executable_key_tells_models_with_equal_inputs_apart(ckpt_dir):
 
     from jvllm.converters import load_checkpoint
     from jvllm.models import bind
+    from jvllm.models.layers import head_of
     from jvllm.worker.model_runner import ModelRunner
 
     ck = load_checkpoint(ckpt_dir("llama"))
@@ -111,7 +112,7 @@ def test_executable_key_tells_models_with_equal_inputs_apart(ckpt_dir):
     for eps in (1e-5, 1e-3, 1e-5):
         cfg = dataclasses.replace(ck.config, rms_norm_eps=eps)
         g, s = bind(cfg, ck.params)
-        head = ck.params["embed"] if cfg.tie_word_embeddings else ck.params["lm_head"]
+        head = head_of(cfg, ck.params)
         r = ModelRunner(cfg, g, s, head, dtype=jnp.float32, block_size=16, num_blocks=4,
                         max_model_len=32, max_num_seqs=2, token_buckets=(8,))
         keys.append(r.programs.cache_key("step", (0, 8, False)))

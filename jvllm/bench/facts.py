@@ -15,7 +15,7 @@ def param_stats(llm) -> dict:
     r = llm.llm_engine.runner
     states = [st.state for st in getattr(r, "stages", None) or []] or [r.state]  # pipeline stages, or one
     seen, nbytes, count = set(), 0, 0
-    for a in jax.tree_util.tree_leaves(states) + [r.head_w]:
+    for a in jax.tree_util.tree_leaves(states) + jax.tree_util.tree_leaves(r.head_w):
         if not hasattr(a, "nbytes") or id(a) in seen:
             continue
         seen.add(id(a))
@@ -27,7 +27,7 @@ def param_stats(llm) -> dict:
         m = mc.moe
         sparse = sum(m.is_sparse(i) for i in range(mc.num_layers))
         expert_params = sparse * 3 * mc.hidden_size * m.expert_size * m.num_experts
-        experts = expert_params * r.head_w.dtype.itemsize
+        experts = expert_params * jax.tree_util.tree_leaves(r.head_w)[0].dtype.itemsize
         out["active_weight_bytes"] = nbytes - experts + experts * m.top_k // m.num_experts
         out["active_params"] = count - expert_params + expert_params * m.top_k // m.num_experts
     return out

@@ -50,7 +50,7 @@ def sleep(runner, level: int) -> Asleep:
     live = live_params(runner)
     host = {k: np.asarray(a) for k, a in live.items()}
     shard = {k: a.sharding for k, a in live.items()}
-    arrays = list(live.values()) + ([runner.head_w] if runner.head_w is not None else [])
+    arrays = list(live.values()) + jax.tree_util.tree_leaves(runner.head_w)
     freed += _nbytes(list({id(a): a for a in arrays}.values()))
     kv_cache.delete(arrays)
     return Asleep(2, freed, host, shard)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -324,6 +325,25 @@ def mlp(cfg: ModelConfig, dtype) -> MLP | DenseMLP:
     return MLP(cfg, dtype) if cfg.mlp_gated else DenseMLP(cfg, dtype)
 
 
+class HeadParams(NamedTuple):
+    """The LM head's arrays when it has a bias (Phi): `w` as `LMHead` takes it and the bias [vocab].
+    A pytree, so the programs take it where they take a bare weight."""
+    w: object
+    b: object
+
+
+def head_of(cfg: ModelConfig, params: dict):
+    """The LM head the programs take, from the flat params: the embedding when tied, else
+    `lm_head`; with `HeadParams` when the head has a bias."""
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return HeadParams(w, params["lm_head_bias"]) if cfg.lm_head_bias else w
+
+
+def head_weight(head):
+    """The head's weight matrix, whether `head` is a bare array or `HeadParams`."""
+    return head.w if isinstance(head, HeadParams) else head
+
+
 @dataclasses.dataclass(frozen=True)
 class LMHead:
     """float32 logits [.., vocab] of hidden states h [.., embed] through the LM head weight `w`
@@ -331,7 +351,7 @@ class LMHead:
     soft-cap) maps z -> softcap * tanh(z / softcap); `fixed_tile` (batch-invariant mode) computes
     the product with `jvllm.ops.fixed_tile_matmul`, whose rows do not depend on how many there are;
     `divisor` (Granite's logits_scaling) divides the logits first, `scale` (Cohere's logit_scale)
-    multiplies them.
+    multiplies them. `w` may be `HeadParams`: its bias is added to the product first.
     The one place logits are computed: samplers, greedy, prompt logprobs, speculative verification
     and `sequence_logits` all call it. Frozen and hashable: a static argument of those programs."""
     tied: bool
@@ -346,12 +366,17 @@ class LMHead:
                    cfg.logit_scale)
 
     def __call__(self, w, h):
+        bias = None
+        if isinstance(w, HeadParams):
+            w, bias = w
         if self.fixed_tile:
             lead = h.shape[:-1]
             z = fixed_tile_matmul(h.reshape(-1, h.shape[-1]), w, w_transposed=self.tied, out_dtype=jnp.float32)
             z = z.reshape(*lead, z.shape[-1])
         else:
             z = jnp.dot(h, w.T if self.tied else w, preferred_element_type=jnp.float32)
+        if bias is not None:
+            z = z + bias.astype(jnp.float32)
         if self.divisor is not None:
             z = z / self.divisor
         if self.scale is not None:

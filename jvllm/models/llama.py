@@ -62,6 +62,8 @@ class LlamaForCausalLM(nnx.Module):
             self.norm = norm(cfg, cfg.hidden_size, dtype)
             if not cfg.tie_word_embeddings:
                 self.lm_head = declare((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+            if cfg.lm_head_bias:  # carried with the stage's params; LMHead adds it (HeadParams)
+                self.lm_head_bias = declare((cfg.vocab_size,), ("vocab",), dtype)
 
     def __call__(self, x, kv, md: AttentionMetadata, kv_chunk_blocks: int = 16, attention: str = "xla",
                  hooks=None):

@@ -314,6 +314,19 @@ register(Family(
     per_arch={"Cohere2ForCausalLM": {"nope_layers": Derived(_rope_on_sliding_layers_only)}},
 ))
 register(Family(
+    # Phi-1 / Phi-1.5 / Phi-2 (jvllm.models.cohere's parallel single-norm layer): LayerNorms with
+    # biases, partial rotary, biases everywhere, an ungated gelu_new MLP (fc1 / fc2), optional q/k
+    # LayerNorms (qk_layernorm) and an LM head with a bias
+    name="phi",
+    architectures=("PhiForCausalLM",),
+    model_types={"phi": "PhiForCausalLM"},
+    model="jvllm.models.cohere:CohereForCausalLM",
+    name_map="phi",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "mlp_bias": True, "attention_bias": True, "o_bias": True,
+              "lm_head_bias": True},
+    hf_fields={"rms_norm_eps": "layer_norm_eps", "qk_norm": "qk_layernorm"},
+))
+register(Family(
     # StarCoder2: the Llama decoder with LayerNorms, an ungated GELU MLP (c_fc / c_proj) and
     # biases everywhere (use_bias); its window applies to every layer
     name="starcoder2",

@@ -197,9 +197,15 @@ def update_params(runner, flat: dict) -> int:
             raise RuntimeError("weight update changed the parameter tree structure")  # a bug, not bad input
         st.leaves = leaves
     head = "embed" if runner.cfg.tie_word_embeddings else "lm_head"
-    if head in placed and runner.local(len(runner.stages) - 1):
-        if len(runner.stages) > 1 and runner.cfg.tie_word_embeddings:  # the last stage's own copy
-            runner.head_w = jax.device_put(placed[head], runner.head_w.sharding)
-        else:
-            runner.head_w = placed[head]
+    if runner.local(len(runner.stages) - 1) and (head in placed or "lm_head_bias" in placed):
+        from jvllm.models.layers import HeadParams, head_weight
+
+        w = head_weight(runner.head_w)
+        if head in placed:
+            if len(runner.stages) > 1 and runner.cfg.tie_word_embeddings:  # the last stage's own copy
+                w = jax.device_put(placed[head], w.sharding)
+            else:
+                w = placed[head]
+        runner.head_w = (HeadParams(w, placed.get("lm_head_bias", runner.head_w.b)) if runner.cfg.lm_head_bias
+                         else w)
     return in_place

@@ -227,6 +227,10 @@ class Worker:
         if mc.tie_word_embeddings and n > 1:  # the last stage needs its own copy of the tied head
             head_w = jax.device_put(head_w, jax.sharding.NamedSharding(layout["stage_meshes"][-1],
                                                                        head_w.sharding.spec))
+        if mc.lm_head_bias:
+            from jvllm.models.layers import head_of
+
+            head_w = head_of(mc, {**params, "lm_head": head_w})
         return stages, head_w
 
     # ------------------------------------------------------------------ KV pool and runner
