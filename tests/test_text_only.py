@@ -1,7 +1,9 @@
-"""Multimodal checkpoints served as their text decoder (jvllm.models.registry.TextOnly): a tiny
-random Gemma3ForConditionalGeneration (SigLIP tower + projector around a Gemma 3 decoder, as the
-4B / 12B / 27B checkpoints ship) against transformers' own multimodal model on text prompts, in
-the hub's tensor layout and in transformers 5's."""
+"""Multimodal checkpoints served as their text decoder (jvllm.models.registry.TextOnly): tiny
+random Gemma 3 (SigLIP tower + projector around a Gemma 3 decoder, as the 4B / 12B / 27B ship),
+LLaVA, Mistral 3 / Ministral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE models against
+transformers' own multimodal classes on text prompts, in the hub's tensor layouts and in
+transformers 5's; and transformers 5's rule for tying the LM head (the config's word, unless the
+checkpoint has a head of its own)."""
 import json
 import os
 
@@ -309,3 +311,24 @@ def test_verify_loads_the_wrappers_own_class(tmp_path):
     _wrapper_model("llava").save_pretrained(str(tmp_path))
     ok, reps = verify(str(tmp_path), prompts=PROMPTS[:2], atol=1e-4, log=lambda *a: None)
     assert ok and len(reps) == 2, [r.max_abs_diff for r in reps]
+
+
+def test_any_checkpoint_with_its_own_head_loads_untied(ckpt_dir, tmp_path):
+    """The tie rule is transformers 5's for every family: a Llama checkpoint whose config says
+    tied over a safetensors file with a distinct lm_head loads untied, in transformers and here."""
+    import shutil
+
+    import transformers
+
+    from jvllm.config import ModelConfig
+
+    src = ckpt_dir("llama")  # untied
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), tmp_path / f)
+    raw = json.load(open(tmp_path / "config.json"))
+    raw["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert not np.array_equal(ref.lm_head.weight.detach().numpy(), ref.get_input_embeddings().weight.detach().numpy())
+    assert not ModelConfig.from_pretrained(str(tmp_path)).tie_word_embeddings
+    assert _max_diff(str(tmp_path), ref) < 1e-4
