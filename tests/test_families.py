@@ -27,6 +27,24 @@ def _logits(cfg, params, ids):
     return r.sequence_logits(ids)
 
 
+@pytest.fixture(scope="module")
+def base_logits(ckpt_dir):
+    """arch -> (its checkpoint, the prompt, the unchanged model's logits), made once per arch for
+    all of its variants."""
+    from jvllm.converters import load_checkpoint
+
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            ck = load_checkpoint(ckpt_dir(arch))
+            ids = list(range(3, 40))
+            made[arch] = (ck, ids, _logits(ck.config, ck.params, ids))
+        return made[arch]
+
+    return get
+
+
 @pytest.mark.parametrize("arch,field,value", [
     ("gemma2", "attn_logit_softcap", None), ("gemma2", "final_logit_softcap", None),
     ("gemma2", "query_pre_attn_scalar", None), ("gemma3", "local_rope_theta", None),
@@ -36,14 +54,10 @@ def _logits(cfg, params, ids):
     ("gpt_neox", "parallel_residual", False), ("gpt_neox", "partial_rotary_factor", 0.5),
     ("cohere", "logit_scale", None), ("cohere2", "nope_layers", ()), ("cohere", "rope_interleaved", False),
     ("glm4", "rope_interleaved", False)])
-def test_variant_matters(ckpt_dir, arch, field, value):
+def test_variant_matters(base_logits, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""
-    from jvllm.converters import load_checkpoint
-
-    ck = load_checkpoint(ckpt_dir(arch))
-    ids = list(range(3, 40))
-    base = _logits(ck.config, ck.params, ids)
+    ck, ids, base = base_logits(arch)
     if field == "partial_rotary_factor" and ck.config.rope_type == "longrope":  # factors for every pair
         rs = dict(ck.config.rope_params)
         rs.update(short_factor=rs["short_factor"] * 2, long_factor=rs["long_factor"] * 2)
