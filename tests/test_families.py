@@ -142,14 +142,20 @@ def one_device(ckpt_dir):
     return run
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "olmo2", "gpt_neox", "cohere_qk"])
-@pytest.mark.parametrize("tp", [2, 4])
+# TP=4 only where it takes another path than TP=2: fewer KV heads (2) than devices (replicated
+# KV) meets Gemma 3's, OLMo 2's and Command R+'s q/k norms; NeoX's 4 KV heads stay sharded at 4
+# devices as at 2 (one path: its TP=4 case checked nothing its TP=2 case does not)
+TP_CASES = [(2, a) for a in ("gemma3", "olmo2", "gpt_neox", "cohere_qk")] + [(4, a) for a in (
+    "gemma3", "olmo2", "cohere_qk")]
+
+
+@pytest.mark.parametrize("tp,arch", TP_CASES, ids=[f"{tp}-{a}" for tp, a in TP_CASES])
 def test_tensor_parallel_identical(one_device, arch, tp):
     """Gemma 3 (head_dim 256, sliding + global layers, q/k norms), OLMo 2 (q/k norms over all
     heads jointly, so over the sharded head axis), GPT-NeoX (biases, dense MLP, parallel residual)
-    and Command R+ (q/k norm weights per head, sharded with them) on 2 and 4 fake CPU devices give
-    the one-device tokens; TP=4 has fewer KV heads (2) than devices for all but NeoX (replicated
-    KV path)."""
+    and Command R+ (q/k norm weights per head, sharded with them) on 2 fake CPU devices give the
+    one-device tokens, and all but NeoX on 4 too, where they have fewer KV heads (2) than devices
+    (replicated KV path)."""
     path, expected = one_device(arch)
     assert _tp_run(path, tensor_parallel_size=tp) == expected
 
