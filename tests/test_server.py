@@ -323,8 +323,9 @@ def test_context_length_boundary(server, client):
                        str(L + 1), str(L - 1))
     assert err["param"] == "max_tokens"
     assert_error(post(server, "/v1/completions", {"prompt": prompt + [7]}), 400, str(L))
-    # chat without max_tokens: defaults to the rest of the context
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 100}],
+    # chat without max_tokens: defaults to the rest of the context (a ~1930-token prompt, so the
+    # rest is ~120 decode steps, not ~1900)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 1900}],
                                        temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.prompt_tokens + r.usage.completion_tokens == L
 
