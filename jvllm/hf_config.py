@@ -180,7 +180,7 @@ def _untie_if_checkpoint_has_head(hf, path: str) -> None:
     if not getattr(hf, "tie_word_embeddings", False) and not getattr(getattr(hf, "text_config", None),
                                                                     "tie_word_embeddings", False):
         return
-    from converters.readers import has_head_tensor
+    from jvllm.converters.readers import has_head_tensor
 
     if has_head_tensor(path, getattr(hf, "to_dict", dict)()):
         hf.tie_word_embeddings = False

@@ -122,8 +122,8 @@ def normalize(weights, specs: dict, tied: bool, model_specs: dict | None = None,
         raise ValueError(f"weights must be a params pytree (dict / nnx.State) or an iterable of "
                          f"(hf_name, array) pairs, got {type(weights).__name__}")
     else:
-        from converters.moe_names import ExpertSlice
-        from converters.name_map import map_name
+        from jvllm.converters.moe_names import ExpertSlice
+        from jvllm.converters.name_map import map_name
 
         flat = {}
         for item in weights:
