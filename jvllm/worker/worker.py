@@ -227,10 +227,10 @@ class Worker:
         if mc.tie_word_embeddings and n > 1:  # the last stage needs its own copy of the tied head
             head_w = jax.device_put(head_w, jax.sharding.NamedSharding(layout["stage_meshes"][-1],
                                                                        head_w.sharding.spec))
-        if mc.lm_head_bias:
-            from jvllm.models.layers import head_of
+        if mc.lm_head_bias:  # the weight above (the last stage's copy when tied) with its bias
+            from jvllm.models.layers import HeadParams
 
-            head_w = head_of(mc, {**params, "lm_head": head_w})
+            head_w = HeadParams(head_w, params["lm_head_bias"])
         return stages, head_w
 
     # ------------------------------------------------------------------ KV pool and runner
