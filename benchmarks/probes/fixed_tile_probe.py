@@ -11,7 +11,10 @@ on the tile shape, i.e. may a configuration be chosen by M?). One JSON, rewritte
 
     python benchmarks/probes/fixed_tile_probe.py [--ms 1,8,37,256,2048] [--time-ms 1,8,2048]
         [--sweep 64x128x4x3,128x128x8x3] [--sweep-groups qkv,gate_up,down] [--skip-main]
-        [--iters 20] [--tiny] [--out $OUT/fixed_tile_probe.json]
+        [--sweep-launch auto,walk,split] [--iters 20] [--tiny] [--out $OUT/fixed_tile_probe.json]
+
+--sweep-launch: the launches each sweep configuration is timed with (default auto; "walk" and
+"split" force one, e.g. to compare 64-row walk and split launches at W1's 256-row decode bucket).
 
 --tiny: small shapes in interpret mode (a CPU smoke test of the probe itself).
 """
@@ -38,6 +41,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", default="")
     ap.add_argument("--sweep-groups", default="qkv,gate_up,down")
+    ap.add_argument("--sweep-launch", default="auto")
     ap.add_argument("--skip-main", action="store_true", help="only the sweep")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fixed_tile_probe.json"))
@@ -154,15 +158,17 @@ def _sweep(a, groups, time_ms, interpret, write, res):
                 ftm._col_tile = lambda N, bn=bn: ftm._pow2_divisor(N, bn) or min(bn, 1 << (N.bit_length() - 1))
                 ftm.tiles = lambda K, *Ns, S=S: dataclasses.replace(orig_tiles(K, *Ns), splits=S)
             try:
-                fn = jax.jit(lambda x, *w: ftm.fixed_tile_matmuls(x, w, w_transposed=tr, interpret=interpret,
-                                                                    num_warps=warps, num_stages=stages))
                 row = {"tiles": dataclasses.asdict(ftm.tiles(K, *Ns))}
-                for m in time_ms:
-                    outs = [np.asarray(o).view(np.uint16) for o in fn(x[:m], *ws)]
-                    if cfg == "default":
-                        base[m] = outs
-                    row[f"m{m}_unequal_vs_default"] = sum(int((o != b).sum()) for o, b in zip(outs, base[m]))
-                    row[f"m{m}_ms"] = round(median_ms(fn, (x[:m],) + tuple(ws), a.iters), 4)
+                for launch in a.sweep_launch.split(","):
+                    fn = jax.jit(lambda x, *w, launch=launch: ftm.fixed_tile_matmuls(
+                        x, w, w_transposed=tr, interpret=interpret, num_warps=warps, num_stages=stages, launch=launch))
+                    sfx = "" if launch == "auto" else f"_{launch}"
+                    for m in time_ms:
+                        outs = [np.asarray(o).view(np.uint16) for o in fn(x[:m], *ws)]
+                        if cfg == "default" and m not in base:
+                            base[m] = outs
+                        row[f"m{m}{sfx}_unequal_vs_default"] = sum(int((o != b).sum()) for o, b in zip(outs, base[m]))
+                        row[f"m{m}{sfx}_ms"] = round(median_ms(fn, (x[:m],) + tuple(ws), a.iters), 4)
             except Exception as e:  # a configuration Triton refuses (registers, shared memory)
                 row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             finally:

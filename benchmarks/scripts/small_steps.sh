@@ -10,6 +10,11 @@
 #   w1_ngram / w1_ngram_dbs   the same W1 with n-gram k=4 always on / disable_by_batch_size 32 (issue
 #                        24: not slower than w1_default)
 #   w1_kv_fp8            the same W1 with --kv-cache-dtype fp8 (issue 21: decode faster than bf16 KV)
+#   prof_w1_on / prof_w1_default   profile_steps.py W1 (20 steps once all 256 decode), --batch-invariant /
+#                        default, command buffers off (per-kernel rows), a fixed 50 GB KV pool (no
+#                        sizing compile: the mode's took 124 s on an empty cache)
+#   ft256                fixed_tile_probe.py at W1's 256-row decode bucket: XLA against the mode's
+#                        launches, and a row-tile sweep timed with the auto, walk and split launches
 # Env: STAGES (b1_default spec b1_on), END (575: every run ends by then), MODEL, DTYPE, MAXLEN, C (the
 # commit for the JSONs), TAG (the tar's name), XF (XLA_FLAGS; unset: none. The session-4 figures
 # with "detflag" in their names ran with XF=--xla_gpu_exclude_nondeterministic_ops=true, which
@@ -47,6 +52,13 @@ for s in ${STAGES:-b1_default spec b1_on}; do case $s in
   w1_ngram) bench w1_ngram 240 throughput WIDE --speculative-config "$NGRAM" ;;
   w1_ngram_dbs) bench w1_ngram_dbs 240 throughput WIDE --speculative-config "$NGRAM_DBS" ;;
   w1_kv_fp8) bench w1_kv_fp8 240 throughput WIDE --kv-cache-dtype fp8 ;;
+  prof_w1_on|prof_w1_default)
+    XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=" run $s 300 benchmarks/profile_steps.py \
+      --workload w1 "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --kv-cache-memory-bytes 50000000000 \
+      --no-python-trace --out $OUT/$s.json $([ $s = prof_w1_on ] && echo --batch-invariant) ;;
+  ft256) run ft256 150 benchmarks/probes/fixed_tile_probe.py --ms 1,256 --time-ms 256 \
+      --sweep 64x128x4x3,64x128x8x3,64x128x4x4,128x128x8x3 --sweep-groups qkv,o,down --sweep-launch auto,walk,split \
+      --out $OUT/ft256.json ;;
   *) echo "unknown stage $s"; exit 2 ;;
 esac; done
 cd $OUT && tar czf /tmp/call.tgz --exclude='pip*.log' * && rm -rf $OUT/* && mv /tmp/call.tgz $OUT/${TAG:-small_steps}.tgz; ls -la $OUT; echo "[$(el)] end"
