@@ -13,6 +13,9 @@
 #   prof_w1_on / prof_w1_default   profile_steps.py W1 (20 steps once all 256 decode), --batch-invariant /
 #                        default, command buffers off (per-kernel rows), a fixed 50 GB KV pool (no
 #                        sizing compile: the mode's took 124 s on an empty cache)
+#   w1_kv_default / w1_on_qt16 / w1_on_qt8 / w1_on_qt4   W1 default / --batch-invariant at query tiles
+#                        of 16 (the accelerator default), 8, 4 tokens, all with a fixed 50 GB KV pool
+#                        (no sizing compile)
 #   ft256                fixed_tile_probe.py at W1's 256-row decode bucket: XLA against the mode's
 #                        launches, and a row-tile sweep timed with the auto, walk and split launches
 # Env: STAGES (b1_default spec b1_on), END (575: every run ends by then), MODEL, DTYPE, MAXLEN, C (the
@@ -56,6 +59,9 @@ for s in ${STAGES:-b1_default spec b1_on}; do case $s in
     XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=" run $s 300 benchmarks/profile_steps.py \
       --workload w1 "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --kv-cache-memory-bytes 50000000000 \
       --no-python-trace --out $OUT/$s.json $([ $s = prof_w1_on ] && echo --batch-invariant) ;;
+  w1_kv_default) bench $s 200 throughput WIDE --kv-cache-memory-bytes 50000000000 ;;
+  w1_on_qt16|w1_on_qt8|w1_on_qt4) bench $s 300 throughput WIDE --kv-cache-memory-bytes 50000000000 --batch-invariant \
+      --query-tile ${s#w1_on_qt} ;;
   ft256) run ft256 150 benchmarks/probes/fixed_tile_probe.py --ms 1,256 --time-ms 256 \
       --sweep 64x128x4x3,64x128x8x3,64x128x4x4,128x128x8x3 --sweep-groups qkv,o,down --sweep-launch auto,walk,split \
       --out $OUT/ft256.json ;;
