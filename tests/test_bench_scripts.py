@@ -118,7 +118,7 @@ def _cited_result_names():
 
     docs = "".join(open(os.path.join(ROOT, p)).read() for p in ("README.md", "benchmarks/README.md",
                                                                    "benchmarks/results/INDEX.md"))
-    return set(re.findall(r"\b(?:h200|cpu)[\w.-]*\.(?:json|png)\b", docs))
+    return set(re.findall(r"\b(?:h100|h200|cpu)[\w.-]*\.(?:json|png)\b", docs))
 
 
 def test_results_keep_exactly_what_the_docs_cite():
