@@ -68,8 +68,8 @@ def _device(d: dict, b: dict | None, name: str) -> str:
         return f"cpu ({src.get('cpus', '?')} cores)"
     if "device_tracks" in src:  # a profile: the device names only; the kind from the file name
         gpus = {k.split(" | ")[0] for k in src["device_tracks"] if "GPU" in k}
-        if gpus and name.startswith("h200"):
-            return f"{len(gpus)}x NVIDIA H200 (name)"
+        if gpus and name.startswith(("h200", "h100")):
+            return f"{len(gpus)}x NVIDIA {name[:4].upper()} (name)"
     if name.startswith("h200x2_"):
         return "nvidia-h200-x2 (name)"
     if name.startswith("h200_"):
