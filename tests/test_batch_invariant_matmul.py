@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.ops.fixed_tile_matmul import (MIN_SPLIT_STEPS, ROW_TILE, TARGET_PROGRAMS, WALK_ROW_TILE, Tiles, fixed_tile_matmul,
+from jvllm.ops.fixed_tile_matmul import (MIN_SPLIT_STEPS, ROW_TILE, TARGET_PROGRAMS, WALK_MIN_PROGRAMS, WALK_ROW_TILE, Tiles, fixed_tile_matmul,
                                          fixed_tile_matmuls, launch_splits, row_tile, tiles)
 
 RNG = np.random.default_rng(0)
@@ -81,10 +81,10 @@ def test_launch_splits_from_the_number_of_programs():
 
 
 def test_row_tile_keeps_two_waves():
-    """The walk launch takes 64-row tiles only where they still give TARGET_PROGRAMS programs and
-    M spans more than one 32-row tile; the split launch always keeps 32."""
+    """The walk launch takes 64-row tiles only where they still give WALK_MIN_PROGRAMS programs
+    and M spans more than one 32-row tile; the split launch always keeps 32."""
     t = tiles(4096, 4096)  # o: 32 column tiles
-    assert [row_tile(t, M, 32, 1) for M in (32, 256, 448, 512, 2048)] == [ROW_TILE, ROW_TILE, ROW_TILE,
+    assert [row_tile(t, M, 32, 1) for M in (32, 192, 256, 448, 2048)] == [ROW_TILE, ROW_TILE, WALK_ROW_TILE,
                                                                          WALK_ROW_TILE, WALK_ROW_TILE]
     assert row_tile(t, 2048, 32, 8) == ROW_TILE  # a split launch
     lm = tiles(4096, 128256)
@@ -151,7 +151,7 @@ def test_lowers_to_triton_for_cuda(shape, transposed):
     assert f"grid_z = {tiles(K, N).splits} : i32" in text
 
 
-@pytest.mark.parametrize("M,launch,grid_x,grid_z", [(8, "auto", 1, 8), (512, "auto", 8, 1), (256, "auto", 8, 1),
+@pytest.mark.parametrize("M,launch,grid_x,grid_z", [(8, "auto", 1, 8), (512, "auto", 8, 1), (256, "auto", 4, 1),
                                                     (8, "walk", 1, 1)])
 def test_group_lowers_to_triton_for_cuda(M, launch, grid_x, grid_z):
     """q/k/v of an 8B in one launch, split (decode) and walk, through the Triton lowering: 64-row

@@ -31,7 +31,7 @@ branches on its column index to its weight. When no power of two >= 16 divides N
 column tile's window is shifted left to end at N_i (columns of its neighbour are computed again,
 never stored). Rows past M are neither loaded (masked loads, zeros) nor stored: no padding. The
 walk launch covers WALK_ROW_TILE rows a program (prefill's faster tile) where M exceeds ROW_TILE
-and its row tiles times the column tiles still reach TARGET_PROGRAMS, else ROW_TILE (`row_tile`):
+and its row tiles times the column tiles still reach WALK_MIN_PROGRAMS, else ROW_TILE (`row_tile`):
 the row tile decides which program computes a row, not the order of any element's sum.
 
 S is the smallest power of two giving >= TARGET_PROGRAMS split-launch programs at one row tile
@@ -77,6 +77,10 @@ WALK_ROW_TILE = 64  # rows a walk-launch program covers at prefill sizes: faster
 #                     weight block is reused over twice the rows); same bits
 
 
+WALK_MIN_PROGRAMS = TARGET_PROGRAMS // 2  # 64-row walk tiles down to about one wave: W1's 256-row
+#                     decode bucket streamed q/k/v, o and down at 0.8-0.9 TB/s on 32-row tiles
+
+
 def _col_tile(N: int) -> int:
     return _pow2_divisor(N, 128) or min(128, 1 << (N.bit_length() - 1))
 
@@ -110,9 +114,9 @@ def launch_splits(t: Tiles, M: int, col_tiles: int) -> int:
 
 def row_tile(t: Tiles, M: int, col_tiles: int, S: int) -> int:
     """Rows a program covers: WALK_ROW_TILE for a walk launch (S == 1) of more than one ROW_TILE
-    whose WALK_ROW_TILE row tiles still give >= TARGET_PROGRAMS programs, else t.bm. Any choice
+    whose WALK_ROW_TILE row tiles still give >= WALK_MIN_PROGRAMS programs, else t.bm. Any choice
     gives the same bits (see the hazards above); this one only decides the speed."""
-    if S == 1 and M > t.bm and -(-M // WALK_ROW_TILE) * col_tiles >= TARGET_PROGRAMS:
+    if S == 1 and M > t.bm and -(-M // WALK_ROW_TILE) * col_tiles >= WALK_MIN_PROGRAMS:
         return WALK_ROW_TILE
     return t.bm
 
