@@ -15,6 +15,12 @@
 #   gemma3_4b  `jvllm bench latency` (B1 and its bandwidth roofline share) on random:gemma3-4b bf16 -> gemma3_4b_b1.json
 #   share    benchmarks/probes/moe_profile_share.py, B1 and W1: device time in grouped matmuls and
 #            routing (CUPTI trace attributed through the HLO op names) -> moe_share_b1.json, moe_share_w1.json
+#            (B1 at small steps: 4 seqs, buckets 8,512, a fixed KV pool; with the W1 buckets and KV
+#            sizing its warm-up outlasted 240 s)
+#   prof_b1 / prof_b1_nocb  benchmarks/profile_steps.py B1 at small steps with command buffers on (as
+#            the engine runs: device busy per step and the host's events in a step call) / off
+#            (per-kernel rows) -> moe_prof_b1_cb.json, moe_prof_b1_nocb.json
+#   b1_nocb  `jvllm bench latency` B1 at small steps with command buffers off -> moe_b1_nocb.json
 # MOE_BACKEND=auto takes jvllm's Pallas kernel on the GPU. tokamax (MOE_BACKEND=tokamax) is not in the
 # device image, and 0.0.12's kernels fail on jax 0.11.2; to try it, carry its wheels in .whl/ (device_env.sh installs them), e.g.
 #   pip download --no-deps -d .whl tokamax==0.0.12 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 \
@@ -22,7 +28,7 @@
 #       typing-inspection==0.4.2  (the image has jaxtyping and wadler-lindig, not pydantic)
 # MOE_BACKEND=xla runs XLA's ragged_dot, which upstream XLA expands densely on CUDA.
 # Env: MOE_BACKEND (auto | xla | tokamax | pallas, default auto), BACKEND (attention backend, default auto),
-# END_S (590: every stage's limit ends by then), GMM_SWEEP (the gmm stage's --sweep of Pallas launch configs).
+# END_S (590: every stage's limit ends by then), SHARE_WORKLOADS (share's, default "b1 w1"), KV_BYTES (the small steps' KV pool), GMM_SWEEP (the gmm stage's --sweep of Pallas launch configs).
 # TINY=1: a CPU dry run of the stages' commands (random:tiny-moe / random:tiny in float32 at toy
 # lengths, the probe's --tiny shape; the figures mean nothing, it only shows that every stage runs).
 set -u
@@ -33,6 +39,8 @@ END_S=${END_S:-590}
 left() { local l=$(( END_S - $(el) )); [ "$1" -lt "$l" ] && l=$1; echo $l; }  # min(stage limit, time left)
 MOE="--model random:qwen3-30b-a3b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND"
 DENSE="--model random:llama3-8b --dtype bfloat16 --max-model-len 4096 --attention-backend $BACKEND"
+SMALL="--max-num-seqs 4 --max-num-batched-tokens 512 --token-buckets 8,512 --kv-cache-memory-bytes ${KV_BYTES:-10000000000}"
+NOCB="--xla_gpu_enable_command_buffer="; TOY=""; B1SIZES=""
 SIZES=""; GMM=""; DEC="--tokens 1,2,4,8,16"; DEC_B1="--tokens 8 --valid 1"; SHARE="--token-buckets 16,64,128,256,1024,2048 --steps 20"
 if [ "${TINY:-0}" = 1 ]; then
   MOE="--model random:tiny-moe --dtype float32 --max-model-len 256 --attention-backend $BACKEND --token-buckets 16,64 --max-num-seqs 8"
@@ -42,6 +50,9 @@ if [ "${TINY:-0}" = 1 ]; then
   GMM="--tiny --tokens 8,64 --iters 2"
   DEC="--tiny --tokens 1,4 --iters 2"; DEC_B1="--tiny --tokens 4 --valid 1 --iters 2"
   SHARE="--steps 2 --num-prompts 8 --input-len 16 --w1-input-len 8,16"
+  SMALL="--max-num-seqs 4 --max-num-batched-tokens 64 --token-buckets 8,64 --kv-cache-memory-bytes 10000000"
+  NOCB=""; TOY="--steps 2 --input-len 16"  # XLA:CPU has no command-buffer flag
+  B1SIZES="--input-len 16 --output-len 8 --num-iters 1 --num-iters-warmup 0 --copy-bytes 16777216 --matmul-n 256"
 fi
 
 smoke() {
@@ -89,12 +100,22 @@ run_stage() {
              --max-model-len 4096 --attention-backend $BACKEND --no-xla-report --output-json "$OUT/gemma3_4b_b1.json" \
              > "$OUT/gemma3_4b_b1.log" 2>&1
            echo "rc=$?"; tail -6 "$OUT/gemma3_4b_b1.log" ;;
-    share) for w in b1 w1; do
+    share) for w in ${SHARE_WORKLOADS:-b1 w1}; do
+             local sz=$SHARE; [ $w = b1 ] && sz="$SMALL $TOY"
              timeout $(left 240) python benchmarks/probes/moe_profile_share.py --workload $w $MOE --moe-backend $MOE_BACKEND \
-               $SHARE --out "$OUT/moe_share_$w.json" > "$OUT/moe_share_$w.log" 2>&1
+               $sz --out "$OUT/moe_share_$w.json" > "$OUT/moe_share_$w.log" 2>&1
              echo "rc=$?"; grep -E "ms/step|Error" "$OUT/moe_share_$w.log" | tail -2
            done ;;
-    *) echo "unknown stage $stage (smoke gmm decode moe moe_xla dense gemma3_4b share)"; return 2 ;;
+    prof_b1|prof_b1_nocb)
+           local f=cb flags=${XLA_FLAGS:-}; [ $stage = prof_b1_nocb ] && { f=nocb; flags=$(echo $flags $NOCB); }
+           XLA_FLAGS="$flags" timeout $(left 200) python benchmarks/profile_steps.py --workload b1 $MOE $SMALL \
+             --moe-backend $MOE_BACKEND --no-python-trace $TOY \
+             --out "$OUT/moe_prof_b1_$f.json" > "$OUT/moe_prof_b1_$f.log" 2>&1
+           echo "rc=$?"; grep -E "busy|wall|Error" "$OUT/moe_prof_b1_$f.log" | head -4 ;;
+    b1_nocb) XLA_FLAGS=$(echo ${XLA_FLAGS:-} $NOCB) timeout $(left 200) python -m jvllm.cli bench latency $MOE $B1SIZES $SMALL \
+               --moe-backend $MOE_BACKEND --no-xla-report --output-json "$OUT/moe_b1_nocb.json" > "$OUT/moe_b1_nocb.log" 2>&1
+             echo "rc=$?"; grep -E "^ *(B1|startup)" "$OUT/moe_b1_nocb.log" | cut -c1-240 ;;
+    *) echo "unknown stage $stage (smoke gmm decode moe moe_xla dense gemma3_4b share prof_b1 prof_b1_nocb b1_nocb)"; return 2 ;;
   esac
 }
 
