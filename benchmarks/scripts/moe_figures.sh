@@ -21,6 +21,9 @@
 #            the engine runs: device busy per step and the host's events in a step call) / off
 #            (per-kernel rows) -> moe_prof_b1_cb.json, moe_prof_b1_nocb.json
 #   b1_nocb  `jvllm bench latency` B1 at small steps with command buffers off -> moe_b1_nocb.json
+#   decode_tune  the decode probe at the batch-1 step over $DEC_SWEEP launches (moe_decode_tune.json), then
+#            B1 at small steps with the engine's launches and with the probe's fastest
+#            (probes/moe_decode_launch.py, own compile caches) -> moe_b1_launch_default.json, moe_b1_launch_best.json
 # MOE_BACKEND=auto takes jvllm's Pallas kernel on the GPU. tokamax (MOE_BACKEND=tokamax) is not in the
 # device image, and 0.0.12's kernels fail on jax 0.11.2; to try it, carry its wheels in .whl/ (device_env.sh installs them), e.g.
 #   pip download --no-deps -d .whl tokamax==0.0.12 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 \
@@ -112,10 +115,30 @@ run_stage() {
              --moe-backend $MOE_BACKEND --no-python-trace $TOY \
              --out "$OUT/moe_prof_b1_$f.json" > "$OUT/moe_prof_b1_$f.log" 2>&1
            echo "rc=$?"; grep -E "busy|wall|Error" "$OUT/moe_prof_b1_$f.log" | head -4 ;;
+    decode_tune)
+           timeout $(left 200) python benchmarks/probes/moe_decode_probe.py $DEC_B1 ${DEC_SWEEP:+--sweep $DEC_SWEEP} \
+             --out "$OUT/moe_decode_tune.json" > "$OUT/moe_decode_tune.log" 2>&1
+           echo "rc=$?"; grep -E "^T=|Error" "$OUT/moe_decode_tune.log" | tail -16
+           local best; best=$(python - "$OUT/moe_decode_tune.json" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["path"].startswith("decode") and "ms_per_layer" in r]
+r = min(rows, key=lambda r: r["ms_per_layer"]) if rows else None
+print(r["path"].split()[1] if r and " " in r["path"] else "default")
+PY
+)
+           echo "fastest decode launch: $best"
+           for tag in default best; do
+             local l=$best; [ $tag = default ] && l=default
+             [ $tag = best ] && [ $best = default ] && break
+             JVLLM_CACHE_DIR=/tmp/cache_launch_$tag timeout $(left 150) python benchmarks/probes/moe_decode_launch.py $l \
+               bench latency $MOE $B1SIZES $SMALL --moe-backend $MOE_BACKEND --no-xla-report \
+               --output-json "$OUT/moe_b1_launch_$tag.json" > "$OUT/moe_b1_launch_$tag.log" 2>&1
+             echo "rc=$? launch $l"; grep -E "^ *B1" "$OUT/moe_b1_launch_$tag.log" | cut -c1-240
+           done ;;
     b1_nocb) XLA_FLAGS=$(echo ${XLA_FLAGS:-} $NOCB) timeout $(left 200) python -m jvllm.cli bench latency $MOE $B1SIZES $SMALL \
                --moe-backend $MOE_BACKEND --no-xla-report --output-json "$OUT/moe_b1_nocb.json" > "$OUT/moe_b1_nocb.log" 2>&1
              echo "rc=$?"; grep -E "^ *(B1|startup)" "$OUT/moe_b1_nocb.log" | cut -c1-240 ;;
-    *) echo "unknown stage $stage (smoke gmm decode moe moe_xla dense gemma3_4b share prof_b1 prof_b1_nocb b1_nocb)"; return 2 ;;
+    *) echo "unknown stage $stage (smoke gmm decode moe moe_xla dense gemma3_4b share prof_b1 prof_b1_nocb b1_nocb decode_tune)"; return 2 ;;
   esac
 }
 
