@@ -52,8 +52,11 @@ class Launch:
     num_stages: int = 4
 
 
-GATE_UP = Launch(bn=64, bk=128)
-DOWN = Launch(bn=64, bk=128)
+# 32-column tiles: a batch-1 step has few working pairs (top_k of them), so narrower tiles give
+# more programs streaming weights at once; 256-deep K steps with 3 stages (chosen by
+# `moe_figures.sh decode_tune`, benchmarks/README.md)
+GATE_UP = Launch(bn=32, bk=256, num_warps=4, num_stages=3)
+DOWN = Launch(bn=32, bk=256, num_warps=4, num_stages=3)
 
 
 def _fit(launch: Launch, K: int, N: int) -> Launch | None:
