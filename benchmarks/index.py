@@ -12,7 +12,7 @@ device, results per workload), `profile_steps.py`, `serve_bench.py`, the probes,
 benchmarks, and summaries that hold several bench JSONs under one key each. A commit the JSON does
 not record (or records as `HEAD`) is taken from the file name's 7-hex-digit suffix and marked
 `(name)`; one recorded nowhere is `?`. Likewise a device the JSON does not name is read from the
-file name's `h200_` / `h200x2_` prefix and marked `(name)`; versions it does not record are `?`.
+file name's `h200_` / `h100_` / `h200x2_` prefix and marked `(name)`; versions it does not record are `?`.
 """
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def _device(d: dict, b: dict | None, name: str) -> str:
             return f"{len(gpus)}x NVIDIA {name[:4].upper()} (name)"
     if name.startswith("h200x2_"):
         return "nvidia-h200-x2 (name)"
-    if name.startswith("h200_"):
-        return "NVIDIA H200 (name)"
+    if name.startswith(("h200_", "h100_")):
+        return f"NVIDIA {name[:4].upper()} (name)"
     return "?"
 
 
