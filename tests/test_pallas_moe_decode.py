@@ -130,3 +130,31 @@ def test_lowers_to_triton_for_cuda(T, k, launches):
     f = lambda *z: dec.decode_ffn(*z, interpret=False, **launches)  # noqa: E731
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def test_launch_override_probe(monkeypatch):
+    """benchmarks/probes/moe_decode_launch.py: 'GU/DN' becomes the launches every later trace of the
+    decode path uses (keyword defaults included); a malformed spec names itself."""
+    import os
+    import re
+
+    probes = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes")
+    monkeypatch.syspath_prepend(probes)
+    import moe_decode_launch as m
+
+    assert m.parse("default") == (dec.GATE_UP, dec.DOWN)
+    assert m.parse("32x256x4x3/16x64x2x5") == (dec.Launch(32, 256, 4, 3), dec.Launch(16, 64, 2, 5))
+    with pytest.raises(SystemExit, match="'32x256/16'"):
+        m.parse("32x256/16")
+    monkeypatch.setattr(dec, "GATE_UP", dec.GATE_UP)
+    monkeypatch.setattr(dec, "DOWN", dec.DOWN)
+    monkeypatch.setattr(dec.expert_rows, "__kwdefaults__", dict(dec.expert_rows.__kwdefaults__))
+    called = []
+    monkeypatch.setattr("jvllm.cli.main", lambda argv: called.append(argv) or 0)
+    assert m.main(["16x32x4x4/16x32x2x3", "bench", "latency"]) == 0 and called == [["bench", "latency"]]
+    E, D, I, T, k = 8, 64, 32, 2, 2
+    jp = jax.make_jaxpr(lambda x: dec.expert_rows(x, jnp.zeros(T * k, jnp.int32), jnp.ones((T, k)),
+                                                  jnp.ones((E, D, I)), jnp.ones((E, D, I)), jnp.ones((E, I, D))))(
+        jnp.ones((T, D)))
+    names = set(re.findall(r"jvllm_moe_decode_\w+", str(jp)))
+    assert names == {"jvllm_moe_decode_gate_up_bn16_bk32", "jvllm_moe_decode_down_bn16_bk32"}, names

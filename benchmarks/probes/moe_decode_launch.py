@@ -21,7 +21,7 @@ def parse(spec: str):
     try:
         gu, dn = spec.split("/")
         return tuple(dec.Launch(*(int(v) for v in s.split("x"))) for s in (gu, dn))
-    except ValueError:
+    except (ValueError, TypeError):  # not two parts, not integers, not four numbers
         raise SystemExit(f"launch {spec!r}: expected 'default' or GU/DN, each bn x bk x warps x stages")
 
 
