@@ -21,6 +21,7 @@ from jvllm.engine.input_processor import InputProcessor
 from jvllm.engine.loop import StepHandle, make_loop
 from jvllm.engine.output_processor import OutputProcessor, RequestGroup
 from jvllm.engine.request import Status
+from jvllm.engine.weights_sleep import WeightsAndSleep
 from jvllm.engine.scheduler import Scheduler
 from jvllm.memory.block_pool import KVCacheManager
 from jvllm.outputs import RequestOutput
@@ -29,7 +30,7 @@ from jvllm.sampling_params import SamplingParams
 log = logging.getLogger("jvllm")
 
 
-class LLMEngine:
+class LLMEngine(WeightsAndSleep):
     def __init__(self, config: EngineConfig, devices=None):
         """`devices`: the devices of this engine (a data-parallel replica gets a slice); default all."""
         from jvllm.worker.worker import Worker
@@ -169,7 +170,7 @@ class LLMEngine:
                     arrival_time: float | None = None) -> str:
         """Validate and queue a request. Raises ValueError/TypeError for bad input (nothing queued)."""
         params = params or self.default_sampling_params()
-        if getattr(self, "_asleep", None) is not None:
+        if self._asleep is not None:
             raise RuntimeError(f"the engine is asleep (sleep level {self._asleep.level}): call wake_up() first")
         request_id = str(request_id) if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
@@ -391,53 +392,6 @@ class LLMEngine:
             if not self._append(s.req, tok, lps, now):
                 return
         self.scheduler.accept_speculated(s, len(toks) - 1)
-
-    def update_weights(self, weights) -> list[RequestOutput]:
-        """Swap in new weights (`jvllm.worker.weights` states the accepted forms and checks).
-
-        Requests in flight: the step(s) already dispatched finish with the old weights and their
-        outputs are returned here (empty when none was in flight); unfinished requests go on from
-        the next step with the new weights over the KV they already have (computed with the old
-        ones). Every prefix-cache entry is forgotten, so no later request reuses stale KV."""
-        from jvllm.models import param_specs
-        from jvllm.worker.weights import normalize, update_params
-
-        if getattr(self, "_param_specs", None) is None:  # built once: tracing the abstract model is not free
-            mc = self.model_config
-            self._param_specs = param_specs(mc, self.dtype)
-            self._model_specs = None if mc.quant is None else param_specs(dataclasses.replace(mc, quant=None), self.dtype)
-        from jvllm.models.registry import family_of
-
-        flat = normalize(weights, self._param_specs, self.model_config.tie_word_embeddings, self._model_specs,
-                         name_map=family_of(self.model_config.architecture).name_map)
-        outs = self.drain()
-        update_params(self.runner, flat)
-        self.kv_manager.pool.invalidate_prefix_cache()
-        return outs
-
-    def sleep(self, level: int = 1) -> int:
-        """Free device memory of this idle engine (`jvllm.memory.sleep`); returns the bytes freed."""
-        from jvllm.memory import sleep as sleep_mode
-
-        if not self.config.enable_sleep_mode:
-            raise ValueError("sleep needs LLM(enable_sleep_mode=True)")
-        if getattr(self, "_asleep", None) is not None:
-            raise RuntimeError(f"the engine is already asleep (level {self._asleep.level}); call wake_up() first")
-        if self.has_unfinished_requests() or self.loop.in_flight():
-            raise RuntimeError(f"sleep needs an idle engine; {self.get_num_unfinished_requests()} request(s) "
-                               f"unfinished: finish or abort them first")
-        self._warmup.wait()  # the background compiles use the pool's shapes, not its buffers; let them end
-        self._asleep = sleep_mode.sleep(self.runner, level)
-        self.kv_manager.pool.invalidate_prefix_cache()  # the pool's contents are gone
-        return self._asleep.freed_bytes
-
-    def wake_up(self):
-        from jvllm.memory import sleep as sleep_mode
-
-        if getattr(self, "_asleep", None) is None:
-            raise RuntimeError("wake_up: the engine is not asleep")
-        sleep_mode.wake_up(self.runner, self._asleep)
-        self._asleep = None
 
     def make_output(self, g: RequestGroup) -> RequestOutput | None:
         return self.output.make_output(g)
