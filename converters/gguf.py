@@ -26,6 +26,7 @@ _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausal
                "granite": ("GraniteForCausalLM", "granite"), "olmo2": ("Olmo2ForCausalLM", "olmo2"),
                "command-r": ("CohereForCausalLM", "cohere"), "cohere2": ("Cohere2ForCausalLM", "cohere2"),
                "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
+               "starcoder2": ("Starcoder2ForCausalLM", "starcoder2"),
                "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
                "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"]}
 SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
@@ -59,7 +60,8 @@ GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF
                       "qwen2moe": gguf_moe.MOE_RULES + _GGUF_TO_HF, "qwen3moe": gguf_moe.MOE_RULES + _GGUF_TO_HF,
                       "mixtral": gguf_moe.MIXTRAL_RULES + _GGUF_TO_HF, "smollm3": _GGUF_TO_HF,
                       "granite": _GGUF_TO_HF, "olmo2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
-                      "command-r": _GGUF_TO_HF, "cohere2": _GGUF_TO_HF}
+                      "command-r": _GGUF_TO_HF, "cohere2": _GGUF_TO_HF,
+                      "starcoder2": gguf_archs.STARCODER2_RULES + _GGUF_TO_HF}
 _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GGUF_RULES_BY_ARCH.items()}
 
 

@@ -1,5 +1,5 @@
 """GGUF files of the dense families whose llama.cpp layout or metadata differs from Llama's: Gemma
-1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R and Cohere 2. Per architecture, the HF
+1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2 and StarCoder2. Per architecture, the HF
 config fields llama.cpp stores under its own names or fixes in its graph code instead of storing
 (`ARCH_FIELDS`), and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each put in
 front of the Llama rules: the first match wins).
@@ -22,6 +22,10 @@ front of the Llama rules: the first match wins).
               logit_scale; rope pairs interleaved (llama.cpp's own rope layout: nothing permuted)
   cohere2     as command-r, plus attention.sliding_window; every 4th layer global and rope-free
               (not stored)
+  starcoder2  Llama's attention names with biases, LayerNorms (weight and bias; their epsilon as
+              attention.layer_norm_epsilon), the ungated MLP as ffn_up / ffn_down (HF's c_fc /
+              c_proj), output_norm.bias; rope pairs rotate-half (nothing permuted); no window
+              stored (llama.cpp runs none; transformers' GGUF reader neither)
 
 `ARCH_FIELDS[arch](cfg, g, tensor, names)`: `cfg` is the generic part already read (sizes,
 rope_theta, rope_scaling, partial_rotary_factor), `g(key)` reads `{arch}.key`, `tensor(name)` is a
@@ -42,6 +46,14 @@ PHI3_RULES = [
     (r"blk\.(\d+)\.attn_qkv\.weight", r"model.layers.\1.self_attn.qkv_proj.weight"),
     (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight"),
     (r"rope_factors_(long|short)\.weight", None),  # read into the config (phi3_fields)
+]
+STARCODER2_RULES = [
+    (r"output_norm\.bias", "model.norm.bias"),
+    (r"blk\.(\d+)\.attn_output\.bias", r"model.layers.\1.self_attn.o_proj.bias"),
+    (r"blk\.(\d+)\.attn_norm\.bias", r"model.layers.\1.input_layernorm.bias"),
+    (r"blk\.(\d+)\.ffn_norm\.bias", r"model.layers.\1.post_attention_layernorm.bias"),
+    (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"model.layers.\1.mlp.c_fc.\2"),
+    (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"model.layers.\1.mlp.c_proj.\2"),
 ]
 # llama.cpp stores Gemma's norm weights as 1 + w (its converter adds 1; transformers' GGUF reader
 # subtracts it again): the checkpoint's w is the stored value minus 1
@@ -151,6 +163,13 @@ def command_r_fields(cfg: dict, g, tensor, names) -> dict:
     return out
 
 
-ARCH_FIELDS: dict[str, Callable] = {"smollm3": smollm3_fields, "granite": granite_fields,
+def starcoder2_fields(cfg: dict, g, tensor, names) -> dict:
+    """StarCoder2: the LayerNorms' epsilon, GELU (tanh), biases when the file has them; no window
+    (GGUF stores none)."""
+    return {"norm_epsilon": float(g("attention.layer_norm_epsilon", 1e-5)), "hidden_act": "gelu_pytorch_tanh",
+            "use_bias": "blk.0.attn_q.bias" in names, "sliding_window": None}
+
+
+ARCH_FIELDS: dict[str, Callable] = {"starcoder2": starcoder2_fields, "smollm3": smollm3_fields, "granite": granite_fields,
                                     "command-r": command_r_fields, "cohere2": command_r_fields,
                                     "gemma": gemma_fields, "gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}

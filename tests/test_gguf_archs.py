@@ -1,6 +1,6 @@
 """GGUF files of every family whose llama.cpp layout differs from a plain Llama's: the mixture-of-
 experts files (Mixtral as arch llama with experts, qwen2moe, qwen3moe), Gemma 1, 2 and 3, Phi-3,
-Qwen2/3, SmolLM3, Granite, OLMo 2, Command R and Cohere 2: tiny random HF checkpoints re-encoded the way llama.cpp does
+Qwen2/3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2 and StarCoder2: tiny random HF checkpoints re-encoded the way llama.cpp does
 (tests.gguf_util.write_hf_as_gguf, names from the gguf package's own table), read back name by
 name and shape by shape, their config and rope read back from the metadata, and their float32
 logits against transformers on the original checkpoint; quantized experts against the gguf
@@ -19,7 +19,8 @@ PROMPTS = [list(range(3, 40)), [5, 6, 7], [200, 17, 3, 3, 3, 9] * 5]
 # global with the linear rope scaling of the 4B and larger), Qwen2 without its window (llama.cpp
 # stores none), Phi-3 with longrope + partial rotary + a window, a 4k Phi-3 with plain rope, SmolLM3
 # in llama.cpp's fixed NoPE pattern (every 4th layer), Granite's multipliers, OLMo 2's post-norms,
-# Command R+ (per-head q/k norms) and Cohere 2 (3 sliding layers, then a rope-free global one)
+# Command R+ (per-head q/k norms), Cohere 2 (3 sliding layers, then a rope-free global one) and
+# StarCoder2 without its window (llama.cpp stores none)
 CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", dict(mlp_only_layers=None)),
          "qwen3_moe": ("qwen3_moe", {}), "gemma": ("gemma", {}), "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
          "gemma3": ("gemma3", dict(num_hidden_layers=6, layer_types=None)),
@@ -27,7 +28,8 @@ CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", dict(mlp_only_la
          "phi3": ("phi3", dict(sliding_window=8)),
          "phi3_4k": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
          "smollm3": ("smollm3", dict(num_hidden_layers=4, no_rope_layer_interval=4)), "granite": ("granite", {}),
-         "olmo2": ("olmo2", {}), "cohere": ("cohere_qk", {}), "cohere2": ("cohere2", {})}
+         "olmo2": ("olmo2", {}), "cohere": ("cohere_qk", {}), "cohere2": ("cohere2", {}),
+         "starcoder2": ("starcoder2", dict(sliding_window=None))}
 
 
 @pytest.fixture(scope="module")
