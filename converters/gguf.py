@@ -28,7 +28,7 @@ _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausal
                "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
                "starcoder2": ("Starcoder2ForCausalLM", "starcoder2"),
                "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
-               "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"]}
+               "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"], "olmoe": gguf_moe.MOE_ARCHS["olmoe"]}
 SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
 # the i-quants, ternary and MXFP4 types dequantize through the gguf package (`gguf_dequant`); a
 # gguf too old for one is a CheckpointError naming the type
@@ -58,6 +58,7 @@ GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF
                       "gemma2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
                       "gemma3": gguf_archs.GEMMA_RULES + _GGUF_TO_HF, "phi3": gguf_archs.PHI3_RULES + _GGUF_TO_HF,
                       "qwen2moe": gguf_moe.MOE_RULES + _GGUF_TO_HF, "qwen3moe": gguf_moe.MOE_RULES + _GGUF_TO_HF,
+                      "olmoe": gguf_moe.MOE_RULES + _GGUF_TO_HF,
                       "mixtral": gguf_moe.MIXTRAL_RULES + _GGUF_TO_HF, "smollm3": _GGUF_TO_HF,
                       "granite": _GGUF_TO_HF, "olmo2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
                       "command-r": _GGUF_TO_HF, "cohere2": _GGUF_TO_HF,

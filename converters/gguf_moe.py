@@ -6,6 +6,8 @@ What llama.cpp's converter (convert_hf_to_gguf.py) writes, and how it reads back
   llama       MixtralForCausalLM when {arch}.expert_count > 0 (Mixtral has no arch of its own)
   qwen2moe    Qwen2MoeForCausalLM (shared expert + sigmoid gate; every layer sparse)
   qwen3moe    Qwen3MoeForCausalLM (q/k norms; top-k renormalised)
+  olmoe       OlmoeForCausalLM (q/k norms over the whole projection; top-k not renormalised;
+              the experts' size is feed_forward_length)
 
 Experts are stacked per layer and projection: `blk.N.ffn_{gate,up,down}_exps.weight` with numpy
 shape [E, out, in] (each expert as HF's Linear weight), the router `blk.N.ffn_gate_inp.weight`
@@ -17,7 +19,8 @@ of llama.cpp's older layout store each expert on its own (`blk.N.ffn_gate.J.weig
 they map name by name (MIXTRAL_RULES), `check_split_experts` names a missing one.
 
 Router normalisation: `{arch}.expert_weights_norm` when the file has it, else what llama.cpp's
-graph does for the arch (Mixtral and Qwen3-MoE renormalise the top-k weights, Qwen2-MoE does not).
+graph does for the arch (Mixtral and Qwen3-MoE renormalise the top-k weights, Qwen2-MoE and
+OLMoE do not).
 A gating function other than softmax (`{arch}.expert_gating_func`) is refused by name.
 """
 from __future__ import annotations
@@ -30,8 +33,8 @@ from .name_map import CheckpointError
 
 # GGUF arch -> (HF architecture, HF model_type) for the files this module reads
 MOE_ARCHS = {"llama": ("MixtralForCausalLM", "mixtral"), "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-             "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
-_NORM_TOPK_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+             "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"), "olmoe": ("OlmoeForCausalLM", "olmoe")}
+_NORM_TOPK_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 _SOFTMAX_GATING = 1  # llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 # stacked expert tensors: (pattern, HF per-expert name with {j}) per GGUF arch
@@ -94,6 +97,8 @@ def moe_fields(arch: str, g, cfg: dict) -> dict:
             raise ValueError("GGUF llama (Mixtral) with expert_weights_norm false is not supported: "
                              "Mixtral renormalises its top-k weights")
         return {"num_local_experts": int(E), "num_experts_per_tok": int(k)}
+    if arch == "olmoe":  # every layer sparse; HF's intermediate_size is the experts' size
+        return {"num_experts": int(E), "num_experts_per_tok": int(k), "norm_topk_prob": norm}
     out = {"num_experts": int(E), "num_experts_per_tok": int(k), "norm_topk_prob": norm,
            "moe_intermediate_size": int(g("expert_feed_forward_length") or cfg["intermediate_size"]),
            "decoder_sparse_step": 1, "mlp_only_layers": []}

@@ -1,5 +1,5 @@
 """GGUF files of every family whose llama.cpp layout differs from a plain Llama's: the mixture-of-
-experts files (Mixtral as arch llama with experts, qwen2moe, qwen3moe), Gemma 1, 2 and 3, Phi-3,
+experts files (Mixtral as arch llama with experts, qwen2moe, qwen3moe, olmoe), Gemma 1, 2 and 3, Phi-3,
 Qwen2/3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2 and StarCoder2: tiny random HF checkpoints re-encoded the way llama.cpp does
 (tests.gguf_util.write_hf_as_gguf, names from the gguf package's own table), read back name by
 name and shape by shape, their config and rope read back from the metadata, and their float32
@@ -29,7 +29,7 @@ CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", dict(mlp_only_la
          "phi3_4k": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
          "smollm3": ("smollm3", dict(num_hidden_layers=4, no_rope_layer_interval=4)), "granite": ("granite", {}),
          "olmo2": ("olmo2", {}), "cohere": ("cohere_qk", {}), "cohere2": ("cohere2", {}),
-         "starcoder2": ("starcoder2", dict(sliding_window=None))}
+         "starcoder2": ("starcoder2", dict(sliding_window=None)), "olmoe": ("olmoe", {})}
 
 
 @pytest.fixture(scope="module")
