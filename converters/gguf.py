@@ -26,7 +26,7 @@ _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausal
                "granite": ("GraniteForCausalLM", "granite"), "olmo2": ("Olmo2ForCausalLM", "olmo2"),
                "command-r": ("CohereForCausalLM", "cohere"), "cohere2": ("Cohere2ForCausalLM", "cohere2"),
                "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
-               "starcoder2": ("Starcoder2ForCausalLM", "starcoder2"),
+               "starcoder2": ("Starcoder2ForCausalLM", "starcoder2"), "phi2": ("PhiForCausalLM", "phi"),
                "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
                "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"], "olmoe": gguf_moe.MOE_ARCHS["olmoe"]}
 SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
@@ -62,7 +62,8 @@ GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF
                       "mixtral": gguf_moe.MIXTRAL_RULES + _GGUF_TO_HF, "smollm3": _GGUF_TO_HF,
                       "granite": _GGUF_TO_HF, "olmo2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
                       "command-r": _GGUF_TO_HF, "cohere2": _GGUF_TO_HF,
-                      "starcoder2": gguf_archs.STARCODER2_RULES + _GGUF_TO_HF}
+                      "starcoder2": gguf_archs.STARCODER2_RULES + _GGUF_TO_HF,
+                      "phi2": gguf_archs.PHI2_RULES + _GGUF_TO_HF}
 _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GGUF_RULES_BY_ARCH.items()}
 
 
@@ -233,6 +234,9 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
             continue
         hf_name = m.expand(tgt)
         r.tensor_bytes(t)  # checks the file holds the whole tensor
+        if "{qkv}" in hf_name:
+            yield from _split_qkv(path, t, hf_name, lambda t=t, qtype=qtype: _dequantize(path, t, qtype, r), H, KV)
+            continue
 
         def load(t=t, qtype=qtype, hf_name=hf_name):
             a = _dequantize(path, t, qtype, r)
@@ -245,6 +249,29 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
             return a
 
         yield hf_name, load
+
+
+def _split_qkv(path: str, t, hf_name: str, load, H: int, KV: int):
+    """(name, loader) for the q, k and v row blocks of a fused tensor ([H*hd + 2*KV*hd, ...]),
+    `hf_name` holding "{qkv}"; the tensor is dequantized once, on the first load, and dropped
+    after the third (each part is loaded once, as the converter does)."""
+    cache: dict = {}
+
+    def part(i):
+        if "a" not in cache:
+            a = load()
+            if a.shape[0] % (H + 2 * KV):
+                raise CheckpointError(f"{path}: fused tensor {t.name!r} has {a.shape[0]} rows, not a multiple of "
+                                      f"{H + 2 * KV} (q, k and v of {H} + 2 x {KV} heads)")
+            hd = a.shape[0] // (H + 2 * KV)
+            cache["a"], cache["cuts"] = a, (0, H * hd, (H + KV) * hd, (H + 2 * KV) * hd)
+        c, a = cache["cuts"], cache["a"]
+        cache["left"] = cache.get("left", 3) - 1
+        if cache["left"] == 0:  # the three parts are out: drop the fused array
+            cache.pop("a")
+        return np.ascontiguousarray(a[c[i]:c[i + 1]])
+
+    return [(hf_name.replace("{qkv}", p), (lambda i=i: part(i))) for i, p in enumerate("qkv")]
 
 
 def _dequantize(path: str, t, qtype, r) -> np.ndarray:

@@ -1,5 +1,5 @@
 """GGUF files of the dense families whose llama.cpp layout or metadata differs from Llama's: Gemma
-1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2 and StarCoder2. Per architecture, the HF
+1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2, Phi-2 and StarCoder2. Per architecture, the HF
 config fields llama.cpp stores under its own names or fixes in its graph code instead of storing
 (`ARCH_FIELDS`), and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each put in
 front of the Llama rules: the first match wins).
@@ -22,6 +22,11 @@ front of the Llama rules: the first match wins).
               logit_scale; rope pairs interleaved (llama.cpp's own rope layout: nothing permuted)
   cohere2     as command-r, plus attention.sliding_window; every 4th layer global and rope-free
               (not stored)
+  phi2        Phi-1 / 1.5 / 2's parallel layer: one LayerNorm (attn_norm, weight and bias), q/k/v
+              separate or fused as attn_qkv (older files: split here into q_proj / k_proj /
+              v_proj), the output projection as attn_output (HF's dense), ffn_up / ffn_down (fc1 /
+              fc2), output_norm (final_layernorm) and output with biases; partial rotary as
+              rope.dimension_count, rotate-half (nothing permuted)
   starcoder2  Llama's attention names with biases, LayerNorms (weight and bias; their epsilon as
               attention.layer_norm_epsilon), the ungated MLP as ffn_up / ffn_down (HF's c_fc /
               c_proj), output_norm.bias; rope pairs rotate-half (nothing permuted); no window
@@ -54,6 +59,17 @@ STARCODER2_RULES = [
     (r"blk\.(\d+)\.ffn_norm\.bias", r"model.layers.\1.post_attention_layernorm.bias"),
     (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"model.layers.\1.mlp.c_fc.\2"),
     (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"model.layers.\1.mlp.c_proj.\2"),
+]
+# "{qkv}" in a target: the tensor holds q, k and v rows in that order ([H*hd], [KV*hd], [KV*hd]),
+# streamed as three HF tensors (gguf.gguf_tensor_stream)
+PHI2_RULES = [
+    (r"output_norm\.(weight|bias)", r"model.final_layernorm.\1"),
+    (r"output\.bias", "lm_head.bias"),
+    (r"blk\.(\d+)\.attn_norm\.(weight|bias)", r"model.layers.\1.input_layernorm.\2"),
+    (r"blk\.(\d+)\.attn_qkv\.(weight|bias)", r"model.layers.\1.self_attn.{qkv}_proj.\2"),
+    (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"model.layers.\1.self_attn.dense.\2"),
+    (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"model.layers.\1.mlp.fc1.\2"),
+    (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"model.layers.\1.mlp.fc2.\2"),
 ]
 # llama.cpp stores Gemma's norm weights as 1 + w (its converter adds 1; transformers' GGUF reader
 # subtracts it again): the checkpoint's w is the stored value minus 1
@@ -163,6 +179,12 @@ def command_r_fields(cfg: dict, g, tensor, names) -> dict:
     return out
 
 
+def phi2_fields(cfg: dict, g, tensor, names) -> dict:
+    """Phi-1 / 1.5 / 2: the LayerNorm's epsilon, gelu_new, q/k LayerNorms when the file has them."""
+    return {"layer_norm_eps": float(g("attention.layer_norm_epsilon", 1e-5)), "hidden_act": "gelu_new",
+            "qk_layernorm": "blk.0.attn_q_norm.weight" in names}
+
+
 def starcoder2_fields(cfg: dict, g, tensor, names) -> dict:
     """StarCoder2: the LayerNorms' epsilon, GELU (tanh), biases when the file has them; no window
     (GGUF stores none)."""
@@ -170,6 +192,6 @@ def starcoder2_fields(cfg: dict, g, tensor, names) -> dict:
             "use_bias": "blk.0.attn_q.bias" in names, "sliding_window": None}
 
 
-ARCH_FIELDS: dict[str, Callable] = {"starcoder2": starcoder2_fields, "smollm3": smollm3_fields, "granite": granite_fields,
+ARCH_FIELDS: dict[str, Callable] = {"starcoder2": starcoder2_fields, "phi2": phi2_fields, "smollm3": smollm3_fields, "granite": granite_fields,
                                     "command-r": command_r_fields, "cohere2": command_r_fields,
                                     "gemma": gemma_fields, "gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}

@@ -104,10 +104,10 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
 HF_TO_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
                    "gemma": "gemma", "gemma2": "gemma2", "qwen2": "qwen2", "smollm3": "smollm3", "granite": "granite",
                    "olmo2": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3",
-                   "starcoder2": "starcoder2", "olmoe": "olmoe"}
+                   "starcoder2": "starcoder2", "olmoe": "olmoe", "phi": "phi2"}
 
 
-def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32"):
+def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32", fuse_qkv: bool = False):
     """Re-encode a tiny HF checkpoint (`HF_TO_GGUF_ARCH`'s model types) as llama.cpp's converter
     does: metadata keys of the arch, tensor names from the gguf package's own name map
     (`gguf.get_tensor_name_map`, llama.cpp's table: an independent source of names for the reader
@@ -115,7 +115,7 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
     Gemma norms stored as 1 + w, Qwen2-MoE's shared-expert gate as [D], a global rope scaling as
     rope.scaling.*, Phi-3's longrope as rope_factors_{short,long} tensors and its partial rotary as
     rope.dimension_count. qtype_for picks each 2-D/3-D tensor's type (F32, F16 or a
-    quants.quantize type)."""
+    quants.quantize type). fuse_qkv: q, k and v as one attn_qkv per layer (older phi2 files)."""
     import math
     import os
 
@@ -136,8 +136,9 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     rp = getattr(c, "rope_parameters", None) or {}
     rp = rp.get("full_attention", rp)  # Gemma 3: the global layers' rope (the sliding ones' is fixed)
     w.add_rope_freq_base(float(rp.get("rope_theta", getattr(c, "rope_theta", 10000.0))))
@@ -149,6 +150,9 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
         w.add_logit_scale(c.logit_scale)
     elif arch == "starcoder2":
         w.add_layer_norm_eps(c.norm_epsilon)
+    elif arch == "phi2":  # llama.cpp's Phi2Model: LayerNorm epsilon, rotary dims from the factor
+        w.add_layer_norm_eps(c.layer_norm_eps)
+        w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * head_dim))
     else:
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if arch == "cohere2":
@@ -196,10 +200,16 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32")
         tensors[hf_name] = arr
     for merged, by_j in experts.items():
         tensors[merged + ".weight"] = np.stack([by_j[j] for j in range(len(by_j))])
+    if fuse_qkv:  # one attn_qkv per layer (named like the q projection: the name map has no fused HF name)
+        for q in [n for n in tensors if ".self_attn.q_proj." in n]:
+            k, v = q.replace(".q_proj.", ".k_proj."), q.replace(".q_proj.", ".v_proj.")
+            tensors[q] = np.concatenate([tensors[q], tensors.pop(k), tensors.pop(v)])
     for hf_name, arr in tensors.items():
         g = (hf_name + ".weight" if hf_name.startswith("rope_factors")
              else tmap.get_name(hf_name, try_suffixes=(".weight", ".bias")))
         assert g is not None, f"llama.cpp's name map has no GGUF name for {hf_name}"
+        if fuse_qkv and ".attn_q." in g:
+            g = g.replace(".attn_q.", ".attn_qkv.")
         if arch in ("llama", "smollm3", "granite") and g.endswith("attn_q.weight"):
             arr = permute(arr, c.num_attention_heads)
         elif arch in ("llama", "smollm3", "granite") and g.endswith("attn_k.weight"):
