@@ -27,6 +27,7 @@ _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausal
                "command-r": ("CohereForCausalLM", "cohere"), "cohere2": ("Cohere2ForCausalLM", "cohere2"),
                "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
                "starcoder2": ("Starcoder2ForCausalLM", "starcoder2"), "phi2": ("PhiForCausalLM", "phi"),
+               "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"),
                "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
                "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"], "olmoe": gguf_moe.MOE_ARCHS["olmoe"]}
 SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
@@ -63,7 +64,7 @@ GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF
                       "granite": _GGUF_TO_HF, "olmo2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
                       "command-r": _GGUF_TO_HF, "cohere2": _GGUF_TO_HF,
                       "starcoder2": gguf_archs.STARCODER2_RULES + _GGUF_TO_HF,
-                      "phi2": gguf_archs.PHI2_RULES + _GGUF_TO_HF}
+                      "phi2": gguf_archs.PHI2_RULES + _GGUF_TO_HF, "gptneox": gguf_archs.GPTNEOX_RULES}
 _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GGUF_RULES_BY_ARCH.items()}
 
 
@@ -246,6 +247,8 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
                 a = unpermute(a, H if ".q_proj" in hf_name else KV)
             if arch in gguf_archs.NORM_PLUS_ONE_ARCHS and hf_name.endswith("norm.weight"):
                 a = a - np.float32(1.0)
+            if arch == "gptneox" and ".query_key_value." in hf_name:
+                a = gguf_archs.neox_qkv_per_head(a, H)
             return a
 
         yield hf_name, load

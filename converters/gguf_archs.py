@@ -1,5 +1,5 @@
 """GGUF files of the dense families whose llama.cpp layout or metadata differs from Llama's: Gemma
-1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2, Phi-2 and StarCoder2. Per architecture, the HF
+1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2, Phi-2, GPT-NeoX and StarCoder2. Per architecture, the HF
 config fields llama.cpp stores under its own names or fixes in its graph code instead of storing
 (`ARCH_FIELDS`), and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each put in
 front of the Llama rules: the first match wins).
@@ -27,6 +27,10 @@ front of the Llama rules: the first match wins).
               v_proj), the output projection as attn_output (HF's dense), ffn_up / ffn_down (fc1 /
               fc2), output_norm (final_layernorm) and output with biases; partial rotary as
               rope.dimension_count, rotate-half (nothing permuted)
+  gptneox     GPT-NeoX / Pythia: its own names throughout (attn_qkv, attn_output, ffn_up / ffn_down,
+              attn_norm / ffn_norm LayerNorms, output_norm, output), all with biases; attn_qkv
+              holds q, k, v as three blocks (the converter reorders HF's per-head interleave:
+              interleaved again here); use_parallel_residual, partial rotary as rope.dimension_count
   starcoder2  Llama's attention names with biases, LayerNorms (weight and bias; their epsilon as
               attention.layer_norm_epsilon), the ungated MLP as ffn_up / ffn_down (HF's c_fc /
               c_proj), output_norm.bias; rope pairs rotate-half (nothing permuted); no window
@@ -71,6 +75,26 @@ PHI2_RULES = [
     (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"model.layers.\1.mlp.fc1.\2"),
     (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"model.layers.\1.mlp.fc2.\2"),
 ]
+_NX = r"blk\.(\d+)\."
+GPTNEOX_RULES = [  # every tensor: nothing of the Llama rules applies
+    (r"token_embd\.weight", "gpt_neox.embed_in.weight"),
+    (r"output_norm\.(weight|bias)", r"gpt_neox.final_layer_norm.\1"),
+    (r"output\.weight", "embed_out.weight"),
+    (_NX + r"attn_norm\.(weight|bias)", r"gpt_neox.layers.\1.input_layernorm.\2"),
+    (_NX + r"ffn_norm\.(weight|bias)", r"gpt_neox.layers.\1.post_attention_layernorm.\2"),
+    (_NX + r"attn_qkv\.(weight|bias)", r"gpt_neox.layers.\1.attention.query_key_value.\2"),
+    (_NX + r"attn_output\.(weight|bias)", r"gpt_neox.layers.\1.attention.dense.\2"),
+    (_NX + r"ffn_up\.(weight|bias)", r"gpt_neox.layers.\1.mlp.dense_h_to_4h.\2"),
+    (_NX + r"ffn_down\.(weight|bias)", r"gpt_neox.layers.\1.mlp.dense_4h_to_h.\2"),
+]
+
+
+def neox_qkv_per_head(a, n_head: int):
+    """llama.cpp's [q; k; v] blocks of a GPT-NeoX query_key_value (rows 3 * H * hd) back into
+    HF's per-head interleave ([H, 3, hd] rows)."""
+    return a.reshape(3, n_head, a.shape[0] // (3 * n_head), *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+
+
 # llama.cpp stores Gemma's norm weights as 1 + w (its converter adds 1; transformers' GGUF reader
 # subtracts it again): the checkpoint's w is the stored value minus 1
 NORM_PLUS_ONE_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -185,6 +209,14 @@ def phi2_fields(cfg: dict, g, tensor, names) -> dict:
             "qk_layernorm": "blk.0.attn_q_norm.weight" in names}
 
 
+def gptneox_fields(cfg: dict, g, tensor, names) -> dict:
+    """GPT-NeoX: the LayerNorms' epsilon, the parallel residual flag (llama.cpp's default true),
+    exact GELU, attention biases when the file has them."""
+    return {"layer_norm_eps": float(g("attention.layer_norm_epsilon", 1e-5)), "hidden_act": "gelu",
+            "use_parallel_residual": bool(g("use_parallel_residual", True)),
+            "attention_bias": "blk.0.attn_qkv.bias" in names}
+
+
 def starcoder2_fields(cfg: dict, g, tensor, names) -> dict:
     """StarCoder2: the LayerNorms' epsilon, GELU (tanh), biases when the file has them; no window
     (GGUF stores none)."""
@@ -192,6 +224,7 @@ def starcoder2_fields(cfg: dict, g, tensor, names) -> dict:
             "use_bias": "blk.0.attn_q.bias" in names, "sliding_window": None}
 
 
-ARCH_FIELDS: dict[str, Callable] = {"starcoder2": starcoder2_fields, "phi2": phi2_fields, "smollm3": smollm3_fields, "granite": granite_fields,
+ARCH_FIELDS: dict[str, Callable] = {"starcoder2": starcoder2_fields, "phi2": phi2_fields, "gptneox": gptneox_fields,
+                                    "smollm3": smollm3_fields, "granite": granite_fields,
                                     "command-r": command_r_fields, "cohere2": command_r_fields,
                                     "gemma": gemma_fields, "gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}

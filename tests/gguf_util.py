@@ -54,7 +54,7 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_head_count_kv(c.num_key_value_heads or c.num_attention_heads)  # GPT-NeoX: None (multi-head)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]) if getattr(c, "rope_parameters", None)
                          else float(c.rope_theta))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -104,7 +104,7 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
 HF_TO_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
                    "gemma": "gemma", "gemma2": "gemma2", "qwen2": "qwen2", "smollm3": "smollm3", "granite": "granite",
                    "olmo2": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3",
-                   "starcoder2": "starcoder2", "olmoe": "olmoe", "phi": "phi2"}
+                   "starcoder2": "starcoder2", "olmoe": "olmoe", "phi": "phi2", "gpt_neox": "gptneox"}
 
 
 def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32", fuse_qkv: bool = False):
@@ -135,7 +135,7 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_head_count_kv(c.num_key_value_heads or c.num_attention_heads)  # GPT-NeoX: None (multi-head)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -150,6 +150,10 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
         w.add_logit_scale(c.logit_scale)
     elif arch == "starcoder2":
         w.add_layer_norm_eps(c.norm_epsilon)
+    elif arch == "gptneox":  # llama.cpp's GPTNeoXModel
+        w.add_layer_norm_eps(c.layer_norm_eps)
+        w.add_parallel_residual(c.use_parallel_residual)
+        w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * head_dim))
     elif arch == "phi2":  # llama.cpp's Phi2Model: LayerNorm epsilon, rotary dims from the factor
         w.add_layer_norm_eps(c.layer_norm_eps)
         w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * head_dim))
@@ -210,6 +214,8 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
         assert g is not None, f"llama.cpp's name map has no GGUF name for {hf_name}"
         if fuse_qkv and ".attn_q." in g:
             g = g.replace(".attn_q.", ".attn_qkv.")
+        if arch == "gptneox" and ".attn_qkv." in g:  # HF's per-head interleave -> [q; k; v] blocks
+            arr = arr.reshape(c.num_attention_heads, 3, -1, *arr.shape[1:]).swapaxes(0, 1).reshape(arr.shape)
         if arch in ("llama", "smollm3", "granite") and g.endswith("attn_q.weight"):
             arr = permute(arr, c.num_attention_heads)
         elif arch in ("llama", "smollm3", "granite") and g.endswith("attn_k.weight"):
