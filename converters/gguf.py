@@ -27,7 +27,7 @@ _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausal
                "command-r": ("CohereForCausalLM", "cohere"), "cohere2": ("Cohere2ForCausalLM", "cohere2"),
                "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
                "starcoder2": ("Starcoder2ForCausalLM", "starcoder2"), "phi2": ("PhiForCausalLM", "phi"),
-               "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"),
+               "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"), "gpt2": ("GPT2LMHeadModel", "gpt2"),
                "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
                "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"], "olmoe": gguf_moe.MOE_ARCHS["olmoe"]}
 SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
@@ -64,7 +64,8 @@ GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF
                       "granite": _GGUF_TO_HF, "olmo2": gguf_archs.GEMMA_RULES + _GGUF_TO_HF,
                       "command-r": _GGUF_TO_HF, "cohere2": _GGUF_TO_HF,
                       "starcoder2": gguf_archs.STARCODER2_RULES + _GGUF_TO_HF,
-                      "phi2": gguf_archs.PHI2_RULES + _GGUF_TO_HF, "gptneox": gguf_archs.GPTNEOX_RULES}
+                      "phi2": gguf_archs.PHI2_RULES + _GGUF_TO_HF, "gptneox": gguf_archs.GPTNEOX_RULES,
+                      "gpt2": gguf_archs.GPT2_RULES}
 _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GGUF_RULES_BY_ARCH.items()}
 
 
@@ -148,6 +149,10 @@ def gguf_hf_config(path: str) -> dict:
     cfg.update(_rope_fields(r, path, g, cfg["head_dim"]))
     if arch in gguf_archs.ARCH_FIELDS:
         cfg.update(gguf_archs.ARCH_FIELDS[arch](cfg, g, lambda name: _f32_tensor(r, path, name), names))
+    if arch == "gpt2":  # llama.cpp writes feed_forward_length 4 x hidden whatever n_inner was
+        up = next((t for t in r.tensors if t.name == "blk.0.ffn_up.weight"), None)
+        if up is not None:
+            cfg["intermediate_size"] = int(up.numpy_shape[0])
     if hf_arch in (a for a, _ in gguf_moe.MOE_ARCHS.values()):
         cfg.update(gguf_moe.moe_fields(arch, g, cfg))
     return cfg
@@ -249,6 +254,8 @@ def gguf_tensor_stream(path: str, hf_cfg: dict | None = None) -> Iterator[tuple[
                 a = a - np.float32(1.0)
             if arch == "gptneox" and ".query_key_value." in hf_name:
                 a = gguf_archs.neox_qkv_per_head(a, H)
+            if arch == "gpt2" and hf_name.endswith(gguf_archs.GPT2_TRANSPOSED):
+                a = np.ascontiguousarray(a.T)
             return a
 
         yield hf_name, load

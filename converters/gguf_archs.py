@@ -1,5 +1,5 @@
 """GGUF files of the dense families whose llama.cpp layout or metadata differs from Llama's: Gemma
-1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2, Phi-2, GPT-NeoX and StarCoder2. Per architecture, the HF
+1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2, Phi-2, GPT-2, GPT-NeoX and StarCoder2. Per architecture, the HF
 config fields llama.cpp stores under its own names or fixes in its graph code instead of storing
 (`ARCH_FIELDS`), and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each put in
 front of the Llama rules: the first match wins).
@@ -27,6 +27,11 @@ front of the Llama rules: the first match wins).
               v_proj), the output projection as attn_output (HF's dense), ffn_up / ffn_down (fc1 /
               fc2), output_norm (final_layernorm) and output with biases; partial rotary as
               rope.dimension_count, rotate-half (nothing permuted)
+  gpt2        GPT-2: token_embd, position_embd, LayerNorms (attn_norm, ffn_norm, output_norm), the
+              fused attn_qkv and the other Conv1D weights transposed to [out, in] (read back into
+              HF's [in, out]), all with biases; output is a copy of token_embd (GPT-2 ties its
+              head: dropped); feed_forward_length is always 4 x hidden (llama.cpp ignores n_inner):
+              the size comes from ffn_up's shape
   gptneox     GPT-NeoX / Pythia: its own names throughout (attn_qkv, attn_output, ffn_up / ffn_down,
               attn_norm / ffn_norm LayerNorms, output_norm, output), all with biases; attn_qkv
               holds q, k, v as three blocks (the converter reorders HF's per-head interleave:
@@ -87,6 +92,22 @@ GPTNEOX_RULES = [  # every tensor: nothing of the Llama rules applies
     (_NX + r"ffn_up\.(weight|bias)", r"gpt_neox.layers.\1.mlp.dense_h_to_4h.\2"),
     (_NX + r"ffn_down\.(weight|bias)", r"gpt_neox.layers.\1.mlp.dense_4h_to_h.\2"),
 ]
+
+
+_GB = r"blk\.(\d+)\."
+GPT2_RULES = [  # every tensor; the weights of `GPT2_TRANSPOSED` are transposed back on load
+    (r"token_embd\.weight", "transformer.wte.weight"),
+    (r"position_embd\.weight", "transformer.wpe.weight"),
+    (r"output_norm\.(weight|bias)", r"transformer.ln_f.\1"),
+    (r"output\.weight", None),  # the converter's copy of token_embd
+    (_GB + r"attn_norm\.(weight|bias)", r"transformer.h.\1.ln_1.\2"),
+    (_GB + r"ffn_norm\.(weight|bias)", r"transformer.h.\1.ln_2.\2"),
+    (_GB + r"attn_qkv\.(weight|bias)", r"transformer.h.\1.attn.c_attn.\2"),
+    (_GB + r"attn_output\.(weight|bias)", r"transformer.h.\1.attn.c_proj.\2"),
+    (_GB + r"ffn_up\.(weight|bias)", r"transformer.h.\1.mlp.c_fc.\2"),
+    (_GB + r"ffn_down\.(weight|bias)", r"transformer.h.\1.mlp.c_proj.\2"),
+]
+GPT2_TRANSPOSED = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # Conv1D: HF keeps [in, out]
 
 
 def neox_qkv_per_head(a, n_head: int):
@@ -209,6 +230,13 @@ def phi2_fields(cfg: dict, g, tensor, names) -> dict:
             "qk_layernorm": "blk.0.attn_q_norm.weight" in names}
 
 
+def gpt2_fields(cfg: dict, g, tensor, names) -> dict:
+    """GPT-2: the LayerNorms' epsilon, gelu_new, a tied head, learned positions up to
+    context_length (the MLP size: gguf.gguf_hf_config reads it from ffn_up)."""
+    return {"layer_norm_epsilon": float(g("attention.layer_norm_epsilon", 1e-5)), "activation_function": "gelu_new",
+            "tie_word_embeddings": True, "n_positions": cfg["max_position_embeddings"]}
+
+
 def gptneox_fields(cfg: dict, g, tensor, names) -> dict:
     """GPT-NeoX: the LayerNorms' epsilon, the parallel residual flag (llama.cpp's default true),
     exact GELU, attention biases when the file has them."""
@@ -225,6 +253,6 @@ def starcoder2_fields(cfg: dict, g, tensor, names) -> dict:
 
 
 ARCH_FIELDS: dict[str, Callable] = {"starcoder2": starcoder2_fields, "phi2": phi2_fields, "gptneox": gptneox_fields,
-                                    "smollm3": smollm3_fields, "granite": granite_fields,
+                                    "gpt2": gpt2_fields, "smollm3": smollm3_fields, "granite": granite_fields,
                                     "command-r": command_r_fields, "cohere2": command_r_fields,
                                     "gemma": gemma_fields, "gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}

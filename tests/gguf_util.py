@@ -52,7 +52,7 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    w.add_feed_forward_length(4 * c.hidden_size if c.model_type == "gpt2" else c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads or c.num_attention_heads)  # GPT-NeoX: None (multi-head)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]) if getattr(c, "rope_parameters", None)
@@ -70,6 +70,8 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     for hf_name, arr in sd.items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
+        if arch == "gpt2" and hf_name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # causal-mask buffers (the converter drops them)
         if hf_name in names:
             g = names[hf_name]
         else:
@@ -104,7 +106,7 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
 HF_TO_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
                    "gemma": "gemma", "gemma2": "gemma2", "qwen2": "qwen2", "smollm3": "smollm3", "granite": "granite",
                    "olmo2": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3",
-                   "starcoder2": "starcoder2", "olmoe": "olmoe", "phi": "phi2", "gpt_neox": "gptneox"}
+                   "starcoder2": "starcoder2", "olmoe": "olmoe", "phi": "phi2", "gpt_neox": "gptneox", "gpt2": "gpt2"}
 
 
 def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32", fuse_qkv: bool = False):
@@ -133,7 +135,7 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    w.add_feed_forward_length(4 * c.hidden_size if c.model_type == "gpt2" else c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads or c.num_attention_heads)  # GPT-NeoX: None (multi-head)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -150,6 +152,8 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
         w.add_logit_scale(c.logit_scale)
     elif arch == "starcoder2":
         w.add_layer_norm_eps(c.norm_epsilon)
+    elif arch == "gpt2":  # llama.cpp's GPT2Model: 4 x hidden as the MLP size, whatever n_inner is
+        w.add_layer_norm_eps(c.layer_norm_epsilon)
     elif arch == "gptneox":  # llama.cpp's GPTNeoXModel
         w.add_layer_norm_eps(c.layer_norm_eps)
         w.add_parallel_residual(c.use_parallel_residual)
@@ -196,12 +200,16 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     for hf_name, arr in sd.items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
+        if arch == "gpt2" and hf_name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # causal-mask buffers (the converter drops them)
         e = _expert_of(hf_name)
         if e is not None:  # stacked per layer and projection, as the converter does
             merged, j = e
             experts.setdefault(merged, {})[j] = arr
             continue
         tensors[hf_name] = arr
+    if arch == "gpt2":  # the converter writes the tied head as a copy of the embedding
+        tensors["lm_head.weight"] = tensors["transformer.wte.weight"]
     for merged, by_j in experts.items():
         tensors[merged + ".weight"] = np.stack([by_j[j] for j in range(len(by_j))])
     if fuse_qkv:  # one attn_qkv per layer (named like the q projection: the name map has no fused HF name)
@@ -214,6 +222,8 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
         assert g is not None, f"llama.cpp's name map has no GGUF name for {hf_name}"
         if fuse_qkv and ".attn_q." in g:
             g = g.replace(".attn_q.", ".attn_qkv.")
+        if arch == "gpt2" and hf_name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            arr = arr.T  # the converter transposes GPT-2's Conv1D weights to [out, in]
         if arch == "gptneox" and ".attn_qkv." in g:  # HF's per-head interleave -> [q; k; v] blocks
             arr = arr.reshape(c.num_attention_heads, 3, -1, *arr.shape[1:]).swapaxes(0, 1).reshape(arr.shape)
         if arch in ("llama", "smollm3", "granite") and g.endswith("attn_q.weight"):
