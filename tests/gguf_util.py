@@ -70,8 +70,6 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     for hf_name, arr in sd.items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        if arch == "gpt2" and hf_name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # causal-mask buffers (the converter drops them)
         if hf_name in names:
             g = names[hf_name]
         else:
