@@ -28,6 +28,7 @@ _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausal
                "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
                "starcoder2": ("Starcoder2ForCausalLM", "starcoder2"), "phi2": ("PhiForCausalLM", "phi"),
                "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"), "gpt2": ("GPT2LMHeadModel", "gpt2"),
+               "glm4": ("Glm4ForCausalLM", "glm4"),
                "qwen2moe": gguf_moe.MOE_ARCHS["qwen2moe"],
                "qwen3moe": gguf_moe.MOE_ARCHS["qwen3moe"], "olmoe": gguf_moe.MOE_ARCHS["olmoe"]}
 SUPPORTED_GGUF_ARCHS = tuple(_GGUF_ARCHS)
@@ -65,7 +66,7 @@ GGUF_RULES_BY_ARCH = {"llama": _GGUF_TO_HF, "qwen2": _GGUF_TO_HF, "qwen3": _GGUF
                       "command-r": _GGUF_TO_HF, "cohere2": _GGUF_TO_HF,
                       "starcoder2": gguf_archs.STARCODER2_RULES + _GGUF_TO_HF,
                       "phi2": gguf_archs.PHI2_RULES + _GGUF_TO_HF, "gptneox": gguf_archs.GPTNEOX_RULES,
-                      "gpt2": gguf_archs.GPT2_RULES}
+                      "gpt2": gguf_archs.GPT2_RULES, "glm4": gguf_archs.GLM4_RULES + _GGUF_TO_HF}
 _GGUF_RX = {a: [(re.compile(p + r"\Z"), t) for p, t in rules] for a, rules in GGUF_RULES_BY_ARCH.items()}
 
 

@@ -1,5 +1,6 @@
 """GGUF files of the dense families whose llama.cpp layout or metadata differs from Llama's: Gemma
-1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2, Phi-2, GPT-2, GPT-NeoX and StarCoder2. Per architecture, the HF
+1, 2 and 3, Phi-3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2, Phi-2, GPT-2, GPT-NeoX, StarCoder2 and
+GLM-4-0414. Per architecture, the HF
 config fields llama.cpp stores under its own names or fixes in its graph code instead of storing
 (`ARCH_FIELDS`), and the GGUF -> HF tensor-name rules (`GEMMA_RULES`, `PHI3_RULES`, each put in
 front of the Llama rules: the first match wins).
@@ -27,6 +28,10 @@ front of the Llama rules: the first match wins).
               v_proj), the output projection as attn_output (HF's dense), ffn_up / ffn_down (fc1 /
               fc2), output_norm (final_layernorm) and output with biases; partial rotary as
               rope.dimension_count, rotate-half (nothing permuted)
+  glm4        GLM-4-0414 / GLM-Z1: Llama's names and q/k/v biases, the sandwich norms as
+              post_attention_norm / post_ffw_norm, the fused gate_up as ffn_up; partial rotary as
+              rope.dimension_count; interleaved rope pairs, llama.cpp's own rope layout (nothing
+              permuted)
   gpt2        GPT-2: token_embd, position_embd, LayerNorms (attn_norm, ffn_norm, output_norm), the
               fused attn_qkv and the other Conv1D weights transposed to [out, in] (read back into
               HF's [in, out]), all with biases; output is a copy of token_embd (GPT-2 ties its
@@ -68,6 +73,11 @@ STARCODER2_RULES = [
     (r"blk\.(\d+)\.ffn_norm\.bias", r"model.layers.\1.post_attention_layernorm.bias"),
     (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"model.layers.\1.mlp.c_fc.\2"),
     (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"model.layers.\1.mlp.c_proj.\2"),
+]
+GLM4_RULES = [
+    (r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_self_attn_layernorm.weight"),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_mlp_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight"),
 ]
 # "{qkv}" in a target: the tensor holds q, k and v rows in that order ([H*hd], [KV*hd], [KV*hd]),
 # streamed as three HF tensors (gguf.gguf_tensor_stream)
@@ -230,6 +240,11 @@ def phi2_fields(cfg: dict, g, tensor, names) -> dict:
             "qk_layernorm": "blk.0.attn_q_norm.weight" in names}
 
 
+def glm4_fields(cfg: dict, g, tensor, names) -> dict:
+    """GLM-4-0414: q/k/v biases when the file has them (partial rotary: the generic rope fields)."""
+    return {"attention_bias": "blk.0.attn_q.bias" in names}
+
+
 def gpt2_fields(cfg: dict, g, tensor, names) -> dict:
     """GPT-2: the LayerNorms' epsilon, gelu_new, a tied head, learned positions up to
     context_length (the MLP size: gguf.gguf_hf_config reads it from ffn_up)."""
@@ -253,6 +268,6 @@ def starcoder2_fields(cfg: dict, g, tensor, names) -> dict:
 
 
 ARCH_FIELDS: dict[str, Callable] = {"starcoder2": starcoder2_fields, "phi2": phi2_fields, "gptneox": gptneox_fields,
-                                    "gpt2": gpt2_fields, "smollm3": smollm3_fields, "granite": granite_fields,
+                                    "gpt2": gpt2_fields, "glm4": glm4_fields, "smollm3": smollm3_fields, "granite": granite_fields,
                                     "command-r": command_r_fields, "cohere2": command_r_fields,
                                     "gemma": gemma_fields, "gemma2": gemma2_fields, "gemma3": gemma3_fields, "phi3": phi3_fields}

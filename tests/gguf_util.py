@@ -104,7 +104,7 @@ def write_llama_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
 HF_TO_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
                    "gemma": "gemma", "gemma2": "gemma2", "qwen2": "qwen2", "smollm3": "smollm3", "granite": "granite",
                    "olmo2": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3",
-                   "starcoder2": "starcoder2", "olmoe": "olmoe", "phi": "phi2", "gpt_neox": "gptneox", "gpt2": "gpt2"}
+                   "starcoder2": "starcoder2", "olmoe": "olmoe", "phi": "phi2", "gpt_neox": "gptneox", "gpt2": "gpt2", "glm4": "glm4"}
 
 
 def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32", fuse_qkv: bool = False):
@@ -184,6 +184,8 @@ def write_hf_as_gguf(hf_dir: str, out: str, qtype_for=lambda name, shape: "F32",
     if arch == "gemma3":
         w.add_sliding_window(c.sliding_window)
     tensors = {}
+    if arch == "glm4":  # llama.cpp's Glm4Model: rotary dims from the factor
+        w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * head_dim))
     if arch == "phi3":  # llama.cpp's Phi3MiniModel: rope dims from hidden / heads, window 0 for none
         w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * c.hidden_size) // c.num_attention_heads)
         orig = rp.get("original_max_position_embeddings") or c.original_max_position_embeddings

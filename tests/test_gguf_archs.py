@@ -1,6 +1,6 @@
 """GGUF files of every family whose llama.cpp layout differs from a plain Llama's: the mixture-of-
 experts files (Mixtral as arch llama with experts, qwen2moe, qwen3moe, olmoe), Gemma 1, 2 and 3, Phi-3,
-Qwen2/3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2, StarCoder2, Phi-2, GPT-2 and GPT-NeoX: tiny random HF checkpoints re-encoded the way llama.cpp does
+Qwen2/3, SmolLM3, Granite, OLMo 2, Command R, Cohere 2, StarCoder2, Phi-2, GPT-2, GPT-NeoX and GLM-4: tiny random HF checkpoints re-encoded the way llama.cpp does
 (tests.gguf_util.write_hf_as_gguf, names from the gguf package's own table), read back name by
 name and shape by shape, their config and rope read back from the metadata, and their float32
 logits against transformers on the original checkpoint; quantized experts against the gguf
@@ -21,7 +21,7 @@ PROMPTS = [list(range(3, 40)), [5, 6, 7], [200, 17, 3, 3, 3, 9] * 5]
 # in llama.cpp's fixed NoPE pattern (every 4th layer), Granite's multipliers, OLMo 2's post-norms,
 # Command R+ (per-head q/k norms), Cohere 2 (3 sliding layers, then a rope-free global one) and
 # StarCoder2 without its window (llama.cpp stores none); Phi-2 with q/k/v apart and fused (older files), GPT-NeoX with and without the parallel residual,
-# GPT-2 with an n_inner other than 4 x hidden
+# GPT-2 with an n_inner other than 4 x hidden, GLM-4-0414 (sandwich norms, fused gate_up, half rotary)
 CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", dict(mlp_only_layers=None)),
          "qwen3_moe": ("qwen3_moe", {}), "gemma": ("gemma", {}), "gemma2": ("gemma2", dict(query_pre_attn_scalar=16)),
          "gemma3": ("gemma3", dict(num_hidden_layers=6, layer_types=None)),
@@ -32,7 +32,7 @@ CASES = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", dict(mlp_only_la
          "olmo2": ("olmo2", {}), "cohere": ("cohere_qk", {}), "cohere2": ("cohere2", {}),
          "starcoder2": ("starcoder2", dict(sliding_window=None)), "olmoe": ("olmoe", {}),
          "phi2": ("phi", {}), "phi2_fused_qkv": ("phi", dict(fuse_qkv=True)),
-         "gptneox": ("gpt_neox", {}), "gptneox_seq": ("gpt_neox_seq", {}), "gpt2": ("gpt2", {})}
+         "gptneox": ("gpt_neox", {}), "gptneox_seq": ("gpt_neox_seq", {}), "gpt2": ("gpt2", {}), "glm4": ("glm4", {})}
 
 
 @pytest.fixture(scope="module")
