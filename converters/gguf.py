@@ -123,7 +123,7 @@ def gguf_hf_config(path: str) -> dict:
     hidden = int(g("embedding_length"))
     tokens = r.get("tokenizer.ggml.tokens")
     vocab = g("vocab_size") or (len(tokens) if tokens is not None else None)
-    names = {t.name for t in r.tensors}
+    names = {t.name: tuple(t.numpy_shape) for t in r.tensors}  # name -> numpy shape
     if vocab is None:
         vocab = int([t for t in r.tensors if t.name == "token_embd.weight"][0].shape[1])
     hf_arch, model_type = (gguf_moe.MOE_ARCHS["llama"] if _rules_key(r, arch) == "mixtral" else _GGUF_ARCHS[arch])
@@ -150,10 +150,6 @@ def gguf_hf_config(path: str) -> dict:
     cfg.update(_rope_fields(r, path, g, cfg["head_dim"]))
     if arch in gguf_archs.ARCH_FIELDS:
         cfg.update(gguf_archs.ARCH_FIELDS[arch](cfg, g, lambda name: _f32_tensor(r, path, name), names))
-    if arch == "gpt2":  # llama.cpp writes feed_forward_length 4 x hidden whatever n_inner was
-        up = next((t for t in r.tensors if t.name == "blk.0.ffn_up.weight"), None)
-        if up is not None:
-            cfg["intermediate_size"] = int(up.numpy_shape[0])
     if hf_arch in (a for a, _ in gguf_moe.MOE_ARCHS.values()):
         cfg.update(gguf_moe.moe_fields(arch, g, cfg))
     return cfg

@@ -48,7 +48,7 @@ front of the Llama rules: the first match wins).
 
 `ARCH_FIELDS[arch](cfg, g, tensor, names)`: `cfg` is the generic part already read (sizes,
 rope_theta, rope_scaling, partial_rotary_factor), `g(key)` reads `{arch}.key`, `tensor(name)` is a
-float32 F32 tensor of the file or None, `names` the set of the file's tensor names; the result
+float32 F32 tensor of the file or None, `names` maps the file's tensor names to their numpy shapes; the result
 updates `cfg`.
 """
 from __future__ import annotations
@@ -90,32 +90,29 @@ PHI2_RULES = [
     (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"model.layers.\1.mlp.fc1.\2"),
     (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"model.layers.\1.mlp.fc2.\2"),
 ]
-_NX = r"blk\.(\d+)\."
+_BLK = r"blk\.(\d+)\."
 GPTNEOX_RULES = [  # every tensor: nothing of the Llama rules applies
     (r"token_embd\.weight", "gpt_neox.embed_in.weight"),
     (r"output_norm\.(weight|bias)", r"gpt_neox.final_layer_norm.\1"),
     (r"output\.weight", "embed_out.weight"),
-    (_NX + r"attn_norm\.(weight|bias)", r"gpt_neox.layers.\1.input_layernorm.\2"),
-    (_NX + r"ffn_norm\.(weight|bias)", r"gpt_neox.layers.\1.post_attention_layernorm.\2"),
-    (_NX + r"attn_qkv\.(weight|bias)", r"gpt_neox.layers.\1.attention.query_key_value.\2"),
-    (_NX + r"attn_output\.(weight|bias)", r"gpt_neox.layers.\1.attention.dense.\2"),
-    (_NX + r"ffn_up\.(weight|bias)", r"gpt_neox.layers.\1.mlp.dense_h_to_4h.\2"),
-    (_NX + r"ffn_down\.(weight|bias)", r"gpt_neox.layers.\1.mlp.dense_4h_to_h.\2"),
+    (_BLK + r"attn_norm\.(weight|bias)", r"gpt_neox.layers.\1.input_layernorm.\2"),
+    (_BLK + r"ffn_norm\.(weight|bias)", r"gpt_neox.layers.\1.post_attention_layernorm.\2"),
+    (_BLK + r"attn_qkv\.(weight|bias)", r"gpt_neox.layers.\1.attention.query_key_value.\2"),
+    (_BLK + r"attn_output\.(weight|bias)", r"gpt_neox.layers.\1.attention.dense.\2"),
+    (_BLK + r"ffn_up\.(weight|bias)", r"gpt_neox.layers.\1.mlp.dense_h_to_4h.\2"),
+    (_BLK + r"ffn_down\.(weight|bias)", r"gpt_neox.layers.\1.mlp.dense_4h_to_h.\2"),
 ]
-
-
-_GB = r"blk\.(\d+)\."
 GPT2_RULES = [  # every tensor; the weights of `GPT2_TRANSPOSED` are transposed back on load
     (r"token_embd\.weight", "transformer.wte.weight"),
     (r"position_embd\.weight", "transformer.wpe.weight"),
     (r"output_norm\.(weight|bias)", r"transformer.ln_f.\1"),
     (r"output\.weight", None),  # the converter's copy of token_embd
-    (_GB + r"attn_norm\.(weight|bias)", r"transformer.h.\1.ln_1.\2"),
-    (_GB + r"ffn_norm\.(weight|bias)", r"transformer.h.\1.ln_2.\2"),
-    (_GB + r"attn_qkv\.(weight|bias)", r"transformer.h.\1.attn.c_attn.\2"),
-    (_GB + r"attn_output\.(weight|bias)", r"transformer.h.\1.attn.c_proj.\2"),
-    (_GB + r"ffn_up\.(weight|bias)", r"transformer.h.\1.mlp.c_fc.\2"),
-    (_GB + r"ffn_down\.(weight|bias)", r"transformer.h.\1.mlp.c_proj.\2"),
+    (_BLK + r"attn_norm\.(weight|bias)", r"transformer.h.\1.ln_1.\2"),
+    (_BLK + r"ffn_norm\.(weight|bias)", r"transformer.h.\1.ln_2.\2"),
+    (_BLK + r"attn_qkv\.(weight|bias)", r"transformer.h.\1.attn.c_attn.\2"),
+    (_BLK + r"attn_output\.(weight|bias)", r"transformer.h.\1.attn.c_proj.\2"),
+    (_BLK + r"ffn_up\.(weight|bias)", r"transformer.h.\1.mlp.c_fc.\2"),
+    (_BLK + r"ffn_down\.(weight|bias)", r"transformer.h.\1.mlp.c_proj.\2"),
 ]
 GPT2_TRANSPOSED = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # Conv1D: HF keeps [in, out]
 
@@ -235,9 +232,10 @@ def command_r_fields(cfg: dict, g, tensor, names) -> dict:
 
 
 def phi2_fields(cfg: dict, g, tensor, names) -> dict:
-    """Phi-1 / 1.5 / 2: the LayerNorm's epsilon, gelu_new, q/k LayerNorms when the file has them."""
+    """Phi-1 / 1.5 / 2: the LayerNorm's epsilon, gelu_new; no q/k LayerNorms (llama.cpp's phi2
+    has no tensors for them: a file carrying attn_q_norm fails as an unexpected tensor)."""
     return {"layer_norm_eps": float(g("attention.layer_norm_epsilon", 1e-5)), "hidden_act": "gelu_new",
-            "qk_layernorm": "blk.0.attn_q_norm.weight" in names}
+            "qk_layernorm": False}
 
 
 def glm4_fields(cfg: dict, g, tensor, names) -> dict:
@@ -247,9 +245,12 @@ def glm4_fields(cfg: dict, g, tensor, names) -> dict:
 
 def gpt2_fields(cfg: dict, g, tensor, names) -> dict:
     """GPT-2: the LayerNorms' epsilon, gelu_new, a tied head, learned positions up to
-    context_length (the MLP size: gguf.gguf_hf_config reads it from ffn_up)."""
+    context_length, the MLP size from ffn_up (llama.cpp writes feed_forward_length 4 x hidden
+    whatever n_inner was)."""
+    up = names.get("blk.0.ffn_up.weight")
     return {"layer_norm_epsilon": float(g("attention.layer_norm_epsilon", 1e-5)), "activation_function": "gelu_new",
-            "tie_word_embeddings": True, "n_positions": cfg["max_position_embeddings"]}
+            "tie_word_embeddings": True, "n_positions": cfg["max_position_embeddings"],
+            **({"intermediate_size": int(up[0])} if up else {})}
 
 
 def gptneox_fields(cfg: dict, g, tensor, names) -> dict:

@@ -21,8 +21,8 @@ from jvllm.engine.input_processor import InputProcessor
 from jvllm.engine.loop import StepHandle, make_loop
 from jvllm.engine.output_processor import OutputProcessor, RequestGroup
 from jvllm.engine.request import Status
-from jvllm.engine.weights_sleep import WeightsAndSleep
 from jvllm.engine.scheduler import Scheduler
+from jvllm.engine.weights_sleep import WeightsAndSleep
 from jvllm.memory.block_pool import KVCacheManager
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
