@@ -18,14 +18,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("M,K,N,sizes", CASES)
-def test_equals_ragged_dot(M, K, N, sizes):
+def test_equals_ragged_dot(M, K, N, sizes, swap):
+    """Both products (a tile as lhs @ rhs, and as (rhs^T lhs^T)^T: `swap`) equal ragged_dot."""
     rng = np.random.default_rng(M)
     G = len(sizes)
     lhs = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
     rhs = jnp.asarray(rng.normal(size=(G, K, N)), jnp.float32)
     gs = jnp.asarray(sizes, jnp.int32)
-    got = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, bm=16))(lhs, rhs, gs)
+    got = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, bm=16, swap=swap))(lhs, rhs, gs)
     want = jax.lax.ragged_dot(lhs, rhs, gs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
     assert np.all(np.asarray(got)[sum(sizes):] == 0)
@@ -73,10 +75,10 @@ def test_decode_launch_by_rows_against_experts():
     row per expert on, 128 columns and 8 warps (the H200 sweeps in benchmarks/README.md)."""
     from jvllm.ops.pallas_grouped_matmul import launch_defaults
 
-    assert launch_defaults(8, 128) == (64, 64, 128, 4, 4)      # one token, top-8 of 128
-    assert launch_defaults(2048, 128) == (64, 128, 128, 3, 8)  # 256 tokens: 16 rows per expert
-    assert launch_defaults(8192, 128)[:2] == (64, 128)         # 64 rows per expert
-    assert launch_defaults(16384, 128) == (128, 256, 64, 3, 8)  # 2,048 tokens: prefill
+    assert launch_defaults(8, 128) == (64, 64, 128, 4, 4, False)      # one token, top-8 of 128
+    assert launch_defaults(2048, 128) == (64, 128, 128, 3, 8, False)  # 256 tokens: 16 rows per expert
+    assert launch_defaults(8192, 128)[:2] == (64, 128)                # 64 rows per expert
+    assert launch_defaults(16384, 128) == (128, 256, 64, 3, 8, False)  # 2,048 tokens: prefill
 
 
 def test_tile_table_has_no_loop():
@@ -142,11 +144,13 @@ def test_qwen3_moe_engine_same_tokens_both_backends(ckpt_dir, monkeypatch):
     assert traced and set(traced) == {4}
 
 
-@pytest.mark.parametrize("M", [8, 2048])
-def test_lowers_to_triton_for_cuda(M):
+@pytest.mark.parametrize("M,swap", [(8, None), (2048, None), (2048, True)])
+def test_lowers_to_triton_for_cuda(M, swap):
     """The grouped matmul lowers through jax's Triton backend at Qwen3-30B-A3B's gate shape, the
-    decode and the prefill launch (cuda platform, traced on this CPU): catches constructs Triton refuses."""
+    decode and the prefill launch and the swapped product (cuda platform, traced on this CPU):
+    catches constructs Triton refuses."""
     args = [jax.ShapeDtypeStruct((M, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((128,), jnp.int32)]
-    f = lambda a, b, s: grouped_matmul(a, b, s, interpret=False)  # noqa: E731
+    kw = dict(bm=32, swap=True) if swap else {}
+    f = lambda a, b, s: grouped_matmul(a, b, s, interpret=False, **kw)  # noqa: E731
     assert "__gpu$xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

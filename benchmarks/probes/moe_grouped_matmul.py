@@ -36,7 +36,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--sweep", default="",
                     help="pallas launch configs to time on the three grouped matmuls alone, e.g. "
-                         "'16x128x64x3x4,64x128x64x3x4' (bm x bn x bk x stages x warps)")
+                         "'16x128x64x3x4,64x128x64x3x4' (bm x bn x bk x stages x warps; a leading t: "
+                         "the swapped product, e.g. t32x128x128x3x4)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_gmm.json"))
     a = ap.parse_args(argv)
 
@@ -104,22 +105,30 @@ def main(argv=None):
 
             order, sizes = gm.sort_by_expert(idx, E)
             xs = x[order // k]
-            hs = jnp.zeros((xs.shape[0], I), dtype)
+            hs = jnp.asarray(rng.normal(size=(xs.shape[0], I)), dtype)
+            first_out = None
             for cfg in a.sweep.split(","):
-                bm, bn, bk, st, nw = (int(v) for v in cfg.split("x"))
-                f = jax.jit(lambda xs, hs, sz, bm=bm, bn=bn, bk=bk, st=st, nw=nw: (
-                    grouped_matmul(xs, ws[0], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw),
-                    grouped_matmul(xs, ws[1], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw),
-                    grouped_matmul(hs, ws[2], sz, bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw)))
+                sw = cfg.startswith("t")
+                bm, bn, bk, st, nw = (int(v) for v in cfg.lstrip("t").split("x"))
+                kw = dict(bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw, swap=sw)
+                f = jax.jit(lambda xs, hs, sz, kw=kw: (
+                    grouped_matmul(xs, ws[0], sz, **kw), grouped_matmul(xs, ws[1], sz, **kw),
+                    grouped_matmul(hs, ws[2], sz, **kw)))
                 try:
                     ms = median_ms(f, (xs, hs, sizes), a.iters)
+                    got = f(xs, hs, sizes)
                 except Exception as e:
                     rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg,
                                      error=f"{type(e).__name__}: {e}"[:400]))
                     continue
+                if first_out is None:  # the sweep's first config is the others' reference
+                    first_out = got
+                diff = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+                           for g, r in zip(got, first_out))
                 rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg, ms=ms,
-                                 touched_weight_gb_s=need / (ms / 1e3) / 1e9))
-                print(f"T={T:5d} pallas {cfg:16s} {ms:9.3f} ms  {need / (ms / 1e3) / 1e9:8.1f} GB/s", flush=True)
+                                 touched_weight_gb_s=need / (ms / 1e3) / 1e9, max_abs_diff_vs_first=diff))
+                print(f"T={T:5d} pallas {cfg:16s} {ms:9.3f} ms  {need / (ms / 1e3) / 1e9:8.1f} GB/s  "
+                      f"diff {diff:.3g}", flush=True)
                 dump(a, E, k, D, I, dtype, rows, partial=True)
     dump(a, E, k, D, I, dtype, rows, partial=False)
     return 0

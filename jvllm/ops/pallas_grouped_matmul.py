@@ -45,8 +45,8 @@ def _pow2_divisor(n: int, cap: int) -> int | None:
     return None
 
 
-def launch_defaults(M: int, G: int) -> tuple[int, int, int, int, int]:
-    """(bm, bn, bk, num_stages, num_warps) by rows per group: decode-sized batches (up to 16 rows
+def launch_defaults(M: int, G: int) -> tuple[int, int, int, int, int, bool]:
+    """(bm, bn, bk, num_stages, num_warps, swap) by rows per group: decode-sized batches (up to 16 rows
     per expert on average) take 64-row tiles, so nearly every active expert is read once by one
     tile; prefill-sized ones take up to 128. Decode batches with fewer rows than experts (a few
     tokens: few active tiles) keep 64-column tiles, so that more programs stream the weights; from
@@ -56,10 +56,10 @@ def launch_defaults(M: int, G: int) -> tuple[int, int, int, int, int]:
     are untuned."""
     per_group = max(1, M // max(G, 1))
     if per_group <= 16:
-        return (64, 64, 128, 4, 4) if M < G else (64, 128, 128, 3, 8)
+        return (64, 64, 128, 4, 4, False) if M < G else (64, 128, 128, 3, 8, False)
     if per_group <= 64:
-        return 64, 128, 64, 3, 4
-    return 128, 256, 64, 3, 8
+        return 64, 128, 64, 3, 4, False
+    return 128, 256, 64, 3, 8, False
 
 
 def tile_table(group_sizes: jax.Array, M: int, bm: int, rows: int | None = None) -> jax.Array:
@@ -96,7 +96,7 @@ def pick(meta, i):
     return jnp.sum(jnp.where(lane == i, meta, 0))
 
 
-def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, nk: int):
+def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, nk: int, swap: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -110,9 +110,13 @@ def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, n
             k0 = pl.multiple_of(kk * bk, bk)
             a = lhs_ref[pl.ds(window, bm), pl.ds(k0, bk)]
             b = rhs_ref[pl.ds(g, 1), pl.ds(k0, bk), pl.ds(n0, bn)].reshape(bk, bn)
+            if swap:  # [bn, bm] += b^T a^T: the weight columns fill the MMA's M side
+                return acc + jnp.dot(b.T, a.T, preferred_element_type=jnp.float32)
             return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
 
-        acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+        acc = lax.fori_loop(0, nk, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+        if swap:
+            acc = acc.T
         rows = window + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
         mine = (rows >= first) & (rows < end)
         plgpu.store(out_ref.at[pl.ds(window, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=mine)
@@ -121,9 +125,11 @@ def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, n
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
                    preferred_element_type=None, *, bm: int | None = None, bn: int | None = None,
                    bk: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                   interpret: bool | None = None) -> jax.Array:
+                   swap: bool | None = None, interpret: bool | None = None) -> jax.Array:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` (see the module docstring). Launch parameters
-    left None take `launch_defaults`; `interpret` None = interpret unless the default backend is a GPU.
+    left None take `launch_defaults`; `swap` computes each tile as (rhs^T lhs^T)^T, so that the
+    MMA's wide side is `bn` weight columns and its narrow side the tile's `bm` rows (a decode
+    tile's few rows then waste no tensor-core work on padding rows); `interpret` None = interpret unless the default backend is a GPU.
     `precision` is in the signature for compatibility with `ragged_dot` and must be None (the kernel's
     dot is the inputs' dtype with float32 accumulation): anything else is a ValueError."""
     from jax.experimental import pallas as pl
@@ -138,7 +144,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preci
     if group_sizes.shape != (G,):
         raise ValueError(f"grouped_matmul: group_sizes has shape {group_sizes.shape}, expected ({G},)")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    d_bm, d_bn, d_bk, d_stages, d_warps = launch_defaults(M, G)
+    d_bm, d_bn, d_bk, d_stages, d_warps, d_swap = launch_defaults(M, G)
+    swap = d_swap if swap is None else swap
     bm = bm or d_bm
     bn = _pow2_divisor(N, bn or d_bn)
     bk = _pow2_divisor(K, bk or d_bk)
@@ -151,7 +158,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preci
     Mp = max(M, bm)
     x = lhs if Mp == M else jnp.pad(lhs, ((0, Mp - M), (0, 0)))
     meta = tile_table(group_sizes, Mp, bm, rows=M)
-    kernel = functools.partial(_kernel, bm=bm, bk=bk, bn=bn, nk=K // bk)
+    kernel = functools.partial(_kernel, bm=bm, bk=bk, bn=bn, nk=K // bk, swap=bool(swap))
     out = pl.pallas_call(
         kernel,
         grid=(meta.shape[0], N // bn),
@@ -162,7 +169,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preci
         out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"jvllm_grouped_matmul_bm{bm}_bn{bn}_bk{bk}",
+        name=f"jvllm_grouped_matmul_bm{bm}_bn{bn}_bk{bk}{'_t' if swap else ''}",
     )(meta, x, rhs)
     total = jnp.sum(group_sizes.astype(jnp.int32))
     return jnp.where((jnp.arange(M) < total)[:, None], out[:M], jnp.zeros((), out_dtype))
