@@ -182,3 +182,62 @@ def test_pallas_decode_kernel_head_dim_256():
     ref = paged_attention(q, kp, vp, md, scale=256 ** -0.5, kv_chunk_blocks=4)
     out = pallas_decode_attention(q, kp, vp, md, scale=256 ** -0.5, interpret=True)
     np.testing.assert_allclose(np.asarray(out)[:3], np.asarray(ref)[:3], atol=2e-5, rtol=2e-5)
+
+
+def test_token_rows_equal_gathered_tiles():
+    """Tiles of several queries read q and write the output in token rows (`token_rows`, the
+    default where Qt * G is a power of two >= 16): bit-equal to the gathered tile layout, a tile at
+    the batch's end included (its Qt-row window shifted to stay inside T), the step's padding
+    tokens zero; the program names the path it took. (fp8 pages on this path: test_kv_fp8.py.)"""
+    import jax
+
+    H, KH, D, bs, Qt = 8, 2, 32, 4, 8
+    spans = [(0, 13), (3, 35)]  # 48 = T tokens: the last tile holds tokens 45..47, window 40..47
+    md, q, kp, vp = _inputs(H, KH, D, bs, Qt, spans)
+    ref = paged_attention(q, kp, vp, md, scale=D ** -0.5, kv_chunk_blocks=4)
+    f = lambda rows: (lambda q, kp, vp: ragged_paged_attention(  # noqa: E731
+        q, kp, vp, md, scale=D ** -0.5, pages_per_block=2, token_rows=rows, interpret=True))
+    assert "ragged_paged_attention_rows" in str(jax.make_jaxpr(f(True))(q, kp, vp))
+    assert "ragged_paged_attention_rows" not in str(jax.make_jaxpr(f(False))(q, kp, vp))
+    rows, tiles = np.asarray(jax.jit(f(True))(q, kp, vp)), np.asarray(jax.jit(f(False))(q, kp, vp))
+    np.testing.assert_array_equal(rows, tiles)
+    np.testing.assert_allclose(rows, np.asarray(ref), atol=2e-5, rtol=2e-5)
+    md2, q2, kp2, vp2 = _inputs(H, KH, D, bs, Qt, [(0, 13), (5, 1)])  # 14 of 48 tokens: padding after
+    out = np.asarray(ragged_paged_attention(q2, kp2, vp2, md2, scale=D ** -0.5, pages_per_block=2, interpret=True))
+    assert not out[14:].any() and out[:14].any()
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_ragged_kernel_lowers_to_triton_for_cuda(rows):
+    """Both mixed-tile paths lower through jax's Triton backend (cuda platform, traced on this
+    CPU) at Llama-3-8B's heads in bfloat16: 256 tokens in 16-query tiles, fp8 pages too."""
+    import jax
+
+    from jvllm.ops.kv_quant import FP8, SCALE_DTYPE, QuantizedPages
+
+    md = example_metadata([(i % 32, 1) for i in range(256)], T=256, R=256, query_tile=16, block_size=16,
+                          table_width=16, num_blocks=600)
+    q = jax.ShapeDtypeStruct((256, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((8, 600, 16, 128), jnp.bfloat16)
+    f = lambda q, kp, vp: ragged_paged_attention(q, kp, vp, md, scale=0.088, token_rows=rows)  # noqa: E731
+    text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and ("ragged_paged_attention_rows" in text) == rows
+    fp8 = QuantizedPages(jax.ShapeDtypeStruct((8, 600, 16, 128), FP8), jax.ShapeDtypeStruct((8, 600, 16), SCALE_DTYPE))
+    assert "__gpu$xla.gpu.triton" in jax.jit(f).trace(q, fp8, fp8).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_token_rows_probe_dry_run(tmp_path):
+    """benchmarks/probes/attention_token_rows.py runs (tiny shapes, interpret mode) and finds both
+    paths bit-equal."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes", "attention_token_rows.py")
+    out = tmp_path / "rows.json"
+    p = subprocess.run([sys.executable, probe, "--tiny", "--layers", "1", "--iters", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(r["bit_equal_to_gathered"] and r["ms"] > 0 for r in rows)

@@ -41,20 +41,43 @@ def _next_pow2(n: int) -> int:
 
 def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, *refs, pages_per_block: int, scale: float,
             window: int | None, num_splits: int, prefetch_ids: bool = False, softcap: float | None = None,
-            quantized: bool = False):
+            quantized: bool = False, direct: tuple[int, int] | None = None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    # fp8 pages: their scales [pages, block_size] come before the outputs
-    ks_ref, vs_ref, o_ref, *split_refs = refs if quantized else (None, None, *refs)
-    M, D = q_ref.shape
+    # fp8 pages: their scales [pages, block_size] come before the outputs; direct token rows:
+    # the tile's (first token, token count) and the zeroed output buffer it is written into
+    if direct is not None:
+        refs = refs[:-2] + refs[-1:]  # drop the aliased zero buffer's input ref (its output is o_ref)
+    ks_ref, vs_ref, *refs = refs if quantized else (None, None, *refs)
+    if direct is not None:
+        info_ref, o_ref, *split_refs = refs
+    else:
+        o_ref, *split_refs = refs
     bs = k_ref.shape[-2]
     P = pages_per_block
     chunk = P * bs
-    # split-K (small decode batches): most programs see no key (padding tiles), so q is loaded
-    # inside the loop, by programs that have keys (about one chunk each); else once, up front
-    q = None if num_splits > 1 else q_ref[...]
-    qpos = pos_ref[...]                                      # [M] int32, -1 = padding row
+    if direct is not None:  # q rows straight from [T, H, D] (see ragged_paged_attention)
+        Qt, G = direct
+        T, _, D = q_ref.shape
+        M = Qt * G
+        info = info_ref[...]
+        t0 = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (2,), 0) == 0, info, 0))
+        nv = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (2,), 0) == 1, info, 0))
+        win = jnp.minimum(t0, T - Qt)  # the Qt-row window holding the tile, inside [0, T)
+        tok = win + lax.broadcasted_iota(jnp.int32, (Qt,), 0)
+        mine = (tok >= t0) & (tok < t0 + nv)
+        rows3 = jnp.broadcast_to(mine[:, None, None], (Qt, G, D))
+        heads = pl.ds(pl.program_id(1) * G, G)
+        q = plgpu.load(q_ref.at[pl.ds(win, Qt), heads, :], mask=rows3, other=0.0).reshape(M, D)
+        pos = plgpu.load(pos_ref.at[pl.ds(win, Qt)], mask=mine, other=-1)
+        qpos = jnp.broadcast_to(jnp.where(mine, pos, -1)[:, None], (Qt, G)).reshape(M)
+    else:
+        M, D = q_ref.shape
+        # split-K (small decode batches): most programs see no key (padding tiles), so q is loaded
+        # inside the loop, by programs that have keys (about one chunk each); else once, up front
+        q = None if num_splits > 1 else q_ref[...]
+        qpos = pos_ref[...]                                  # [M] int32, -1 = padding row
     max_pos = jnp.max(qpos)
     n_chunks = lax.div(max_pos + chunk, chunk)               # ceil((max_pos + 1) / chunk); 0 for an empty tile
     if window is not None:
@@ -124,6 +147,9 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, *refs, pages_per_block: int, s
         @pl.when(n_chunks > first)
         def _():
             o_ref[...] = o
+    elif direct is not None:  # the tile's own token rows of its G heads; other rows stay 0
+        o = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype).reshape(Qt, G, D)
+        plgpu.store(o_ref.at[pl.ds(win, Qt), heads, :], o, mask=rows3)
     else:
         o_ref[...] = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
@@ -153,7 +179,7 @@ def launch_defaults(num_tiles: int, kv_heads: int, tile_queries: int, block_size
 def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int | None = None,
                            softcap: float | None = None, pages_per_block: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                            num_splits: int | str | None = None, prefetch_ids: bool = False,
-                           interpret: bool = False):
+                           token_rows: bool = True, interpret: bool = False):
     """q [T, H, D] -> [T, H, D]; same contract and result as `attention.paged_attention` (which is
     the test oracle). K/V for this step's tokens must already be in the pages. Launch defaults
     (None = by tile kind) are the best measured on an H200 (bf16, 8 KV heads, head_dim 128; the
@@ -170,6 +196,12 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     dtype before its dots.
     `prefetch_ids` loads the next inner step's page ids one iteration ahead (experimental; it
     did not beat the defaults in that sweep).
+    `token_rows` (tiles of several queries, unsplit, Qt * G a power of two >= 16, T >= Qt): each
+    program loads its tile's q rows straight from q [T, H, D] and stores its output rows straight
+    into the [T, H, D] result (a tile's tokens are consecutive: build_metadata's layout), instead
+    of XLA gathering q into padded [tiles, KH, Qt*G, D] tiles and scattering the result back
+    (copies of Qt times q's size when tiles hold one token each, as decode tokens do in
+    batch-invariant mode). False, or any other shape: the gathered layout.
 
     `num_splits` > 1 (or "auto": `decode_splits` for one-query tiles, else 1; None: "auto" below
     512 programs, else 1, see `launch_defaults`) splits each tile's
@@ -193,6 +225,13 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     P = next(p for p in (pages_per_block, 8, 4, 2, 1) if p <= W and W % p == 0)
     M = Qt * G
     Mp = max(16, _next_pow2(M))
+    if num_splits == "auto":
+        num_splits = decode_splits(NT, KH) if Qt == 1 else 1
+    S = int(num_splits)
+    if token_rows and Qt > 1 and S == 1 and M == Mp and T >= Qt and _pow2(D):
+        return _token_rows_attention(q, pages_in, md, P=P, scale=scale, window=window, softcap=softcap,
+                                     quantized=quantized, prefetch_ids=prefetch_ids, num_warps=num_warps,
+                                     num_stages=num_stages, interpret=interpret)
 
     one_query = Qt == 1  # tile n is token n (build_metadata's layout): no gather, no scatter back
     if one_query:
@@ -211,10 +250,6 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
         qt = jnp.pad(qt, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
         qpos = jnp.pad(qpos, ((0, 0), (0, Mp - M)), constant_values=-1)
     bt = md.block_tables[md.tile_req]                           # [NT, W]
-
-    if num_splits == "auto":
-        num_splits = decode_splits(NT, KH) if Qt == 1 else 1
-    S = int(num_splits)
     kernel = functools.partial(_kernel, pages_per_block=P, scale=scale, window=window, num_splits=S,
                                prefetch_ids=prefetch_ids, softcap=softcap, quantized=quantized)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -275,6 +310,47 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     out = out[:, :, :M].reshape(NT, KH, Qt, G, D).transpose(0, 2, 1, 3, 4).reshape(NT, Qt, H, D)
     flat = jnp.zeros((T + 1, H, D), q.dtype).at[md.tile_token_idx].set(out)
     return flat[:T]
+
+
+def _token_rows_attention(q, pages_in, md, *, P: int, scale: float, window, softcap, quantized: bool,
+                          prefetch_ids: bool, num_warps: int, num_stages: int, interpret: bool):
+    """`ragged_paged_attention`'s tiles of several queries with q read and the output written in
+    token rows (`token_rows`): grid (tile, KV head); a program's M = Qt * G rows are its tile's
+    Qt tokens x its G query heads, loaded from the Qt-row window of q that holds the tile (shifted
+    to stay inside [0, T) for a tile at the end); rows outside the tile are padding (position -1)
+    and are neither read nor written. Tokens in no tile (the step's padding) come back as zeros."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    T, H, D = q.shape
+    KH, NB, bs, _ = pages_in[0].shape
+    G = H // KH
+    NT, Qt = md.tile_token_idx.shape
+    W = md.block_tables.shape[1]
+    tt = md.tile_token_idx
+    info = jnp.stack([tt[:, 0], jnp.sum(tt < T, axis=1, dtype=jnp.int32)], axis=1).astype(jnp.int32)
+    bt = md.block_tables[md.tile_req]                           # [NT, W]
+    kernel = functools.partial(_kernel, pages_per_block=P, scale=scale, window=window, num_splits=1,
+                               prefetch_ids=prefetch_ids, softcap=softcap, quantized=quantized, direct=(Qt, G))
+    whole = lambda *shape: pl.BlockSpec(shape, lambda n, h: (0,) * len(shape))  # noqa: E731
+    n_in = 3 + len(pages_in) + 1
+    return pl.pallas_call(
+        kernel,
+        grid=(NT, KH),
+        in_specs=[whole(T, H, D), whole(T),
+                  pl.BlockSpec((None, W), lambda n, h: (n, 0)),
+                  pl.BlockSpec((None, NB, bs, D), lambda n, h: (h, 0, 0, 0)),
+                  pl.BlockSpec((None, NB, bs, D), lambda n, h: (h, 0, 0, 0))]
+                 + [pl.BlockSpec((None, NB, bs), lambda n, h: (h, 0, 0))] * (2 if quantized else 0)
+                 + [pl.BlockSpec((None, 2), lambda n, h: (n, 0)), whole(T, H, D)],
+        out_specs=whole(T, H, D),
+        out_shape=jax.ShapeDtypeStruct((T, H, D), q.dtype),
+        input_output_aliases={n_in: 0},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"jvllm_ragged_paged_attention_rows_M{Qt * G}_P{P}{'_pf' if prefetch_ids else ''}"
+             f"{'_cap' if softcap is not None else ''}{'_fp8' if quantized else ''}",
+    )(q, md.positions.astype(jnp.int32), bt, *pages_in, info, jnp.zeros((T, H, D), q.dtype))
 
 
 def _pow2(n: int) -> bool:
