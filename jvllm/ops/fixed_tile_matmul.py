@@ -140,31 +140,24 @@ def _kernel(x_ref, *refs, t: Tiles, M: int, Ns: tuple, nk: int, walk: int, trans
         n0 = j_local * t.bn
         win = jnp.minimum(n0, N - t.bn)  # shifted last tile when bn does not divide N
 
-        def step(k0, acc):  # acc + the float32 product of one bk step at K offset k0
-            k0 = pl.multiple_of(k0, t.bk)
-            a = plgpu.load(x_ref.at[pl.ds(m0, t.bm), pl.ds(k0, t.bk)], mask=xmask, other=0)
-            if transposed:
-                b = w_ref[pl.ds(win, t.bn), pl.ds(k0, t.bk)]
-                return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            b = w_ref[pl.ds(k0, t.bk), pl.ds(win, t.bn)]
-            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+        def range_sum(r):  # float32 [bm, bn]: the bk steps of K range r, from zero
+            kbase = r * (nk * t.bk)
 
-        zeros = jnp.zeros((t.bm, t.bn), jnp.float32)
-        if walk == 1:  # float32 [bm, bn]: the bk steps of K range first_range, from zero
-            kbase = first_range * (nk * t.bk)
-            acc = lax.fori_loop(0, nk, lambda kk, acc: step(kbase + kk * t.bk, acc), zeros)
-        else:
-            # the S ranges in one loop of S * nk steps (one software pipeline, not one per range):
-            # each range's sum starts from zero and is added to the total at the range's last step,
-            # p_0 + p_1 + ... float for float as the split launch adds them (the total starts at
-            # -0.0, the identity of float addition, so the first add gives p_0 exactly)
-            def body(i, carry):
-                tot, acc = carry
-                acc = step(i * t.bk, acc)
-                end = lax.rem(i, nk) == nk - 1
-                return jnp.where(end, tot + acc, tot), jnp.where(end, 0.0, acc)
+            def body(kk, acc):
+                k0 = pl.multiple_of(kbase + kk * t.bk, t.bk)
+                a = plgpu.load(x_ref.at[pl.ds(m0, t.bm), pl.ds(k0, t.bk)], mask=xmask, other=0)
+                if transposed:
+                    b = w_ref[pl.ds(win, t.bn), pl.ds(k0, t.bk)]
+                    return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+                b = w_ref[pl.ds(k0, t.bk), pl.ds(win, t.bn)]
+                return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
 
-            acc, _ = lax.fori_loop(0, walk * nk, body, (jnp.full((t.bm, t.bn), -0.0, jnp.float32), zeros))
+            return lax.fori_loop(0, nk, body, jnp.zeros((t.bm, t.bn), jnp.float32))
+
+        acc = range_sum(first_range)
+        if walk > 1:  # p_0 + p_1 + ... in registers: the split launch's sum, float for float
+            acc = lax.fori_loop(1, walk, lambda r, tot: tot + range_sum(r), acc)
         cols = win + lax.broadcasted_iota(jnp.int32, (t.bm, t.bn), 1)
         rows = m0 + lax.broadcasted_iota(jnp.int32, (t.bm, t.bn), 0)
         plgpu.store(o_ref.at[pl.ds(m0, t.bm), pl.ds(win, t.bn)], acc.astype(o_ref.dtype),
