@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jvllm import SamplingParams
-from jvllm.sampling_params import bad_word_bans, bad_words_token_ids
+from jvllm.bad_words import bad_word_bans, bad_words_token_ids
 
 PROMPT = "The capital of France is"
 

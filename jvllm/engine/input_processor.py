@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from jvllm.bad_words import bad_words_token_ids
 from jvllm.engine.request import Request
 from jvllm.inputs import check_prompt_dict
-from jvllm.sampling_params import SamplingParams, bad_words_token_ids
+from jvllm.sampling_params import SamplingParams
 
 
 class InputProcessor:

@@ -98,7 +98,7 @@ class Request:
                  index: int = 0, arrival_time: float | None = None, tokenizer=None,
                  length_cap: int = 2**31, bad_words_ids: list[list[int]] | None = None):
         """`tokenizer` None: no text (detokenize=False or no tokenizer). `bad_words_ids`: the
-        request's bad words as token ids (`sampling_params.bad_words_token_ids`)."""
+        request's bad words as token ids (`bad_words.bad_words_token_ids`)."""
         self.request_id = request_id
         self.group_id = group_id or request_id
         self.index = index

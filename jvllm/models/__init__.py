@@ -1,4 +1,5 @@
-"""Models: the family registry (`registry.py`: architecture -> family -> Flax NNX class) and helpers
+"""Models: the family registry (`registry.py`: architecture -> family -> Flax NNX class; the built-in
+families are registered in `families.py`) and helpers
 to build abstract models, list declared parameters and bind parameter values."""
 from __future__ import annotations
 

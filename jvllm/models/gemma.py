@@ -2,7 +2,7 @@
 RMSNorms (its norms renamed by the converters' "glm4" name map).
 
 Differences from the Llama decoder, each a ModelConfig field read by the shared layers
-(`jvllm.models.layers`), set for this family by its registration (`registry.py`):
+(`jvllm.models.layers`), set for this family by its registration (`families.py`):
   - RMSNorm scales by (1 + w) in float32 (`norm_unit_offset`); q/k norms too (Gemma 3)
   - embeddings multiplied by sqrt(hidden_size) in the model dtype (`embed_scale`)
   - "sandwich" norms: input_layernorm -> attention -> post_attention_layernorm -> residual,

@@ -26,8 +26,9 @@ import time
 
 import numpy as np
 
+from jvllm.bad_words import bad_word_bans
 from jvllm.sampling import SamplerImpl, SamplerVariant, SamplingBatch, SamplingExtras, VocabMask
-from jvllm.sampling_params import MAX_LOGIT_BIAS, bad_word_bans
+from jvllm.sampling_params import MAX_LOGIT_BIAS
 
 BIAS_SLOTS = MAX_LOGIT_BIAS + 8  # logit_bias entries + min_tokens' forbidden EOS / stop ids
 BASE_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "key_hi", "key_lo", "counter", "flags", "n_bias", "n_hist")

@@ -1,0 +1,224 @@
+"""The built-in model families and multimodal text-only wrappers: one `register(Family(...))` or
+`register_text_only(TextOnly(...))` each (`jvllm.models.registry` says what the fields mean).
+Imported by the registry itself, so any lookup sees them; a new family is one model file plus one
+registration here."""
+from __future__ import annotations
+
+from jvllm.models.registry import Derived, Family, FromHF, TextOnly, register, register_text_only
+
+
+def _smollm3_nope(hf) -> tuple:
+    """SmolLM3's no_rope_layers: 1 = rope, 0 = no rotary embedding (NoPE)."""
+    return tuple(i for i, r in enumerate(getattr(hf, "no_rope_layers", None) or ()) if not r)
+
+
+def _smollm3_windows(hf) -> tuple:
+    """SmolLM3 windows its layer_types' sliding layers only under use_sliding_window."""
+    n, sw = hf.num_hidden_layers, getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None) or ["full_attention"] * n
+    on = bool(getattr(hf, "use_sliding_window", False) and sw)
+    return tuple(sw if on and t == "sliding_attention" else None for t in types)
+
+
+def _gpt2_attention_scale(hf) -> float | None:
+    """GPT-2 with scale_attn_weights False does not scale its attention scores at all."""
+    return None if getattr(hf, "scale_attn_weights", True) else 1.0
+
+
+def _rope_on_sliding_layers_only(hf) -> tuple:
+    """Cohere 2: its global layers have no rotary embedding."""
+    return tuple(i for i, t in enumerate(hf.layer_types) if t != "sliding_attention")
+
+
+register(Family(
+    name="llama",
+    # Ministral (8B, 2410: alternating sliding layers) and Ministral 3 (3B / 8B / 14B, the decoder
+    # of Mistral 3 checkpoints: yarn rope and Llama 4's query temperature) are Mistral decoders
+    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "SmolLM3ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM"),
+    model_types={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "ministral": "MinistralForCausalLM",
+                 "ministral3": "Ministral3ForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
+    per_arch={"Qwen2ForCausalLM": {"attention_bias": True, "o_bias": False},
+              "Qwen3ForCausalLM": {"qk_norm": True},
+              "SmolLM3ForCausalLM": {"nope_layers": Derived(_smollm3_nope), "layer_windows": Derived(_smollm3_windows)}},
+))
+register(Family(
+    # Phi-3 is a Llama-shaped decoder; its fused qkv_proj / gate_up_proj are split by the name map
+    # at load time (q heads and kv heads shard differently under TP, so the model keeps them apart)
+    name="phi3",
+    architectures=("Phi3ForCausalLM",),
+    model_types={"phi3": "Phi3ForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    name_map="fused",
+))
+register(Family(
+    # GLM-4 (GLM-4-9B-chat-hf, glm-edge; jvllm.models.llama) and GLM-4-0414 / GLM-Z1 (sandwich norms:
+    # jvllm.models.gemma's layer, plain RMSNorms): interleaved rope on half of each head, q/k/v biases
+    # without an o bias, a fused gate_up_proj
+    name="glm",
+    architectures=("GlmForCausalLM",),
+    model_types={"glm": "GlmForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    name_map="fused",
+    defaults={"rope_interleaved": True, "o_bias": False},
+    hf_fields={"attention_bias": "attention_bias"},
+))
+register(Family(
+    name="glm4",
+    architectures=("Glm4ForCausalLM",),
+    model_types={"glm4": "Glm4ForCausalLM"},
+    model="jvllm.models.gemma:GemmaForCausalLM",
+    name_map="glm4",
+    defaults={"rope_interleaved": True, "o_bias": False, "sandwich_norms": True},
+    hf_fields={"attention_bias": "attention_bias"},
+))
+register(Family(
+    # Gemma (1) and CodeGemma: a Llama-shaped decoder with Gemma's (1 + w) norms, embeddings scaled
+    # by sqrt(hidden) and GeGLU (transformers reads a legacy hidden_act "gelu" as the tanh form)
+    name="gemma1",
+    architectures=("GemmaForCausalLM",),
+    model_types={"gemma": "GemmaForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    defaults={"norm_unit_offset": True, "embed_scale": True},
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+))
+register(Family(
+    name="gemma",
+    architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+    model_types={"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"},
+    model="jvllm.models.gemma:GemmaForCausalLM",
+    name_map="gemma",
+    defaults={"norm_unit_offset": True, "embed_scale": True, "sandwich_norms": True},
+    hf_fields={"hidden_act": "hidden_activation", "query_pre_attn_scalar": "query_pre_attn_scalar",
+               "attn_logit_softcap": "attn_logit_softcapping", "final_logit_softcap": "final_logit_softcapping",
+               "attention_bias": "attention_bias", "o_bias": "attention_bias"},
+    # transformers' Gemma 3 reads attn_logit_softcapping nowhere (real configs set it null): no cap
+    per_arch={"Gemma3ForCausalLM": {"qk_norm": True, "attn_logit_softcap": None}},
+    refused={"Gemma3ForCausalLM": ("use_bidirectional_attention",)},  # EmbeddingGemma-style non-causal attention
+))
+register(Family(
+    # IBM Granite 3.x (jvllm.models.granite): Llama with embedding / residual / attention / logit scales
+    name="granite",
+    architectures=("GraniteForCausalLM",),
+    model_types={"granite": "GraniteForCausalLM"},
+    model="jvllm.models.granite:GraniteForCausalLM",
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias",
+               "embedding_multiplier": "embedding_multiplier", "residual_multiplier": "residual_multiplier",
+               "attention_multiplier": "attention_multiplier", "logits_scaling": "logits_scaling"},
+))
+register(Family(
+    # OLMo 2 / OLMo 3 (jvllm.models.olmo): post-norm blocks, q/k norms over all heads jointly
+    name="olmo",
+    architectures=("Olmo2ForCausalLM", "Olmo3ForCausalLM"),
+    model_types={"olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"},
+    model="jvllm.models.olmo:Olmo2ForCausalLM",
+    name_map="olmo",
+    defaults={"qk_norm": True, "qk_norm_layout": "all", "norm_scale_f32": True},
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+))
+register(Family(
+    # Cohere Command R / R+ / Aya Expanse and Cohere 2 (Command R7B, Command A; jvllm.models.cohere):
+    # one LayerNorm (no bias) feeding attention and MLP in parallel, interleaved rope, logits
+    # scaled; Command R+'s q/k norms have a weight per head; Cohere 2 has no rotary embedding on its
+    # global layers
+    name="cohere",
+    architectures=("CohereForCausalLM", "Cohere2ForCausalLM"),
+    model_types={"cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"},
+    model="jvllm.models.cohere:CohereForCausalLM",
+    defaults={"norm_kind": "layer", "norm_bias": False, "qk_norm_layout": "per_head", "rope_interleaved": True},
+    hf_fields={"rms_norm_eps": "layer_norm_eps", "logit_scale": "logit_scale", "qk_norm": "use_qk_norm",
+               "attention_bias": "attention_bias", "o_bias": "attention_bias"},
+    per_arch={"Cohere2ForCausalLM": {"nope_layers": Derived(_rope_on_sliding_layers_only)}},
+))
+register(Family(
+    # Phi-1 / Phi-1.5 / Phi-2 (jvllm.models.cohere's parallel single-norm layer): LayerNorms with
+    # biases, partial rotary, biases everywhere, an ungated gelu_new MLP (fc1 / fc2), optional q/k
+    # LayerNorms (qk_layernorm) and an LM head with a bias
+    name="phi",
+    architectures=("PhiForCausalLM",),
+    model_types={"phi": "PhiForCausalLM"},
+    model="jvllm.models.cohere:CohereForCausalLM",
+    name_map="phi",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "mlp_bias": True, "attention_bias": True, "o_bias": True,
+              "lm_head_bias": True},
+    hf_fields={"rms_norm_eps": "layer_norm_eps", "qk_norm": "qk_layernorm"},
+))
+register(Family(
+    # StarCoder2: the Llama decoder with LayerNorms, an ungated GELU MLP (c_fc / c_proj) and
+    # biases everywhere (use_bias); its window applies to every layer
+    name="starcoder2",
+    architectures=("Starcoder2ForCausalLM",),
+    model_types={"starcoder2": "Starcoder2ForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    name_map="starcoder2",
+    defaults={"norm_kind": "layer", "mlp_gated": False},
+    hf_fields={"rms_norm_eps": "norm_epsilon", "attention_bias": "use_bias", "o_bias": "use_bias",
+               "mlp_bias": "use_bias"},
+))
+register(Family(
+    # GPT-2 (jvllm.models.gpt2): LayerNorm, dense GELU MLP, biases, learned positions, tied head;
+    # its Conv1D names and fused c_attn through name map "gpt2"
+    name="gpt2",
+    architectures=("GPT2LMHeadModel",),
+    model_types={"gpt2": "GPT2LMHeadModel"},
+    model="jvllm.models.gpt2:GPT2LMHeadModel",
+    name_map="gpt2",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "learned_positions": True, "attention_bias": True,
+              "o_bias": True, "mlp_bias": True},
+    hf_fields={"hidden_act": "activation_function", "rms_norm_eps": "layer_norm_epsilon"},
+    per_arch={"GPT2LMHeadModel": {"attention_multiplier": Derived(_gpt2_attention_scale)}},
+    # attention variants transformers' GPT-2 honours and jvllm does not implement
+    refused={"GPT2LMHeadModel": ("scale_attn_by_inverse_layer_idx",)},
+))
+register(Family(
+    # GPT-NeoX / Pythia (jvllm.models.neox): LayerNorm, dense GELU MLP, biases, partial rotary,
+    # parallel residual; its fused per-head query_key_value through name map "gpt_neox"
+    name="gpt_neox",
+    architectures=("GPTNeoXForCausalLM",),
+    model_types={"gpt_neox": "GPTNeoXForCausalLM"},
+    model="jvllm.models.neox:GPTNeoXForCausalLM",
+    name_map="gpt_neox",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "mlp_bias": True},
+    hf_fields={"rms_norm_eps": "layer_norm_eps", "attention_bias": "attention_bias", "o_bias": "attention_bias",
+               "parallel_residual": "use_parallel_residual"},
+))
+register(Family(
+    # mixture of experts (jvllm.models.moe): Llama's attention, norms and head around a routed,
+    # grouped-matmul expert MLP; the MoE settings come from `ModelConfig.moe` (hf_config._moe_from_hf)
+    name="moe",
+    architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+    model_types={"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"},
+    model="jvllm.models.moe:MoEForCausalLM",
+    name_map="moe",
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
+    per_arch={"Qwen2MoeForCausalLM": {"attention_bias": FromHF("qkv_bias", True), "o_bias": False},
+              "Qwen3MoeForCausalLM": {"qk_norm": True},
+              "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"}},  # OLMoE: AI2's, OLMo's q/k norms
+    refused={"OlmoeForCausalLM": ("clip_qkv",)},
+))
+register_text_only(TextOnly(
+    # Gemma 3 4B / 12B / 27B (SigLIP vision tower + projector around a Gemma 3 decoder)
+    architecture="Gemma3ForConditionalGeneration", model_type="gemma3", text_architecture="Gemma3ForCausalLM",
+))
+# LLaVA (1.5 and the LLaVA-style checkpoints: a Llama / Mistral / Qwen2 / ... decoder) and Mistral 3
+# (Mistral Small 3.1 / 3.2: Pixtral tower around a Mistral decoder): the decoder is the text_config's
+register_text_only(TextOnly(architecture="LlavaForConditionalGeneration", model_type="llava", text_architecture=None))
+register_text_only(TextOnly(architecture="Mistral3ForConditionalGeneration", model_type="mistral3",
+                            text_architecture=None))
+# Qwen2-VL / Qwen2.5-VL (a Qwen2 decoder) and Qwen3-VL (a Qwen3 decoder). Hub checkpoints of the
+# first two keep the decoder at the top (`model.layers.*`, `lm_head.*`) and the tower under
+# `visual.`; Qwen3-VL's and transformers 5's nest it under `model.language_model.`. Their M-RoPE
+# gives a text-only prompt the same position in all three sections: plain rope (hf_config).
+_QWEN_VL = dict(prefixes=(("model.language_model.", "model."),), skipped=("visual.", "model.visual."))
+register_text_only(TextOnly(architecture="Qwen2VLForConditionalGeneration", model_type="qwen2_vl",
+                            text_architecture="Qwen2ForCausalLM", **_QWEN_VL))
+register_text_only(TextOnly(architecture="Qwen2_5_VLForConditionalGeneration", model_type="qwen2_5_vl",
+                            text_architecture="Qwen2ForCausalLM", **_QWEN_VL))
+register_text_only(TextOnly(architecture="Qwen3VLForConditionalGeneration", model_type="qwen3_vl",
+                            text_architecture="Qwen3ForCausalLM", **_QWEN_VL))
+register_text_only(TextOnly(architecture="Qwen3VLMoeForConditionalGeneration", model_type="qwen3_vl_moe",
+                            text_architecture="Qwen3MoeForCausalLM", **_QWEN_VL))  # fused experts: name_map
