@@ -103,9 +103,10 @@ class AttentionMetadata:
     positions: jax.Array        # [T] int32, -1 for padding tokens
     slot_mapping: jax.Array     # [T] int32, flat slot (block * block_size + offset); >= num_slots = drop
     block_tables: jax.Array     # [R, W] int32, W a multiple of kv_chunk_blocks, padded with 0
-    tile_token_idx: jax.Array   # [NT, Qt] int32 indices into the T tokens, T = padding; with one-query
-                                # tiles (Qt == 1) tile n is token n (build_metadata's layout, which the
-                                # ragged kernel relies on: it then reads q and writes o without gathers)
+    tile_token_idx: jax.Array   # [NT, Qt] int32 indices into the T tokens, T = padding. build_metadata's
+                                # layout, which the ragged kernel relies on to read q and write o without
+                                # gathers: a tile's tokens are consecutive (first, first + 1, ..., then
+                                # padding), and with one-query tiles (Qt == 1) tile n is token n
     tile_req: jax.Array         # [NT] int32 request row of each tile
     logits_indices: jax.Array   # [R] int32 token whose hidden state feeds sampling
 
