@@ -196,12 +196,12 @@ def ragged_paged_attention(q, k_pages, v_pages, md, *, scale: float, window: int
     dtype before its dots.
     `prefetch_ids` loads the next inner step's page ids one iteration ahead (experimental; it
     did not beat the defaults in that sweep).
-    `token_rows` (tiles of several queries, unsplit, Qt * G a power of two >= 16, T >= Qt): each
-    program loads its tile's q rows straight from q [T, H, D] and stores its output rows straight
-    into the [T, H, D] result (a tile's tokens are consecutive: build_metadata's layout), instead
-    of XLA gathering q into padded [tiles, KH, Qt*G, D] tiles and scattering the result back
-    (copies of Qt times q's size when tiles hold one token each, as decode tokens do in
-    batch-invariant mode). False, or any other shape: the gathered layout.
+    `token_rows` (tiles of several queries, unsplit, Qt * G a power of two >= 16, a power-of-two
+    head_dim, T >= Qt): each program loads its tile's q rows straight from q [T, H, D] and stores
+    its output rows straight into the [T, H, D] result (a tile's tokens are consecutive:
+    build_metadata's layout), instead of XLA gathering q into padded [tiles, KH, Qt*G, D] tiles
+    and scattering the result back (copies of Qt times q's size when tiles hold one token each, as
+    decode tokens do in batch-invariant mode). False, or any other shape: the gathered layout.
 
     `num_splits` > 1 (or "auto": `decode_splits` for one-query tiles, else 1; None: "auto" below
     512 programs, else 1, see `launch_defaults`) splits each tile's
