@@ -191,6 +191,24 @@ GPT2_RULES = [  # Conv1D weights are [in, out]: the model's layout already, no t
     (r"lm_head\.weight", "lm_head", t_transpose),
     (_GH + r"attn\.(bias|masked_bias)", None, None),  # old checkpoints' causal-mask buffers
 ]
+_OD = r"(?:model\.)?decoder\."  # facebook/opt-* checkpoints name their tensors with and without "model."
+_OL = _OD + r"layers\.(\d+)\."
+OPT_RULES = [  # OPT: Linear layers ([out, in]) with biases, out_proj, fc1 / fc2, learned positions
+    (_OD + r"embed_tokens\.weight", "embed", t_identity),
+    (_OD + r"embed_positions\.weight", "pos_embed", t_identity),
+    (_OL + r"self_attn\.(q|k|v)_proj\.weight", r"layers.\1.self_attn.\2_proj", t_in_heads),
+    (_OL + r"self_attn\.(q|k|v)_proj\.bias", r"layers.\1.self_attn.\2_bias", t_bias_heads),
+    (_OL + r"self_attn\.out_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_OL + r"self_attn\.out_proj\.bias", r"layers.\1.self_attn.o_bias", t_identity),
+    (_OL + r"self_attn_layer_norm\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
+    (_OL + r"final_layer_norm\.(weight|bias)", r"layers.\1.post_attention_layernorm.\2", t_identity),
+    (_OL + r"fc1\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_OL + r"fc1\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_OL + r"fc2\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_OL + r"fc2\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (_OD + r"final_layer_norm\.(weight|bias)", r"norm.\1", t_identity),
+    (r"lm_head\.weight", "lm_head", t_transpose),
+]
 _N = r"gpt_neox\.layers\.(\d+)\."
 NEOX_RULES = [
     (r"gpt_neox\.embed_in\.weight", "embed", t_identity),
@@ -225,7 +243,7 @@ GLM4_RULES = [  # GLM-4's sandwich norms under the names of jvllm's sandwich lay
     (_L + r"post_mlp_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
 ] + FUSED_RULES
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES, "glm4": GLM4_RULES, "olmo": OLMO_RULES,
-                   "gpt2": GPT2_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
+                   "gpt2": GPT2_RULES, "opt": OPT_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

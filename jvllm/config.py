@@ -16,7 +16,7 @@ from jvllm.quantization.config import QuantConfig
 # scaling as one divisor per frequency, no rope.scaling keys): rope_scaling {"factors": (...)}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "freq_factors")
 # jvllm.ops.activations.NAMES (named here: this module imports no jax)
-_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu")
+_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu", "relu")
 _NORM_KINDS = ("rms", "layer")
 _QK_NORM_LAYOUTS = ("head", "per_head", "all")
 
@@ -90,7 +90,9 @@ class ModelConfig:
       mlp_gated            down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-2, GPT-NeoX)
       parallel_residual    x + attn(norm1(x)) + mlp(norm2(x)) in one step (GPT-NeoX)
       learned_positions    absolute position embeddings added to the token embeddings, no rotary
-                           embedding (GPT-2)
+                           embedding (GPT-2, OPT)
+      position_offset      with learned_positions: position p reads row p + offset of a table of
+                           max_position_embeddings + offset rows (OPT: 2)
       qk_norm_layout       the q/k norms' weights and span: "head" (each head over head_dim, one
                            [head_dim] weight: Qwen3, Gemma 3), "per_head" (each head over head_dim,
                            its own weight [heads, head_dim]: Command R+), "all" (all heads jointly,
@@ -140,6 +142,7 @@ class ModelConfig:
     mlp_gated: bool = True
     parallel_residual: bool = False
     learned_positions: bool = False
+    position_offset: int = 0
     embed_scale: bool = False
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
@@ -178,6 +181,10 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{f} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not isinstance(self.position_offset, int) or self.position_offset < 0 or (
+                self.position_offset and not self.learned_positions):
+            raise ValueError(f"ModelConfig.position_offset must be an integer >= 0, and 0 without learned_positions; "
+                             f"got {self.position_offset!r}")
         if self.attn_temperature_beta is not None and not (isinstance(self.attn_temperature_len, int)
                                                             and self.attn_temperature_len > 0):
             raise ValueError(f"attn_temperature_len must be a positive integer with attn_temperature_beta, got "

@@ -57,6 +57,8 @@ ARCHS = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=8)),
     # GPT-2 (multi-head; its own names for the sizes are aliases in transformers' config)
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(num_key_value_heads=None, n_inner=128, n_positions=512)),
+    # OPT: ReLU MLP (fc1 / fc2), LayerNorms, biases, learned positions offset by 2, tied head (multi-head)
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(num_key_value_heads=None, ffn_dim=128)),
     # GPT-NeoX / Pythia: parallel residual, a quarter of each head rotary (the default); untied head
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=None)),
     "gpt_neox_seq": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=None,

@@ -88,7 +88,7 @@ def test_activations_are_transformers():
         activation("relu2")
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "gpt_neox",
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gpt_neox",
                                   "starcoder2", "cohere2", "glm4"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
@@ -187,6 +187,38 @@ def test_registry_and_errors():
         "Gemma3ForCausalLM", 256, (1024,) * 5 + (None,), "linear", 10000.0)
 
 
+def test_opt_checkpoint_names_and_refused_variants(ckpt_dir, tmp_path):
+    """OPT: facebook/opt-* files name their tensors without the "model." prefix and leave the tied
+    head out; such a file loads to the same params. The variants jvllm does not implement (OPT-350m's
+    post-norm layers and projected embeddings, LayerNorms without weights) are errors naming them."""
+    import shutil
+
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    from jvllm.converters import load_checkpoint
+    from jvllm.hf_config import model_config_from_hf
+
+    path = ckpt_dir("opt")
+    old = tmp_path / "opt_old_names"
+    shutil.copytree(path, old)
+    sd = load_file(f"{path}/model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in sd.items() if k != "lm_head.weight"},
+              str(old / "model.safetensors"), metadata={"format": "pt"})
+    a, b = load_checkpoint(path).params, load_checkpoint(str(old)).params
+    assert sorted(a) == sorted(b) and "pos_embed" in a
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+    base = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+    for bad, msg in [(dict(do_layer_norm_before=False), "do_layer_norm_before=False"),
+                     (dict(word_embed_proj_dim=32), r"word_embed_proj_dim=32 \(hidden_size 64\)"),
+                     (dict(layer_norm_elementwise_affine=False), "layer_norm_elementwise_affine=False")]:
+        cfg = transformers.OPTConfig(**base, **bad)
+        cfg.architectures = ["OPTForCausalLM"]
+        with pytest.raises(ValueError, match=f"OPTForCausalLM: config sets {msg}, which jvllm does not implement"):
+            model_config_from_hf(cfg)
+
+
 def test_gemma2_pallas_kernels_match_transformers(ckpt_dir):
     """Gemma 2 through the Pallas backends (interpret mode): soft-capped and sliding layers take
     the ragged kernel on every step, decode-only steps too."""
@@ -229,7 +261,7 @@ def test_hidden_states_match_transformers(ckpt_dir, arch):
         assert (np.abs(c.hidden_states[i] - want) <= 1e-4 * np.abs(want).max(-1, keepdims=True)).all(), i
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "cohere_qk", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "cohere_qk", "gpt2", "opt", "gpt_neox"])
 def test_update_weights_from_hf_pairs_uses_the_family_name_map(ckpt_dir, arch):
     """`update_weights` with the checkpoint's own (HF name, array) pairs goes through the family's
     name map: fused tensors split (Phi-3's qkv_proj, GPT-2's c_attn, NeoX's per-head

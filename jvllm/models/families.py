@@ -25,6 +25,26 @@ def _gpt2_attention_scale(hf) -> float | None:
     return None if getattr(hf, "scale_attn_weights", True) else 1.0
 
 
+def _opt_position_offset(hf) -> int:
+    """OPT's learned positions start 2 rows into their table. Raises ValueError for the variants
+    transformers' OPT has and jvllm does not implement: post-norm layers (OPT-350m's
+    do_layer_norm_before=False), embeddings projected in and out (word_embed_proj_dim !=
+    hidden_size, also OPT-350m), LayerNorms without weights, no final LayerNorm."""
+    bad = []
+    if not getattr(hf, "do_layer_norm_before", True):
+        bad.append("do_layer_norm_before=False")
+    proj = getattr(hf, "word_embed_proj_dim", None)
+    if proj is not None and proj != hf.hidden_size:
+        bad.append(f"word_embed_proj_dim={proj!r} (hidden_size {hf.hidden_size})")
+    if not getattr(hf, "layer_norm_elementwise_affine", True):
+        bad.append("layer_norm_elementwise_affine=False")
+    if getattr(hf, "_remove_final_layer_norm", False):
+        bad.append("_remove_final_layer_norm=True")
+    if bad:
+        raise ValueError(f"OPTForCausalLM: config sets {', '.join(bad)}, which jvllm does not implement")
+    return 2
+
+
 def _rope_on_sliding_layers_only(hf) -> tuple:
     """Cohere 2: its global layers have no rotary embedding."""
     return tuple(i for i, t in enumerate(hf.layer_types) if t != "sliding_attention")
@@ -172,6 +192,20 @@ register(Family(
     per_arch={"GPT2LMHeadModel": {"attention_multiplier": Derived(_gpt2_attention_scale)}},
     # attention variants transformers' GPT-2 honours and jvllm does not implement
     refused={"GPT2LMHeadModel": ("scale_attn_by_inverse_layer_idx",)},
+))
+register(Family(
+    # OPT (jvllm.models.gpt2, as GPT-2): LayerNorm, dense ReLU MLP (fc1 / fc2), biases, learned
+    # positions offset by 2, tied head; HF's Linear names through name map "opt"
+    name="opt",
+    architectures=("OPTForCausalLM",),
+    model_types={"opt": "OPTForCausalLM"},
+    model="jvllm.models.gpt2:GPT2LMHeadModel",
+    name_map="opt",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "learned_positions": True, "rms_norm_eps": 1e-5,
+              "attention_bias": True, "o_bias": True, "mlp_bias": True},
+    hf_fields={"hidden_act": "activation_function", "intermediate_size": "ffn_dim", "attention_bias": "enable_bias",
+               "o_bias": "enable_bias", "mlp_bias": "enable_bias"},
+    per_arch={"OPTForCausalLM": {"position_offset": Derived(_opt_position_offset)}},
 ))
 register(Family(
     # GPT-NeoX / Pythia (jvllm.models.neox): LayerNorm, dense GELU MLP, biases, partial rotary,

@@ -5,6 +5,7 @@ gated MLPs and the mixture-of-experts kernels all look them up here).
   gelu_pytorch_tanh    GELU's tanh approximation (Gemma's GeGLU); gelu_new is the same formula
                        under GPT-2's name
   gelu                 the exact (erf) GELU (GPT-NeoX / Pythia)
+  relu                 max(x, 0) (OPT)
 
 `jvllm.config.ModelConfig` checks a config's `hidden_act` against `NAMES` (no jax import there).
 """
@@ -14,11 +15,11 @@ import functools
 
 import jax
 
-NAMES = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu")
+NAMES = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu", "relu")
 _FUNCTIONS = {"silu": jax.nn.silu, "swish": jax.nn.silu,
               "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
               "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
-              "gelu": functools.partial(jax.nn.gelu, approximate=False)}
+              "gelu": functools.partial(jax.nn.gelu, approximate=False), "relu": jax.nn.relu}
 
 
 def activation(name: str):
