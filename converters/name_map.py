@@ -209,6 +209,21 @@ OPT_RULES = [  # OPT: Linear layers ([out, in]) with biases, out_proj, fc1 / fc2
     (_OD + r"final_layer_norm\.(weight|bias)", r"norm.\1", t_identity),
     (r"lm_head\.weight", "lm_head", t_transpose),
 ]
+_J = r"transformer\.h\.(\d+)\."
+GPTJ_RULES = [  # GPT-J: Linear layers ([out, in]), q/k/v/out_proj without biases, fc_in / fc_out, a biased head
+    (r"transformer\.wte\.weight", "embed", t_identity),
+    (_J + r"ln_1\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
+    (_J + r"attn\.(q|k|v)_proj\.weight", r"layers.\1.self_attn.\2_proj", t_in_heads),
+    (_J + r"attn\.out_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_J + r"mlp\.fc_in\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_J + r"mlp\.fc_in\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_J + r"mlp\.fc_out\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_J + r"mlp\.fc_out\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (r"transformer\.ln_f\.(weight|bias)", r"norm.\1", t_identity),
+    (r"lm_head\.weight", "lm_head", t_transpose),
+    (r"lm_head\.bias", "lm_head_bias", t_identity),
+    (_J + r"attn\.(bias|masked_bias)", None, None),  # old checkpoints' causal-mask buffers
+]
 _N = r"gpt_neox\.layers\.(\d+)\."
 NEOX_RULES = [
     (r"gpt_neox\.embed_in\.weight", "embed", t_identity),
@@ -243,7 +258,7 @@ GLM4_RULES = [  # GLM-4's sandwich norms under the names of jvllm's sandwich lay
     (_L + r"post_mlp_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
 ] + FUSED_RULES
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES, "glm4": GLM4_RULES, "olmo": OLMO_RULES,
-                   "gpt2": GPT2_RULES, "opt": OPT_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
+                   "gpt2": GPT2_RULES, "opt": OPT_RULES, "gptj": GPTJ_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

@@ -54,7 +54,8 @@ def base_logits(ckpt_dir):
     ("granite", "attention_multiplier", None), ("granite", "logits_scaling", None),
     ("gpt_neox", "parallel_residual", False), ("gpt_neox", "partial_rotary_factor", 0.5),
     ("cohere", "logit_scale", None), ("cohere2", "nope_layers", ()), ("cohere", "rope_interleaved", False),
-    ("glm4", "rope_interleaved", False), ("ministral3", "attn_temperature_beta", None)])
+    ("glm4", "rope_interleaved", False), ("ministral3", "attn_temperature_beta", None),
+    ("gptj", "rope_interleaved", False), ("gptj", "partial_rotary_factor", 1.0)])
 def test_variant_matters(base_logits, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""
@@ -88,7 +89,7 @@ def test_activations_are_transformers():
         activation("relu2")
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gpt_neox",
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_neox",
                                   "starcoder2", "cohere2", "glm4"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
@@ -261,7 +262,7 @@ def test_hidden_states_match_transformers(ckpt_dir, arch):
         assert (np.abs(c.hidden_states[i] - want) <= 1e-4 * np.abs(want).max(-1, keepdims=True)).all(), i
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "cohere_qk", "gpt2", "opt", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "cohere_qk", "gpt2", "opt", "gptj", "gpt_neox"])
 def test_update_weights_from_hf_pairs_uses_the_family_name_map(ckpt_dir, arch):
     """`update_weights` with the checkpoint's own (HF name, array) pairs goes through the family's
     name map: fused tensors split (Phi-3's qkv_proj, GPT-2's c_attn, NeoX's per-head

@@ -1,6 +1,7 @@
 """Cohere Command R / R+ / Aya Expanse (CohereForCausalLM) and Cohere 2 (Command R7B, Command A:
 Cohere2ForCausalLM) in Flax NNX; its parallel single-norm layer also serves Phi-1 / 1.5 / 2
-(PhiForCausalLM: a LayerNorm with a bias, the ungated MLP, no interleaving; registry).
+(PhiForCausalLM: a LayerNorm with a bias, the ungated MLP, no interleaving) and GPT-J
+(GPTJForCausalLM: the same with interleaved rope on the first rotary_dim dims); families.py.
 
 Differences from the Llama decoder, each a ModelConfig field or this file's decoder layer:
   - one LayerNorm without a bias (`norm_kind` "layer", `norm_bias` False) feeds attention and the

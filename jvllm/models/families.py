@@ -45,6 +45,12 @@ def _opt_position_offset(hf) -> int:
     return 2
 
 
+def _gptj_rotary_factor(hf) -> float:
+    """GPT-J rotates the first rotary_dim dims of each head (None: all of them)."""
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    return (getattr(hf, "rotary_dim", None) or head_dim) / head_dim
+
+
 def _rope_on_sliding_layers_only(hf) -> tuple:
     """Cohere 2: its global layers have no rotary embedding."""
     return tuple(i for i, t in enumerate(hf.layer_types) if t != "sliding_attention")
@@ -165,6 +171,20 @@ register(Family(
     defaults={"norm_kind": "layer", "mlp_gated": False, "mlp_bias": True, "attention_bias": True, "o_bias": True,
               "lm_head_bias": True},
     hf_fields={"rms_norm_eps": "layer_norm_eps", "qk_norm": "qk_layernorm"},
+))
+register(Family(
+    # GPT-J (jvllm.models.cohere's parallel single-norm layer, as Phi): a LayerNorm with a bias,
+    # rope on interleaved pairs of the first rotary_dim dims, q/k/v/out_proj without biases, an
+    # ungated gelu_new MLP with biases (fc_in / fc_out), an untied LM head with a bias
+    name="gptj",
+    architectures=("GPTJForCausalLM",),
+    model_types={"gptj": "GPTJForCausalLM"},
+    model="jvllm.models.cohere:CohereForCausalLM",
+    name_map="gptj",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "mlp_bias": True, "lm_head_bias": True,
+              "rope_interleaved": True, "rms_norm_eps": 1e-5},
+    hf_fields={"rms_norm_eps": "layer_norm_epsilon", "hidden_act": "activation_function"},
+    per_arch={"GPTJForCausalLM": {"partial_rotary_factor": Derived(_gptj_rotary_factor)}},
 ))
 register(Family(
     # StarCoder2: the Llama decoder with LayerNorms, an ungated GELU MLP (c_fc / c_proj) and
