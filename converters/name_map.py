@@ -209,6 +209,36 @@ OPT_RULES = [  # OPT: Linear layers ([out, in]) with biases, out_proj, fc1 / fc2
     (_OD + r"final_layer_norm\.(weight|bias)", r"norm.\1", t_identity),
     (r"lm_head\.weight", "lm_head", t_transpose),
 ]
+def t_bigcode_qkv(name, a, tgts):  # GPTBigCode c_attn: MQA [q | k | v] blocks, MHA per-head [q; k; v]
+    return t_split_qkv(name, a, tgts) if tgts[1][1] == 1 else t_neox_qkv(name, a, tgts)
+
+
+def t_bigcode_qkv_bias(name, a, tgts):  # its bias: MQA [H*hd | hd | hd], MHA per head [q; k; v]
+    (h, hd), (k, _), _ = tgts
+    if k != 1:
+        return t_neox_qkv_bias(name, a, tgts)
+    _expect(name, a, ((h + 2) * hd,))
+    q, kk, v = np.split(a, [h * hd, (h + 1) * hd])
+    return q.reshape(h, hd), kk.reshape(1, hd), v.reshape(1, hd)
+
+
+_B = r"transformer\.h\.(\d+)\."
+BIGCODE_RULES = [  # GPTBigCode (StarCoder 1, SantaCoder): Linear layers ([out, in]), fused c_attn, learned positions
+    (r"transformer\.wte\.weight", "embed", t_identity),
+    (r"transformer\.wpe\.weight", "pos_embed", t_identity),
+    (_B + r"ln_1\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
+    (_B + r"ln_2\.(weight|bias)", r"layers.\1.post_attention_layernorm.\2", t_identity),
+    (_B + r"attn\.c_attn\.weight", _QKV, t_bigcode_qkv),
+    (_B + r"attn\.c_attn\.bias", _QKV_BIAS, t_bigcode_qkv_bias),
+    (_B + r"attn\.c_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_B + r"attn\.c_proj\.bias", r"layers.\1.self_attn.o_bias", t_identity),
+    (_B + r"mlp\.c_fc\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_B + r"mlp\.c_fc\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_B + r"mlp\.c_proj\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_B + r"mlp\.c_proj\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (r"transformer\.ln_f\.(weight|bias)", r"norm.\1", t_identity),
+    (r"lm_head\.weight", "lm_head", t_transpose),
+]
 _J = r"transformer\.h\.(\d+)\."
 GPTJ_RULES = [  # GPT-J: Linear layers ([out, in]), q/k/v/out_proj without biases, fc_in / fc_out, a biased head
     (r"transformer\.wte\.weight", "embed", t_identity),
@@ -258,7 +288,7 @@ GLM4_RULES = [  # GLM-4's sandwich norms under the names of jvllm's sandwich lay
     (_L + r"post_mlp_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
 ] + FUSED_RULES
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES, "glm4": GLM4_RULES, "olmo": OLMO_RULES,
-                   "gpt2": GPT2_RULES, "opt": OPT_RULES, "gptj": GPTJ_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
+                   "gpt2": GPT2_RULES, "opt": OPT_RULES, "gptj": GPTJ_RULES, "gpt_bigcode": BIGCODE_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

@@ -59,6 +59,12 @@ ARCHS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(num_key_value_heads=None, n_inner=128, n_positions=512)),
     # OPT: ReLU MLP (fc1 / fc2), LayerNorms, biases, learned positions offset by 2, tied head (multi-head)
     "opt": ("OPTConfig", "OPTForCausalLM", dict(num_key_value_heads=None, ffn_dim=128)),
+    # GPTBigCode (StarCoder 1): GPT-2's blocks in Linear layout, one KV head (multi_query); and MHA,
+    # whose fused c_attn is laid out per head (weights at 5x scale, so that attention is not flat)
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(num_key_value_heads=None, n_inner=128,
+                                                                      n_positions=512, initializer_range=0.1)),
+    "gpt_bigcode_mha": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(
+        num_key_value_heads=None, n_inner=128, n_positions=512, multi_query=False, initializer_range=0.1)),
     # GPT-J: parallel single-norm layer, interleaved rope on half of each head, a biased untied head
     # (weights at 5x the default scale: at 0.02 attention is too flat for the rope variants to show)
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(num_key_value_heads=None, rotary_dim=8, n_inner=128,

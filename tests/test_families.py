@@ -89,7 +89,7 @@ def test_activations_are_transformers():
         activation("relu2")
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_neox",
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "gpt_neox",
                                   "starcoder2", "cohere2", "glm4"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
@@ -188,6 +188,25 @@ def test_registry_and_errors():
         "Gemma3ForCausalLM", 256, (1024,) * 5 + (None,), "linear", 10000.0)
 
 
+def test_bigcode_qkv_layouts_differ():
+    """GPTBigCode's fused c_attn: one KV head takes [q | k | v] blocks, MHA takes each head's
+    [q; k; v] rows (transformers' view as [heads, 3 * head_dim]); the two splits of one MHA tensor
+    differ, so a wrong choice cannot pass the parity tests."""
+    from jvllm.converters.name_map import t_bigcode_qkv, t_split_qkv
+
+    rng = np.random.default_rng(0)
+    d, h, hd = 8, 2, 4
+    w = rng.normal(size=(3 * h * hd, d)).astype(np.float32)
+    mha = t_bigcode_qkv("c_attn", w, [(d, h, hd)] * 3)
+    per_head = w.reshape(h, 3, hd, d)
+    for i, got in enumerate(mha):
+        np.testing.assert_array_equal(got, per_head[:, i].transpose(2, 0, 1))
+    assert not np.array_equal(mha[0], t_split_qkv("c_attn", w, [(d, h, hd)] * 3)[0])
+    mq = rng.normal(size=((h + 2) * hd, d)).astype(np.float32)
+    q, k, v = t_bigcode_qkv("c_attn", mq, [(d, h, hd), (d, 1, hd), (d, 1, hd)])
+    np.testing.assert_array_equal(k[:, 0], mq[h * hd:(h + 1) * hd].T)
+
+
 def test_opt_checkpoint_names_and_refused_variants(ckpt_dir, tmp_path):
     """OPT: facebook/opt-* files name their tensors without the "model." prefix and leave the tied
     head out; such a file loads to the same params. The variants jvllm does not implement (OPT-350m's
@@ -262,7 +281,7 @@ def test_hidden_states_match_transformers(ckpt_dir, arch):
         assert (np.abs(c.hidden_states[i] - want) <= 1e-4 * np.abs(want).max(-1, keepdims=True)).all(), i
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "cohere_qk", "gpt2", "opt", "gptj", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "cohere_qk", "gpt2", "opt", "gptj", "gpt_bigcode_mha", "gpt_neox"])
 def test_update_weights_from_hf_pairs_uses_the_family_name_map(ckpt_dir, arch):
     """`update_weights` with the checkpoint's own (HF name, array) pairs goes through the family's
     name map: fused tensors split (Phi-3's qkv_proj, GPT-2's c_attn, NeoX's per-head

@@ -275,9 +275,9 @@ def test_qwen2_5_vl_transformers5_layout_and_unsupported_decoder(tmp_path):
     llava = tmp_path / "llava"
     _wrapper_model("llava").save_pretrained(str(llava))
     raw = json.load(open(llava / "config.json"))
-    raw["text_config"] = {**raw["text_config"], "model_type": "gptj"}  # GPT-J: no jvllm family
+    raw["text_config"] = {**raw["text_config"], "model_type": "bloom"}  # BLOOM: no jvllm family
     (llava / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration: its text decoder \(text_config model_type 'gptj'\)"):
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration: its text decoder \(text_config model_type 'bloom'\)"):
         ModelConfig.from_pretrained(str(llava))
 
 

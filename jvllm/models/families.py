@@ -45,6 +45,11 @@ def _opt_position_offset(hf) -> int:
     return 2
 
 
+def _bigcode_kv_heads(hf) -> int:
+    """GPTBigCode: one KV head under multi_query (StarCoder 1, SantaCoder), else one per head."""
+    return 1 if getattr(hf, "multi_query", True) else hf.num_attention_heads
+
+
 def _gptj_rotary_factor(hf) -> float:
     """GPT-J rotates the first rotary_dim dims of each head (None: all of them)."""
     head_dim = hf.hidden_size // hf.num_attention_heads
@@ -226,6 +231,21 @@ register(Family(
     hf_fields={"hidden_act": "activation_function", "intermediate_size": "ffn_dim", "attention_bias": "enable_bias",
                "o_bias": "enable_bias", "mlp_bias": "enable_bias"},
     per_arch={"OPTForCausalLM": {"position_offset": Derived(_opt_position_offset)}},
+))
+register(Family(
+    # GPTBigCode (StarCoder 1, SantaCoder, jvllm.models.gpt2 as GPT-2): LayerNorm, dense GELU MLP,
+    # biases, learned positions, tied head, one KV head (multi_query) or MHA; its fused c_attn
+    # (Linear layout) through name map "gpt_bigcode"
+    name="gpt_bigcode",
+    architectures=("GPTBigCodeForCausalLM",),
+    model_types={"gpt_bigcode": "GPTBigCodeForCausalLM"},
+    model="jvllm.models.gpt2:GPT2LMHeadModel",
+    name_map="gpt_bigcode",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "learned_positions": True, "attention_bias": True,
+              "o_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-5},
+    hf_fields={"hidden_act": "activation_function", "rms_norm_eps": "layer_norm_epsilon"},
+    per_arch={"GPTBigCodeForCausalLM": {"num_kv_heads": Derived(_bigcode_kv_heads),
+                                        "attention_multiplier": Derived(_gpt2_attention_scale)}},
 ))
 register(Family(
     # GPT-NeoX / Pythia (jvllm.models.neox): LayerNorm, dense GELU MLP, biases, partial rotary,

@@ -1,4 +1,5 @@
-"""GPT-2 (GPT2LMHeadModel) and OPT (OPTForCausalLM) in Flax NNX: the pre-norm decoder of
+"""GPT-2 (GPT2LMHeadModel), GPTBigCode (GPTBigCodeForCausalLM: StarCoder 1, SantaCoder; one KV
+head under multi_query) and OPT (OPTForCausalLM) in Flax NNX: the pre-norm decoder of
 `llama.py` with their variants, each a ModelConfig field set by the registration: LayerNorm with
 biases (`norm_kind`), a dense (ungated) MLP with biases (`mlp_gated`; GPT-2's tanh GELU, OPT's
 ReLU), q/k/v/o biases, tied embeddings, and learned absolute position embeddings added to the
