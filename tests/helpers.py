@@ -59,6 +59,8 @@ ARCHS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(num_key_value_heads=None, n_inner=128, n_positions=512)),
     # OPT: ReLU MLP (fc1 / fc2), LayerNorms, biases, learned positions offset by 2, tied head (multi-head)
     "opt": ("OPTConfig", "OPTForCausalLM", dict(num_key_value_heads=None, ffn_dim=128)),
+    # StableLM 2: LayerNorms with biases, a quarter of each head rotary, q/k/v biases
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
     # GPTBigCode (StarCoder 1): GPT-2's blocks in Linear layout, one KV head (multi_query); and MHA,
     # whose fused c_attn is laid out per head (weights at 5x scale, so that attention is not flat)
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(num_key_value_heads=None, n_inner=128,

@@ -55,7 +55,8 @@ def base_logits(ckpt_dir):
     ("gpt_neox", "parallel_residual", False), ("gpt_neox", "partial_rotary_factor", 0.5),
     ("cohere", "logit_scale", None), ("cohere2", "nope_layers", ()), ("cohere", "rope_interleaved", False),
     ("glm4", "rope_interleaved", False), ("ministral3", "attn_temperature_beta", None),
-    ("gptj", "rope_interleaved", False), ("gptj", "partial_rotary_factor", 1.0)])
+    ("gptj", "rope_interleaved", False), ("gptj", "partial_rotary_factor", 1.0),
+    ("stablelm", "partial_rotary_factor", 1.0)])
 def test_variant_matters(base_logits, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""
@@ -89,7 +90,7 @@ def test_activations_are_transformers():
         activation("relu2")
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "gpt_neox",
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "gpt_neox",
                                   "starcoder2", "cohere2", "glm4"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
@@ -207,10 +208,11 @@ def test_bigcode_qkv_layouts_differ():
     np.testing.assert_array_equal(k[:, 0], mq[h * hd:(h + 1) * hd].T)
 
 
-def test_opt_checkpoint_names_and_refused_variants(ckpt_dir, tmp_path):
+def test_opt_names_and_refused_opt_stablelm_variants(ckpt_dir, tmp_path):
     """OPT: facebook/opt-* files name their tensors without the "model." prefix and leave the tied
     head out; such a file loads to the same params. The variants jvllm does not implement (OPT-350m's
-    post-norm layers and projected embeddings, LayerNorms without weights) are errors naming them."""
+    post-norm layers and projected embeddings, LayerNorms without weights; StableLM 2 12B's parallel
+    residual and per-head q/k LayerNorms) are errors naming them."""
     import shutil
 
     import transformers
@@ -229,6 +231,12 @@ def test_opt_checkpoint_names_and_refused_variants(ckpt_dir, tmp_path):
     assert sorted(a) == sorted(b) and "pos_embed" in a
     for k in a:
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+    for bad in ("use_parallel_residual", "qk_layernorm"):  # StableLM 2 12B's
+        cfg = transformers.StableLmConfig(**small, **{bad: True})
+        cfg.architectures = ["StableLmForCausalLM"]
+        with pytest.raises(ValueError, match=f"StableLmForCausalLM: config sets {bad}=True, which jvllm does not implement"):
+            model_config_from_hf(cfg)
     base = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
     for bad, msg in [(dict(do_layer_norm_before=False), "do_layer_norm_before=False"),
                      (dict(word_embed_proj_dim=32), r"word_embed_proj_dim=32 \(hidden_size 64\)"),

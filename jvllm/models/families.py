@@ -192,6 +192,20 @@ register(Family(
     per_arch={"GPTJForCausalLM": {"partial_rotary_factor": Derived(_gptj_rotary_factor)}},
 ))
 register(Family(
+    # StableLM 2 / StableLM Zephyr (StableLmForCausalLM): the Llama decoder with LayerNorms with
+    # biases, rope on the first quarter of each head (partial_rotary_factor), optional q/k/v biases
+    # (use_qkv_bias); LayerNorm biases through name map "starcoder2". StableLM 2 12B's parallel
+    # residual and per-head q/k LayerNorms are refused by name.
+    name="stablelm",
+    architectures=("StableLmForCausalLM",),
+    model_types={"stablelm": "StableLmForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    name_map="starcoder2",
+    defaults={"norm_kind": "layer", "rms_norm_eps": 1e-5},
+    hf_fields={"rms_norm_eps": "layer_norm_eps", "attention_bias": "use_qkv_bias"},
+    refused={"StableLmForCausalLM": ("use_parallel_residual", "qk_layernorm")},
+))
+register(Family(
     # StarCoder2: the Llama decoder with LayerNorms, an ungated GELU MLP (c_fc / c_proj) and
     # biases everywhere (use_bias); its window applies to every layer
     name="starcoder2",
