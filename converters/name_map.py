@@ -222,6 +222,47 @@ def t_bigcode_qkv_bias(name, a, tgts):  # its bias: MQA [H*hd | hd | hd], MHA pe
     return q.reshape(h, hd), kk.reshape(1, hd), v.reshape(1, hd)
 
 
+def t_falcon_qkv(name, a, tgts):  # Falcon query_key_value: per KV group [its G queries; k; v] rows
+    (d, h, hd), (_, k, _), _ = tgts  # (one group: MQA's [q | k | v] blocks; G = 1: per head)
+    _expect(name, a, ((h + 2 * k) * hd, d))
+    g = a.reshape(k, h // k + 2, hd, d)
+    return (g[:, :-2].reshape(h, hd, d).transpose(2, 0, 1), g[:, -2].transpose(2, 0, 1),
+            g[:, -1].transpose(2, 0, 1))
+
+
+def t_falcon_qkv_bias(name, a, tgts):  # its bias, the same layout
+    (h, hd), (k, _), _ = tgts
+    _expect(name, a, ((h + 2 * k) * hd,))
+    g = a.reshape(k, h // k + 2, hd)
+    return g[:, :-2].reshape(h, hd), g[:, -2], g[:, -1]
+
+
+def t_twice(name, a, tgts):  # one tensor feeding two params of its shape (a norm both branches share)
+    for t in tgts:
+        _expect(name, a, tuple(t))
+    return tuple(a for _ in tgts)
+
+
+_F = r"transformer\.h\.(\d+)\."
+FALCON_RULES = [  # Falcon: fused grouped query_key_value, dense, dense_h_to_4h / dense_4h_to_h, LayerNorms
+    (r"transformer\.word_embeddings\.weight", "embed", t_identity),
+    # one norm feeding attention and MLP (7B; the 40B with num_ln_in_parallel_attn=1): both of the
+    # parallel layer's norms; the 40B / 180B's ln_attn and ln_mlp: one each
+    (_F + r"input_layernorm\.(weight|bias)", (r"layers.\1.input_layernorm.\2", r"layers.\1.post_attention_layernorm.\2"),
+     t_twice),
+    (_F + r"ln_attn\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
+    (_F + r"ln_mlp\.(weight|bias)", r"layers.\1.post_attention_layernorm.\2", t_identity),
+    (_F + r"self_attention\.query_key_value\.weight", _QKV, t_falcon_qkv),
+    (_F + r"self_attention\.query_key_value\.bias", _QKV_BIAS, t_falcon_qkv_bias),
+    (_F + r"self_attention\.dense\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_F + r"self_attention\.dense\.bias", r"layers.\1.self_attn.o_bias", t_identity),
+    (_F + r"mlp\.dense_h_to_4h\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_F + r"mlp\.dense_h_to_4h\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_F + r"mlp\.dense_4h_to_h\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_F + r"mlp\.dense_4h_to_h\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (r"transformer\.ln_f\.(weight|bias)", r"norm.\1", t_identity),
+    (r"lm_head\.weight", "lm_head", t_transpose),
+]
 _B = r"transformer\.h\.(\d+)\."
 BIGCODE_RULES = [  # GPTBigCode (StarCoder 1, SantaCoder): Linear layers ([out, in]), fused c_attn, learned positions
     (r"transformer\.wte\.weight", "embed", t_identity),
@@ -288,7 +329,7 @@ GLM4_RULES = [  # GLM-4's sandwich norms under the names of jvllm's sandwich lay
     (_L + r"post_mlp_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
 ] + FUSED_RULES
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES, "glm4": GLM4_RULES, "olmo": OLMO_RULES,
-                   "gpt2": GPT2_RULES, "opt": OPT_RULES, "gptj": GPTJ_RULES, "gpt_bigcode": BIGCODE_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
+                   "gpt2": GPT2_RULES, "opt": OPT_RULES, "gptj": GPTJ_RULES, "gpt_bigcode": BIGCODE_RULES, "falcon": FALCON_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 

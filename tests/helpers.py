@@ -61,6 +61,13 @@ ARCHS = {
     "opt": ("OPTConfig", "OPTForCausalLM", dict(num_key_value_heads=None, ffn_dim=128)),
     # StableLM 2: LayerNorms with biases, a quarter of each head rotary, q/k/v biases
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
+    # Falcon: 7B's layout (multi-query, one norm for both parallel branches, no biases) and 40B's
+    # (grouped KV heads in the fused query_key_value, ln_attn / ln_mlp), with biases
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(num_key_value_heads=None, ffn_hidden_size=128,
+                                                        initializer_range=0.1)),
+    "falcon_40b": ("FalconConfig", "FalconForCausalLM", dict(num_key_value_heads=None, ffn_hidden_size=128,
+                                                            new_decoder_architecture=True, num_kv_heads=2, bias=True,
+                                                            initializer_range=0.1)),
     # GPTBigCode (StarCoder 1): GPT-2's blocks in Linear layout, one KV head (multi_query); and MHA,
     # whose fused c_attn is laid out per head (weights at 5x scale, so that attention is not flat)
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(num_key_value_heads=None, n_inner=128,
@@ -152,7 +159,10 @@ def make_checkpoint(out: str, arch: str = "llama", tokenizer: bool = False, fmt:
     if tokenizer:
         kw["vocab_size"] = 49152
     kw.update(overrides)
-    cfg = getattr(transformers, cfg_name)(**kw)
+    cls = getattr(transformers, cfg_name)
+    # sizes a config class derives itself (Falcon's head_dim is a read-only property) are left to it
+    kw = {k: v for k, v in kw.items() if not (isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None)}
+    cfg = cls(**kw)
     cfg.architectures = [model_name]
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).eval()

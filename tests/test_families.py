@@ -90,7 +90,7 @@ def test_activations_are_transformers():
         activation("relu2")
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "gpt_neox",
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "falcon_40b", "gpt_neox",
                                   "starcoder2", "cohere2", "glm4"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked
@@ -208,11 +208,12 @@ def test_bigcode_qkv_layouts_differ():
     np.testing.assert_array_equal(k[:, 0], mq[h * hd:(h + 1) * hd].T)
 
 
-def test_opt_names_and_refused_opt_stablelm_variants(ckpt_dir, tmp_path):
+def test_opt_names_and_refused_variants(ckpt_dir, tmp_path):
     """OPT: facebook/opt-* files name their tensors without the "model." prefix and leave the tied
     head out; such a file loads to the same params. The variants jvllm does not implement (OPT-350m's
-    post-norm layers and projected embeddings, LayerNorms without weights; StableLM 2 12B's parallel
-    residual and per-head q/k LayerNorms) are errors naming them."""
+    post-norm layers and projected embeddings, LayerNorms without weights; Falcon-RW's ALiBi and
+    sequential Falcon layers; StableLM 2 12B's parallel residual and per-head q/k LayerNorms) are
+    errors naming them."""
     import shutil
 
     import transformers
@@ -232,6 +233,11 @@ def test_opt_names_and_refused_opt_stablelm_variants(ckpt_dir, tmp_path):
     for k in a:
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+    for bad, msg in [(dict(alibi=True), "alibi=True"), (dict(parallel_attn=False), "parallel_attn=False")]:
+        cfg = transformers.FalconConfig(**{k: v for k, v in small.items() if k != "intermediate_size"}, **bad)
+        cfg.architectures = ["FalconForCausalLM"]
+        with pytest.raises(ValueError, match=f"FalconForCausalLM: config sets {msg}, which jvllm does not implement"):
+            model_config_from_hf(cfg)
     for bad in ("use_parallel_residual", "qk_layernorm"):  # StableLM 2 12B's
         cfg = transformers.StableLmConfig(**small, **{bad: True})
         cfg.architectures = ["StableLmForCausalLM"]
@@ -289,7 +295,8 @@ def test_hidden_states_match_transformers(ckpt_dir, arch):
         assert (np.abs(c.hidden_states[i] - want) <= 1e-4 * np.abs(want).max(-1, keepdims=True)).all(), i
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "cohere_qk", "gpt2", "opt", "gptj", "gpt_bigcode_mha", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "cohere_qk", "gpt2", "opt", "gptj", "gpt_bigcode_mha", "falcon",
+                                  "gpt_neox"])
 def test_update_weights_from_hf_pairs_uses_the_family_name_map(ckpt_dir, arch):
     """`update_weights` with the checkpoint's own (HF name, array) pairs goes through the family's
     name map: fused tensors split (Phi-3's qkv_proj, GPT-2's c_attn, NeoX's per-head

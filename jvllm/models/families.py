@@ -50,6 +50,23 @@ def _bigcode_kv_heads(hf) -> int:
     return 1 if getattr(hf, "multi_query", True) else hf.num_attention_heads
 
 
+def _falcon_parallel(hf) -> bool:
+    """Falcon's layers run attention and MLP in parallel (every released rotary Falcon: 7B, 40B,
+    180B). Raises ValueError for what jvllm does not implement: ALiBi (Falcon-RW) and sequential
+    layers (parallel_attn=False)."""
+    bad = [f"{a}={getattr(hf, a)!r}" for a, v in (("alibi", True), ("parallel_attn", False)) if getattr(hf, a, not v) == v]
+    if bad:
+        raise ValueError(f"FalconForCausalLM: config sets {', '.join(bad)}, which jvllm does not implement")
+    return True
+
+
+def _falcon_kv_heads(hf) -> int:
+    """Falcon's KV heads as transformers counts them: num_kv_heads in the new decoder architecture
+    (40B, 180B) or without multi_query, else one (7B)."""
+    new, mq = getattr(hf, "new_decoder_architecture", False), getattr(hf, "multi_query", True)
+    return (getattr(hf, "num_kv_heads", None) or hf.num_attention_heads) if (new or not mq) else 1
+
+
 def _gptj_rotary_factor(hf) -> float:
     """GPT-J rotates the first rotary_dim dims of each head (None: all of them)."""
     head_dim = hf.hidden_size // hf.num_attention_heads
@@ -260,6 +277,21 @@ register(Family(
     hf_fields={"hidden_act": "activation_function", "rms_norm_eps": "layer_norm_epsilon"},
     per_arch={"GPTBigCodeForCausalLM": {"num_kv_heads": Derived(_bigcode_kv_heads),
                                         "attention_multiplier": Derived(_gpt2_attention_scale)}},
+))
+register(Family(
+    # Falcon 7B / 40B / 180B (jvllm.models.neox's parallel layer): LayerNorms, a dense GELU MLP,
+    # multi-query or grouped KV heads, biases per `bias`; name map "falcon" splits the grouped
+    # query_key_value and gives a norm both branches share to both of the layer's norms
+    name="falcon",
+    architectures=("FalconForCausalLM",),
+    model_types={"falcon": "FalconForCausalLM"},
+    model="jvllm.models.neox:GPTNeoXForCausalLM",
+    name_map="falcon",
+    defaults={"norm_kind": "layer", "mlp_gated": False, "rms_norm_eps": 1e-5},
+    hf_fields={"rms_norm_eps": "layer_norm_epsilon", "hidden_act": "activation", "intermediate_size": "ffn_hidden_size",
+               "attention_bias": "bias", "o_bias": "bias", "mlp_bias": "bias"},
+    per_arch={"FalconForCausalLM": {"parallel_residual": Derived(_falcon_parallel),
+                                    "num_kv_heads": Derived(_falcon_kv_heads)}},
 ))
 register(Family(
     # GPT-NeoX / Pythia (jvllm.models.neox): LayerNorm, dense GELU MLP, biases, partial rotary,

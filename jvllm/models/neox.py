@@ -1,4 +1,6 @@
-"""GPT-NeoX (GPTNeoXForCausalLM: Pythia, the GPT-NeoX-20B family) in Flax NNX.
+"""GPT-NeoX (GPTNeoXForCausalLM: Pythia, the GPT-NeoX-20B family) in Flax NNX; its parallel layer
+also serves Falcon (FalconForCausalLM: no rotary fraction, multi-query or grouped KV heads; a
+norm both branches share is loaded into both of the layer's norms; families.py).
 
 Differences from the Llama decoder, each a ModelConfig field set by its registration or read from
 the config: LayerNorm with biases (`norm_kind`), a dense (ungated) MLP with biases and the exact
