@@ -16,7 +16,7 @@ from jvllm.quantization.config import QuantConfig
 # scaling as one divisor per frequency, no rope.scaling keys): rope_scaling {"factors": (...)}
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "freq_factors")
 # jvllm.ops.activations.NAMES (named here: this module imports no jax)
-_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu", "relu")
+_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu", "relu", "relu2")
 _NORM_KINDS = ("rms", "layer")
 _QK_NORM_LAYOUTS = ("head", "per_head", "all")
 

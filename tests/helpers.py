@@ -59,6 +59,10 @@ ARCHS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(num_key_value_heads=None, n_inner=128, n_positions=512)),
     # OPT: ReLU MLP (fc1 / fc2), LayerNorms, biases, learned positions offset by 2, tied head (multi-head)
     "opt": ("OPTConfig", "OPTForCausalLM", dict(num_key_value_heads=None, ffn_dim=128)),
+    # Arcee (AFM): the Llama decoder with an ungated ReLU^2 MLP
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
+    # ERNIE 4.5 (dense): interleaved rope, a bias on every projection
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(use_bias=True, initializer_range=0.1)),
     # StableLM 2: LayerNorms with biases, a quarter of each head rotary, q/k/v biases
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
     # Falcon: 7B's layout (multi-query, one norm for both parallel branches, no biases) and 40B's

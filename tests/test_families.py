@@ -56,7 +56,7 @@ def base_logits(ckpt_dir):
     ("cohere", "logit_scale", None), ("cohere2", "nope_layers", ()), ("cohere", "rope_interleaved", False),
     ("glm4", "rope_interleaved", False), ("ministral3", "attn_temperature_beta", None),
     ("gptj", "rope_interleaved", False), ("gptj", "partial_rotary_factor", 1.0),
-    ("stablelm", "partial_rotary_factor", 1.0)])
+    ("stablelm", "partial_rotary_factor", 1.0), ("ernie4_5", "rope_interleaved", False), ("arcee", "hidden_act", "relu")])
 def test_variant_matters(base_logits, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""
@@ -86,11 +86,11 @@ def test_activations_are_transformers():
         want = ACT2FN[name](torch.from_numpy(x)).numpy()
         np.testing.assert_allclose(np.asarray(activation(name)(x)), want, atol=2e-6, err_msg=name)
     assert np.abs(np.asarray(activation("gelu")(x)) - np.asarray(activation("gelu_new")(x))).max() > 1e-4
-    with pytest.raises(ValueError, match="unsupported activation 'relu2'; supported: silu"):
-        activation("relu2")
+    with pytest.raises(ValueError, match="unsupported activation 'xielu'; supported: silu"):
+        activation("xielu")
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "falcon_40b", "gpt_neox",
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "falcon_40b", "ernie4_5", "gpt_neox",
                                   "starcoder2", "cohere2", "glm4"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked

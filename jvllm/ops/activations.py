@@ -6,6 +6,7 @@ gated MLPs and the mixture-of-experts kernels all look them up here).
                        under GPT-2's name
   gelu                 the exact (erf) GELU (GPT-NeoX / Pythia)
   relu                 max(x, 0) (OPT)
+  relu2                max(x, 0)^2 (Arcee's ungated MLP)
 
 `jvllm.config.ModelConfig` checks a config's `hidden_act` against `NAMES` (no jax import there).
 """
@@ -15,11 +16,12 @@ import functools
 
 import jax
 
-NAMES = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu", "relu")
+NAMES = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu", "relu", "relu2")
 _FUNCTIONS = {"silu": jax.nn.silu, "swish": jax.nn.silu,
               "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
               "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
-              "gelu": functools.partial(jax.nn.gelu, approximate=False), "relu": jax.nn.relu}
+              "gelu": functools.partial(jax.nn.gelu, approximate=False), "relu": jax.nn.relu,
+              "relu2": lambda x: jax.numpy.square(jax.nn.relu(x))}
 
 
 def activation(name: str):
