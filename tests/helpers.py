@@ -63,6 +63,9 @@ ARCHS = {
     "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
     # ERNIE 4.5 (dense): interleaved rope, a bias on every projection
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(use_bias=True, initializer_range=0.1)),
+    # Seed-OSS: q/k/v biases, o_proj's bias apart (attention_out_bias), MLP biases
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_bias=True, attention_out_bias=True,
+                                                            mlp_bias=True)),
     # StableLM 2: LayerNorms with biases, a quarter of each head rotary, q/k/v biases
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
     # Falcon: 7B's layout (multi-query, one norm for both parallel branches, no biases) and 40B's
