@@ -82,7 +82,8 @@ class ModelConfig:
     use `local_rope_theta` / `local_rope_scaling` when set (Gemma 3), else the global rope.
 
     Family variants (each read by the shared layers in `jvllm.models.layers`):
-      norm_unit_offset     RMSNorm scales by (1 + w) in float32, then casts (Gemma)
+      norm_unit_offset     the norm scales by (1 + w) in float32, then casts (Gemma's RMSNorm,
+                           Nemotron's LayerNorm1P)
       norm_scale_f32       RMSNorm scales by w in float32, then casts (OLMo 2; Llama casts first)
       norm_kind            "rms" (RMSNorm) or "layer" (LayerNorm: GPT-2, GPT-NeoX, Cohere);
                            `rms_norm_eps` is the epsilon of either

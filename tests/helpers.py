@@ -66,6 +66,8 @@ ARCHS = {
     # Seed-OSS: q/k/v biases, o_proj's bias apart (attention_out_bias), MLP biases
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_bias=True, attention_out_bias=True,
                                                             mlp_bias=True)),
+    # Nemotron: LayerNorm1P (1 + w, with a bias), ungated ReLU^2 MLP, rope on half of each head
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(initializer_range=0.1)),
     # StableLM 2: LayerNorms with biases, a quarter of each head rotary, q/k/v biases
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(use_qkv_bias=True)),
     # Falcon: 7B's layout (multi-query, one norm for both parallel branches, no biases) and 40B's

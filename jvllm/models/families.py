@@ -217,6 +217,19 @@ register(Family(
     per_arch={"GPTJForCausalLM": {"partial_rotary_factor": Derived(_gptj_rotary_factor)}},
 ))
 register(Family(
+    # Nemotron (NemotronForCausalLM: Nemotron-4, Minitron, Mistral-NeMo-Minitron): the Llama decoder
+    # with LayerNorm1P (LayerNorm scaled by 1 + w, with a bias), an ungated ReLU^2 MLP and rope on
+    # half of each head; LayerNorm biases through name map "starcoder2"
+    name="nemotron",
+    architectures=("NemotronForCausalLM",),
+    model_types={"nemotron": "NemotronForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    name_map="starcoder2",
+    defaults={"norm_kind": "layer", "norm_unit_offset": True, "mlp_gated": False, "rms_norm_eps": 1e-5},
+    hf_fields={"rms_norm_eps": "norm_eps", "attention_bias": "attention_bias", "o_bias": "attention_bias",
+               "mlp_bias": "mlp_bias"},
+))
+register(Family(
     # StableLM 2 / StableLM Zephyr (StableLmForCausalLM): the Llama decoder with LayerNorms with
     # biases, rope on the first quarter of each head (partial_rotary_factor), optional q/k/v biases
     # (use_qkv_bias); LayerNorm biases through name map "starcoder2". StableLM 2 12B's parallel

@@ -47,17 +47,19 @@ class RMSNorm(nnx.Module):
 
 class LayerNorm(nnx.Module):
     """torch.nn.LayerNorm (GPT-2, GPT-NeoX; Cohere's has no bias): (x - mean) / sqrt(var + eps) * w
-    (+ b), in float32, then cast. The weight has `shape`; the last `reduce_dims` axes are normalised
-    jointly (Command R+'s q/k norms: weights [heads, head_dim], each head over head_dim).
+    (+ b), in float32, then cast; unit_offset=True scales by (1 + w) instead (Nemotron's
+    LayerNorm1P; the stored weight is w). The weight has `shape`; the last `reduce_dims` axes are
+    normalised jointly (Command R+'s q/k norms: weights [heads, head_dim], each head over head_dim).
     fixed_order as RMSNorm's."""
 
     def __init__(self, shape: int | tuple[int, ...], eps: float, dtype, axes=("norm",), fixed_order: bool = False,
-                 bias: bool = True, reduce_dims: int = 1):
+                 bias: bool = True, reduce_dims: int = 1, unit_offset: bool = False):
         self.eps = eps
         self.mean = tree_mean if fixed_order else jnp.mean  # chosen once
         self.reduce_dims = reduce_dims
+        self.unit_offset = unit_offset
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        self.weight = declare(shape, axes, dtype, ones=True)
+        self.weight = declare(shape, axes, dtype, ones=not unit_offset)
         self.has_bias = bias
         if bias:
             self.bias = declare(shape, axes, dtype)
@@ -67,7 +69,8 @@ class LayerNorm(nnx.Module):
         flat = _joint(xf, self.reduce_dims)
         d = flat - self.mean(flat, axis=-1, keepdims=True)
         y = (d * jax.lax.rsqrt(self.mean(d * d, axis=-1, keepdims=True) + self.eps)).reshape(xf.shape)
-        y = y * self.weight[...].astype(jnp.float32)
+        w = self.weight[...].astype(jnp.float32)
+        y = y * (1.0 + w if self.unit_offset else w)
         return (y + self.bias[...].astype(jnp.float32) if self.has_bias else y).astype(x.dtype)
 
 
@@ -77,6 +80,6 @@ def norm(cfg: ModelConfig, shape: int | tuple[int, ...], dtype, axes=("norm",),
     `reduce_dims` axes jointly."""
     if cfg.norm_kind == "layer":
         return LayerNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, fixed_order=cfg.batch_invariant,
-                         bias=cfg.norm_bias, reduce_dims=reduce_dims)
+                         bias=cfg.norm_bias, reduce_dims=reduce_dims, unit_offset=cfg.norm_unit_offset)
     return RMSNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, unit_offset=cfg.norm_unit_offset,
                    fixed_order=cfg.batch_invariant, scale_f32=cfg.norm_scale_f32, reduce_dims=reduce_dims)
