@@ -7,6 +7,12 @@ from __future__ import annotations
 from jvllm.models.registry import Derived, Family, FromHF, TextOnly, register, register_text_only
 
 
+# the GPT-2 model class's blocks (GPT-2, OPT, GPTBigCode): LayerNorms, a dense MLP, biases on every
+# projection, learned positions
+GPT_BLOCKS = {"norm_kind": "layer", "mlp_gated": False, "learned_positions": True, "attention_bias": True,
+              "o_bias": True, "mlp_bias": True}
+
+
 def _smollm3_nope(hf) -> tuple:
     """SmolLM3's no_rope_layers: 1 = rope, 0 = no rotary embedding (NoPE)."""
     return tuple(i for i, r in enumerate(getattr(hf, "no_rope_layers", None) or ()) if not r)
@@ -263,8 +269,7 @@ register(Family(
     model_types={"gpt2": "GPT2LMHeadModel"},
     model="jvllm.models.gpt2:GPT2LMHeadModel",
     name_map="gpt2",
-    defaults={"norm_kind": "layer", "mlp_gated": False, "learned_positions": True, "attention_bias": True,
-              "o_bias": True, "mlp_bias": True},
+    defaults=GPT_BLOCKS,
     hf_fields={"hidden_act": "activation_function", "rms_norm_eps": "layer_norm_epsilon"},
     per_arch={"GPT2LMHeadModel": {"attention_multiplier": Derived(_gpt2_attention_scale)}},
     # attention variants transformers' GPT-2 honours and jvllm does not implement
@@ -278,8 +283,7 @@ register(Family(
     model_types={"opt": "OPTForCausalLM"},
     model="jvllm.models.gpt2:GPT2LMHeadModel",
     name_map="opt",
-    defaults={"norm_kind": "layer", "mlp_gated": False, "learned_positions": True, "rms_norm_eps": 1e-5,
-              "attention_bias": True, "o_bias": True, "mlp_bias": True},
+    defaults={**GPT_BLOCKS, "rms_norm_eps": 1e-5},
     hf_fields={"hidden_act": "activation_function", "intermediate_size": "ffn_dim", "attention_bias": "enable_bias",
                "o_bias": "enable_bias", "mlp_bias": "enable_bias"},
     per_arch={"OPTForCausalLM": {"position_offset": Derived(_opt_position_offset)}},
@@ -293,8 +297,7 @@ register(Family(
     model_types={"gpt_bigcode": "GPTBigCodeForCausalLM"},
     model="jvllm.models.gpt2:GPT2LMHeadModel",
     name_map="gpt_bigcode",
-    defaults={"norm_kind": "layer", "mlp_gated": False, "learned_positions": True, "attention_bias": True,
-              "o_bias": True, "mlp_bias": True, "rms_norm_eps": 1e-5},
+    defaults={**GPT_BLOCKS, "rms_norm_eps": 1e-5},
     hf_fields={"hidden_act": "activation_function", "rms_norm_eps": "layer_norm_epsilon"},
     per_arch={"GPTBigCodeForCausalLM": {"num_kv_heads": Derived(_bigcode_kv_heads),
                                         "attention_multiplier": Derived(_gpt2_attention_scale)}},
