@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .name_map import (_QKV, _QKV_BIAS, _expect, t_bias_heads, t_identity, t_in_heads, t_out_heads, t_split_qkv,
-                       t_transpose)
+from .name_map import _QKV, _QKV_BIAS, _expect, t_bias_heads, t_identity, t_in_heads, t_out_heads, t_transpose
 
 
 def t_conv1d_qkv(name, a, tgts):  # GPT-2's Conv1D c_attn [embed, 3 * H*hd] (q | k | v) -> q, k, v [embed, H, hd]
@@ -78,28 +77,19 @@ OPT_RULES = [  # OPT: Linear layers ([out, in]) with biases, out_proj, fc1 / fc2
     (_OD + r"final_layer_norm\.(weight|bias)", r"norm.\1", t_identity),
     (r"lm_head\.weight", "lm_head", t_transpose),
 ]
-def t_bigcode_qkv(name, a, tgts):  # GPTBigCode c_attn: MQA [q | k | v] blocks, MHA per-head [q; k; v]
-    return t_split_qkv(name, a, tgts) if tgts[1][1] == 1 else t_neox_qkv(name, a, tgts)
 
 
-def t_bigcode_qkv_bias(name, a, tgts):  # its bias: MQA [H*hd | hd | hd], MHA per head [q; k; v]
-    (h, hd), (k, _), _ = tgts
-    if k != 1:
-        return t_neox_qkv_bias(name, a, tgts)
-    _expect(name, a, ((h + 2) * hd,))
-    q, kk, v = np.split(a, [h * hd, (h + 1) * hd])
-    return q.reshape(h, hd), kk.reshape(1, hd), v.reshape(1, hd)
-
-
-def t_falcon_qkv(name, a, tgts):  # Falcon query_key_value: per KV group [its G queries; k; v] rows
-    (d, h, hd), (_, k, _), _ = tgts  # (one group: MQA's [q | k | v] blocks; G = 1: per head)
+def t_grouped_qkv(name, a, tgts):  # fused q/k/v rows per KV group: [its G queries; its k; its v]
+    """Falcon's query_key_value and GPTBigCode's c_attn. One group (multi-query) is [q | k | v] in
+    blocks; one query per group (multi-head) interleaves q, k and v per head (NeoX's layout)."""
+    (d, h, hd), (_, k, _), _ = tgts
     _expect(name, a, ((h + 2 * k) * hd, d))
     g = a.reshape(k, h // k + 2, hd, d)
     return (g[:, :-2].reshape(h, hd, d).transpose(2, 0, 1), g[:, -2].transpose(2, 0, 1),
             g[:, -1].transpose(2, 0, 1))
 
 
-def t_falcon_qkv_bias(name, a, tgts):  # its bias, the same layout
+def t_grouped_qkv_bias(name, a, tgts):  # its bias, the same layout
     (h, hd), (k, _), _ = tgts
     _expect(name, a, ((h + 2 * k) * hd,))
     g = a.reshape(k, h // k + 2, hd)
@@ -112,57 +102,55 @@ def t_twice(name, a, tgts):  # one tensor feeding two params of its shape (a nor
     return tuple(a for _ in tgts)
 
 
-_F = r"transformer\.h\.(\d+)\."
+_TH = r"transformer\.h\.(\d+)\."  # a block of Falcon, GPTBigCode and GPT-J
 FALCON_RULES = [  # Falcon: fused grouped query_key_value, dense, dense_h_to_4h / dense_4h_to_h, LayerNorms
     (r"transformer\.word_embeddings\.weight", "embed", t_identity),
     # one norm feeding attention and MLP (7B; the 40B with num_ln_in_parallel_attn=1): both of the
     # parallel layer's norms; the 40B / 180B's ln_attn and ln_mlp: one each
-    (_F + r"input_layernorm\.(weight|bias)", (r"layers.\1.input_layernorm.\2", r"layers.\1.post_attention_layernorm.\2"),
+    (_TH + r"input_layernorm\.(weight|bias)", (r"layers.\1.input_layernorm.\2", r"layers.\1.post_attention_layernorm.\2"),
      t_twice),
-    (_F + r"ln_attn\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
-    (_F + r"ln_mlp\.(weight|bias)", r"layers.\1.post_attention_layernorm.\2", t_identity),
-    (_F + r"self_attention\.query_key_value\.weight", _QKV, t_falcon_qkv),
-    (_F + r"self_attention\.query_key_value\.bias", _QKV_BIAS, t_falcon_qkv_bias),
-    (_F + r"self_attention\.dense\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
-    (_F + r"self_attention\.dense\.bias", r"layers.\1.self_attn.o_bias", t_identity),
-    (_F + r"mlp\.dense_h_to_4h\.weight", r"layers.\1.mlp.up_proj", t_transpose),
-    (_F + r"mlp\.dense_h_to_4h\.bias", r"layers.\1.mlp.up_bias", t_identity),
-    (_F + r"mlp\.dense_4h_to_h\.weight", r"layers.\1.mlp.down_proj", t_transpose),
-    (_F + r"mlp\.dense_4h_to_h\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (_TH + r"ln_attn\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
+    (_TH + r"ln_mlp\.(weight|bias)", r"layers.\1.post_attention_layernorm.\2", t_identity),
+    (_TH + r"self_attention\.query_key_value\.weight", _QKV, t_grouped_qkv),
+    (_TH + r"self_attention\.query_key_value\.bias", _QKV_BIAS, t_grouped_qkv_bias),
+    (_TH + r"self_attention\.dense\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_TH + r"self_attention\.dense\.bias", r"layers.\1.self_attn.o_bias", t_identity),
+    (_TH + r"mlp\.dense_h_to_4h\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_TH + r"mlp\.dense_h_to_4h\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_TH + r"mlp\.dense_4h_to_h\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_TH + r"mlp\.dense_4h_to_h\.bias", r"layers.\1.mlp.down_bias", t_identity),
     (r"transformer\.ln_f\.(weight|bias)", r"norm.\1", t_identity),
     (r"lm_head\.weight", "lm_head", t_transpose),
 ]
-_B = r"transformer\.h\.(\d+)\."
 BIGCODE_RULES = [  # GPTBigCode (StarCoder 1, SantaCoder): Linear layers ([out, in]), fused c_attn, learned positions
     (r"transformer\.wte\.weight", "embed", t_identity),
     (r"transformer\.wpe\.weight", "pos_embed", t_identity),
-    (_B + r"ln_1\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
-    (_B + r"ln_2\.(weight|bias)", r"layers.\1.post_attention_layernorm.\2", t_identity),
-    (_B + r"attn\.c_attn\.weight", _QKV, t_bigcode_qkv),
-    (_B + r"attn\.c_attn\.bias", _QKV_BIAS, t_bigcode_qkv_bias),
-    (_B + r"attn\.c_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
-    (_B + r"attn\.c_proj\.bias", r"layers.\1.self_attn.o_bias", t_identity),
-    (_B + r"mlp\.c_fc\.weight", r"layers.\1.mlp.up_proj", t_transpose),
-    (_B + r"mlp\.c_fc\.bias", r"layers.\1.mlp.up_bias", t_identity),
-    (_B + r"mlp\.c_proj\.weight", r"layers.\1.mlp.down_proj", t_transpose),
-    (_B + r"mlp\.c_proj\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (_TH + r"ln_1\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
+    (_TH + r"ln_2\.(weight|bias)", r"layers.\1.post_attention_layernorm.\2", t_identity),
+    (_TH + r"attn\.c_attn\.weight", _QKV, t_grouped_qkv),
+    (_TH + r"attn\.c_attn\.bias", _QKV_BIAS, t_grouped_qkv_bias),
+    (_TH + r"attn\.c_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_TH + r"attn\.c_proj\.bias", r"layers.\1.self_attn.o_bias", t_identity),
+    (_TH + r"mlp\.c_fc\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_TH + r"mlp\.c_fc\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_TH + r"mlp\.c_proj\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_TH + r"mlp\.c_proj\.bias", r"layers.\1.mlp.down_bias", t_identity),
     (r"transformer\.ln_f\.(weight|bias)", r"norm.\1", t_identity),
     (r"lm_head\.weight", "lm_head", t_transpose),
 ]
-_J = r"transformer\.h\.(\d+)\."
 GPTJ_RULES = [  # GPT-J: Linear layers ([out, in]), q/k/v/out_proj without biases, fc_in / fc_out, a biased head
     (r"transformer\.wte\.weight", "embed", t_identity),
-    (_J + r"ln_1\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
-    (_J + r"attn\.(q|k|v)_proj\.weight", r"layers.\1.self_attn.\2_proj", t_in_heads),
-    (_J + r"attn\.out_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
-    (_J + r"mlp\.fc_in\.weight", r"layers.\1.mlp.up_proj", t_transpose),
-    (_J + r"mlp\.fc_in\.bias", r"layers.\1.mlp.up_bias", t_identity),
-    (_J + r"mlp\.fc_out\.weight", r"layers.\1.mlp.down_proj", t_transpose),
-    (_J + r"mlp\.fc_out\.bias", r"layers.\1.mlp.down_bias", t_identity),
+    (_TH + r"ln_1\.(weight|bias)", r"layers.\1.input_layernorm.\2", t_identity),
+    (_TH + r"attn\.(q|k|v)_proj\.weight", r"layers.\1.self_attn.\2_proj", t_in_heads),
+    (_TH + r"attn\.out_proj\.weight", r"layers.\1.self_attn.o_proj", t_out_heads),
+    (_TH + r"mlp\.fc_in\.weight", r"layers.\1.mlp.up_proj", t_transpose),
+    (_TH + r"mlp\.fc_in\.bias", r"layers.\1.mlp.up_bias", t_identity),
+    (_TH + r"mlp\.fc_out\.weight", r"layers.\1.mlp.down_proj", t_transpose),
+    (_TH + r"mlp\.fc_out\.bias", r"layers.\1.mlp.down_bias", t_identity),
     (r"transformer\.ln_f\.(weight|bias)", r"norm.\1", t_identity),
     (r"lm_head\.weight", "lm_head", t_transpose),
     (r"lm_head\.bias", "lm_head_bias", t_identity),
-    (_J + r"attn\.(bias|masked_bias)", None, None),  # old checkpoints' causal-mask buffers
+    (_TH + r"attn\.(bias|masked_bias)", None, None),  # old checkpoints' causal-mask buffers
 ]
 _N = r"gpt_neox\.layers\.(\d+)\."
 NEOX_RULES = [

@@ -194,7 +194,7 @@ def test_bigcode_qkv_layouts_differ():
     """GPTBigCode's fused c_attn: one KV head takes [q | k | v] blocks, MHA takes each head's
     [q; k; v] rows (transformers' view as [heads, 3 * head_dim]); the two splits of one MHA tensor
     differ, so a wrong choice cannot pass the parity tests."""
-    from jvllm.converters.gpt_names import t_bigcode_qkv
+    from jvllm.converters.gpt_names import t_grouped_qkv as t_bigcode_qkv
     from jvllm.converters.name_map import t_split_qkv
 
     rng = np.random.default_rng(0)
