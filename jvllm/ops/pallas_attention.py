@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jvllm.ops.kv_quant import QuantizedPages
+from jvllm.ops.pallas_grouped_matmul import pick
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -62,8 +63,7 @@ def _kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, *refs, pages_per_block: int, s
         T, _, D = q_ref.shape
         M = Qt * G
         info = info_ref[...]
-        t0 = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (2,), 0) == 0, info, 0))
-        nv = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (2,), 0) == 1, info, 0))
+        t0, nv = pick(info, 0), pick(info, 1)
         win = jnp.minimum(t0, T - Qt)  # the Qt-row window holding the tile, inside [0, T)
         tok = win + lax.broadcasted_iota(jnp.int32, (Qt,), 0)
         mine = (tok >= t0) & (tok < t0 + nv)
