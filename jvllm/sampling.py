@@ -97,16 +97,11 @@ class SamplerImpl:
     batch-invariant mode). looped_passes: the search's passes run as one `lax.fori_loop` body
     instead of unrolled (the same arithmetic, so the same ids): on CPUs, where 1-bit passes make 32
     unrolled passes per search that XLA takes seconds to compile (benchmarks/README.md); GPUs keep
-    them unrolled (a while loop's trip test would be a device-to-host round trip per pass).
-    recompute_passes: each pass over [R, V] (the searches, the kept mass, the final draw)
-    recomputes the keys and weights from the logits behind an optimization barrier, so it reads
-    one [R, V] array instead of two materialized ones (GPUs: the passes are memory-bound). The
-    same arithmetic, so the same ids."""
+    them unrolled (a while loop's trip test would be a device-to-host round trip per pass)."""
     radix_bits: int = 4
     branchy: bool = False
     fixed_order_sums: bool = False
     looped_passes: bool = False
-    recompute_passes: bool = False
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):
@@ -115,8 +110,7 @@ class SamplerImpl:
     @staticmethod
     def for_platform(platform: str) -> "SamplerImpl":
         cpu = platform == "cpu"
-        gpu = platform == "gpu"
-        return SamplerImpl(radix_bits=1 if cpu else 4, branchy=not gpu, looped_passes=cpu, recompute_passes=gpu)
+        return SamplerImpl(radix_bits=1 if cpu else 4, branchy=platform != "gpu", looped_passes=cpu)
 
 
 def apply_token_mask(logits, words):
@@ -171,19 +165,16 @@ def _row_sum(x, impl: SamplerImpl):
     return jnp.sum(x, axis=-1)
 
 
-def _radix_search(uw, target, bits: int, fixed_order: bool = False, looped: bool = False):
+def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bool = False):
     """Per row, the largest uint32 t with sum(w where u >= t) >= target, for w >= 0 and a target
-    the whole row's sum reaches (t = 0 qualifies); `uw(t)` gives (u, w) [R, V] for the pass that
-    refines t (the same arrays, or recomputed per pass). `bits` bits of t per pass, from the top:
-    each pass sums w above the 2**bits - 1 candidate prefixes in one variadic reduction over
-    [R, V] and keeps the number of candidates that reach the target (the sums fall as the
-    candidate rises: the same reduction with terms dropped). No data-dependent control flow;
-    `looped`: the passes as a fori_loop of a fixed trip count (`SamplerImpl.looped_passes`),
-    unrolled otherwise."""
+    the whole row's sum reaches (t = 0 qualifies). `bits` bits of t per pass, from the top: each
+    pass sums w above the 2**bits - 1 candidate prefixes in one variadic reduction over [R, V] and
+    keeps the number of candidates that reach the target (the sums fall as the candidate rises:
+    the same reduction with terms dropped). No data-dependent control flow; `looped`: the passes
+    as a fori_loop of a fixed trip count (`SamplerImpl.looped_passes`), unrolled otherwise."""
     n = (1 << bits) - 1
 
     def one_pass(t, shift):
-        u, w = uw(t)
         cands = [t | (jnp.uint32(j) << shift) for j in range(1, n + 1)]
         ops = tuple(jnp.where(u >= c[:, None], w, 0.0) for c in cands)
         if fixed_order:  # batch-invariant mode: one fixed pairwise tree per sum (jvllm.ops.fixed_order)
@@ -195,7 +186,7 @@ def _radix_search(uw, target, bits: int, fixed_order: bool = False, looped: bool
         digit = sum((s >= target).astype(jnp.uint32) for s in sums)
         return t | (digit << shift)
 
-    t = jnp.zeros((target.shape[0],), jnp.uint32)
+    t = jnp.zeros((u.shape[0],), jnp.uint32)
     if looped:
         shift_of = lambda i: jnp.uint32(32 - bits) - jnp.uint32(bits) * i.astype(jnp.uint32)  # noqa: E731
         return jax.lax.fori_loop(0, 32 // bits, lambda i, t: one_pass(t, shift_of(i)), t)
@@ -209,45 +200,27 @@ def _maybe(impl: SamplerImpl, pred, fn, other):
     return jax.lax.cond(pred, fn, other) if impl.branchy else fn()
 
 
-def _draw(logits, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
-    """Token ids [R] from processed logits [R, V]: greedy rows argmax, the others temperature ->
+def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
+    """Token ids [R] from processed logits x [R, V]: greedy rows argmax, the others temperature ->
     min_p -> top_k -> top_p -> Gumbel-max over the kept tokens."""
-    R, V = logits.shape
+    R, V = x.shape
     greedy = sb.temperature <= 0.0
-    temp = jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, 1e-5))[:, None]
-    mx = jnp.max(logits / temp, axis=-1)
-
-    def prep(raw):
-        """(x, e, u) [R, V]: the tempered logits with min_p's drops at -inf, their weights
-        exp(x - max) (0 where dropped) and the order keys of x."""
-        x = raw / temp
-        e = jnp.exp(x - mx[:, None])
-        drop = e < sb.min_p[:, None]  # min_p: p < min_p * p_max
-        x = jnp.where(drop, -jnp.inf, x)
-        return x, jnp.where(drop, 0.0, e), _ukey(x)
-
-    shared = prep(logits)
-
-    def fresh(dep):
-        """prep's arrays for a pass that uses `dep` (recomputed behind a barrier on `dep`, which
-        no other pass shares, so XLA neither reuses nor hoists them), or the shared ones."""
-        if not impl.recompute_passes:
-            return shared
-        raw, _ = jax.lax.optimization_barrier((logits, dep))
-        return prep(raw)
-
+    x = x / jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, 1e-5))[:, None]
+    mx = jnp.max(x, axis=-1)
+    e = jnp.exp(x - mx[:, None])
+    drop = e < sb.min_p[:, None]  # min_p: p < min_p * p_max
+    x = jnp.where(drop, -jnp.inf, x)
+    e = jnp.where(drop, 0.0, e)
+    u = _ukey(x)
     umax = _ukey(mx)
     t = jnp.zeros((R,), jnp.uint32)
     use_k, use_p = sb.top_k < V, sb.top_p < 1.0
     zeros = lambda: jnp.zeros((R,), jnp.uint32)  # noqa: E731
     if v.search >= 1:  # top_k rows count tokens, top_p rows sum mass (renormalized: target p * sum)
         def first():
-            def uw(t):
-                _, e, u = fresh(t)
-                return u, jnp.where(use_k[:, None], 1.0, e)
-
-            target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * _row_sum(shared[1], impl))
-            found = _radix_search(uw, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes)
+            w = jnp.where(use_k[:, None], 1.0, e)
+            target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * _row_sum(e, impl))
+            found = _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes)
             return jnp.where(use_k | use_p, found, 0)
 
         t = _maybe(impl, jnp.any((use_k | use_p) & ~greedy), first, zeros)
@@ -255,19 +228,12 @@ def _draw(logits, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
         both = use_k & use_p
 
         def second():
-            _, e, u = fresh(t)
             kept_mass = _row_sum(jnp.where(u >= t[:, None], e, 0.0), impl)
-
-            def uw(t2):
-                _, e, u = fresh((t, t2))
-                return u, e
-
-            return jnp.where(both, _radix_search(uw, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums,
+            return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums,
                                                    impl.looped_passes), 0)
 
         t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
     t = jnp.where(greedy, umax, jnp.minimum(t, umax))
-    x, _, u = fresh(t)
     g = jnp.where(greedy[:, None], 0.0, _gumbel(sb, V))
     return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1).astype(jnp.int32)
 

@@ -12,7 +12,7 @@ from jvllm.worker.programs import sample_variants
 from jvllm.worker.sampler import FLAG_LOGPROBS, FLAG_MASK, RowLayout, allow_bits, choose_variant, plan
 
 V, L = 100, 16
-GPU, CPU = SamplerImpl.for_platform("gpu"), SamplerImpl(1, True)
+GPU, CPU = SamplerImpl(4, False), SamplerImpl(1, True)
 
 
 def _row(seed=1, prompt=(5, 6, 7), out=(), grammar=None, samples=True, **kw):

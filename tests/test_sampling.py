@@ -324,8 +324,8 @@ def _mixed_batch(R, Vl, seed):
     return jnp.asarray(logits), sb
 
 
-IMPLS = {"gpu": SamplerImpl(4, False, recompute_passes=True), "cpu": SamplerImpl(1, True, looped_passes=True),
-         "tpu": SamplerImpl(4, True), "radix2": SamplerImpl(2, False), "gpu_shared": SamplerImpl(4, False)}
+IMPLS = {"gpu": SamplerImpl(4, False), "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
+         "radix2": SamplerImpl(2, False)}
 
 
 def test_impls_are_the_platforms():
@@ -337,7 +337,7 @@ def _jit_sample(impl, variant=None):
     return jax.jit(functools.partial(sample, impl=impl, variant=variant))
 
 
-@pytest.mark.parametrize("impl", ["gpu", "cpu", "tpu", "gpu_shared"])
+@pytest.mark.parametrize("impl", ["gpu", "cpu", "tpu"])
 def test_threshold_path_matches_full_sort(impl):
     """Every row -- top_k of any size, a nucleus from narrow to nearly the whole vocabulary, both,
     min_p, temperatures -- draws the token a full sort draws with the same noise."""
@@ -392,8 +392,7 @@ def test_radix_search_finds_the_largest_threshold(bits):
     w = np.where(rng.random((R, Vl)) < 0.5, 1.0, rng.random((R, Vl))).astype(np.float32)
     u = np.asarray(_ukey(jnp.asarray(x)))
     target = (rng.random(R) * w.sum(1)).astype(np.float32)
-    search = jax.jit(lambda u, w, target: _radix_search(lambda t: (u, w), target, bits))
-    got = np.asarray(search(jnp.asarray(u), jnp.asarray(w), jnp.asarray(target)))
+    got = np.asarray(jax.jit(_radix_search, static_argnums=3)(jnp.asarray(u), jnp.asarray(w), jnp.asarray(target), bits))
     for r in range(R):
         ok = [c for c in np.unique(u[r]).tolist() + [0] if w[r][u[r] >= c].sum() >= target[r]]
         assert got[r] == max(ok), r

@@ -9,8 +9,7 @@ Cases: greedy (argmax, the reference cost), temperature 0.8 alone, + top_p 0.95,
 flat rows by default; --scale 4 gives peaked rows). The old sampler runs as each platform ran it
 (`branchless`: True on GPUs, False elsewhere) and both ways with --both-old; the new one in its
 smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of gpu
-(radix 4, no conds, passes recomputed from the logits), gpushared (the same with the keys and
-weights materialized once), gpu2 / gpu1 (radix 2 / 1 as gpu), cpu (radix 1, conds), tpu (radix 4,
+(radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), cpu (radix 1, conds), tpu (radix 4,
 conds). Times are medians of --reps calls after one untimed call (compile), each ending with
 block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
 passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
@@ -37,10 +36,7 @@ CASES = {
     "min_p": dict(temperature=0.8, min_p=0.05),
     "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95),
 }
-IMPLS = {"gpu": dict(radix_bits=4, branchy=False, recompute_passes=True),
-         "gpushared": dict(radix_bits=4, branchy=False), "gpu2": dict(radix_bits=2, branchy=False, recompute_passes=True),
-         "gpu1": dict(radix_bits=1, branchy=False, recompute_passes=True), "cpu": dict(radix_bits=1, branchy=True),
-         "tpu": dict(radix_bits=4, branchy=True)}
+IMPLS = {"gpu": (4, False), "gpu2": (2, False), "gpu1": (1, False), "cpu": (1, True), "tpu": (4, True)}
 
 
 def load_old(base: str | None, old_file: str | None):
@@ -101,17 +97,8 @@ def time_parts(mod, logits, reps: int) -> dict:
     out = {"pre_ms": 1e3 * timed(jax.jit(pre), logits, reps=reps)[0]}
     u, e, target = jax.jit(pre)(logits)
     for bits in (4, 2, 1):
-        f = jax.jit(lambda u, e, target, bits=bits: mod._radix_search(lambda t: (u, e), target, bits))
+        f = jax.jit(functools.partial(mod._radix_search, bits=bits))
         out[f"search_radix{bits}_ms"] = 1e3 * timed(f, u, e, target, reps=reps)[0]
-
-    def recomputed(x, target):  # each pass recomputes keys and weights from the logits (recompute_passes)
-        def uw(t):
-            xb, _ = jax.lax.optimization_barrier((x, t))
-            xb = xb / 0.8
-            return mod._ukey(xb), jnp.exp(xb - jnp.max(x / 0.8, axis=-1)[:, None])
-        return mod._radix_search(uw, target, 4)
-
-    out["search_radix4_recomputed_ms"] = 1e3 * timed(jax.jit(recomputed), logits, target, reps=reps)[0]
     noise = jax.jit(lambda x: jnp.argmax(x + mod._gumbel(sb, V), axis=-1))
     out["gumbel_argmax_ms"] = 1e3 * timed(noise, logits, reps=reps)[0]
     out["argmax_ms"] = 1e3 * timed(jax.jit(lambda x: jnp.argmax(x, axis=-1)), logits, reps=reps)[0]
@@ -153,7 +140,7 @@ def main(argv=None):
     old_modes = [True, False] if a.both_old else [platform == "gpu"]
     impls = {"platform": SamplerImpl.for_platform(platform)}
     for name in (i for i in a.impls.split(",") if i):
-        impls[name] = SamplerImpl(**IMPLS[name])
+        impls[name] = SamplerImpl(*IMPLS[name])
     argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
     rows = []
     for c in cases:
