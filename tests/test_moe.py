@@ -403,6 +403,14 @@ def test_grouped_matmul_probe_dry_run(tmp_path):
         ("one_device", "-"), ("expert_parallel", "gather"), ("expert_parallel", "all_to_all"),
         ("tensor_parallel", "gather"), ("groups", "gather"), ("groups", "all_to_all")}
     assert all(r["ms"] > 0 for r in rows)
+    # the launch sweep (interpreted here): plain and fused gate/up configs agree
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "moe_grouped_matmul.py"), "--tiny", "--tokens",
+                        "8", "--backends", "xla", "--iters", "1", "--sweep", "16x16x16x2x4,f16x16x32x2x4,ft16x16x16x2x4",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    sweep = [r for r in json.loads(out.read_text())["rows"] if r["mode"] == "sweep"]
+    assert [r["config"] for r in sweep] == ["16x16x16x2x4", "f16x16x32x2x4", "ft16x16x16x2x4"]
+    assert all(r["max_abs_diff_vs_first"] < 1e-5 and r["gate_up_ms"] > 0 and r["down_ms"] > 0 for r in sweep)
 
 
 def test_bench_active_weight_bytes():

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.ops.pallas_grouped_matmul import grouped_matmul, tile_table
+from jvllm.ops.pallas_grouped_matmul import grouped_glu, grouped_matmul, tile_table
 
 CASES = [
     (40, 32, 64, [10, 0, 25, 3]),     # empty group between others; 2 rows past the sum
@@ -31,6 +31,44 @@ def test_equals_ragged_dot(M, K, N, sizes, swap):
     want = jax.lax.ragged_dot(lhs, rhs, gs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
     assert np.all(np.asarray(got)[sum(sizes):] == 0)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("M,K,N,sizes", CASES[::2] + CASES[3:4])
+def test_grouped_glu_equals_two_matmuls(M, K, N, sizes, swap, act):
+    """The fused gate / up kernel equals act(ragged_dot(x, w_gate)) * ragged_dot(x, w_up); rows
+    past the groups' sum are 0."""
+    from jvllm.ops.activations import activation
+
+    rng = np.random.default_rng(M + 1)
+    G = len(sizes)
+    lhs = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.normal(size=(G, K, N)) * 0.3, jnp.float32) for _ in range(2))
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = jax.jit(lambda a, g, u, s: grouped_glu(a, g, u, s, act, bm=16, swap=swap))(lhs, wg, wu, gs)
+    want = activation(act)(jax.lax.ragged_dot(lhs, wg, gs)) * jax.lax.ragged_dot(lhs, wu, gs)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    assert np.all(np.asarray(got)[sum(sizes):] == 0)
+
+
+def test_grouped_glu_bfloat16_rounds_like_the_unfused_path():
+    """In bfloat16 the products are rounded before the activation, as two grouped matmuls and
+    `glu` compute it; mismatched weights and unknown activations are errors naming them."""
+    from jvllm.ops.grouped_matmul import glu
+
+    rng = np.random.default_rng(3)
+    lhs = jnp.asarray(rng.normal(size=(40, 64)), jnp.bfloat16)
+    wg, wu = (jnp.asarray(rng.normal(size=(4, 64, 32)) * 0.2, jnp.bfloat16) for _ in range(2))
+    gs = jnp.asarray([9, 0, 20, 6], jnp.int32)
+    got = grouped_glu(lhs, wg, wu, gs, "silu")
+    want = glu(grouped_matmul(lhs, wg, gs), grouped_matmul(lhs, wu, gs), "silu").astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="w_gate .* and w_up .* differ"):
+        grouped_glu(lhs, wg, wu[:, :, :16], gs, "silu")
+    with pytest.raises(ValueError, match="unsupported activation 'xielu'"):
+        grouped_glu(lhs, wg, wu, gs, "xielu")
 
 
 def test_bfloat16_and_output_dtype():
@@ -154,3 +192,5 @@ def test_lowers_to_triton_for_cuda(M, swap):
     kw = dict(bm=32, swap=True) if swap else {}
     f = lambda a, b, s: grouped_matmul(a, b, s, interpret=False, **kw)  # noqa: E731
     assert "__gpu$xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    g = lambda a, b, s: grouped_glu(a, b, b, s, "silu", interpret=False, **kw)  # noqa: E731
+    assert "__gpu$xla.gpu.triton" in jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

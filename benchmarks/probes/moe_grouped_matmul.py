@@ -35,9 +35,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--sweep", default="",
-                    help="pallas launch configs to time on the three grouped matmuls alone, e.g. "
-                         "'16x128x64x3x4,64x128x64x3x4' (bm x bn x bk x stages x warps; a leading t: "
-                         "the swapped product, e.g. t32x128x128x3x4)")
+                    help="pallas launch configs to time on the three grouped matmuls alone (gate/up with "
+                         "silu, then down, timed apart), e.g. '16x128x64x3x4,64x128x64x3x4' (bm x bn x bk x "
+                         "stages x warps; a leading f: gate, up and silu as one fused kernel; then t: the "
+                         "swapped product, e.g. t32x128x128x3x4, ft32x64x128x3x4)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_gmm.json"))
     a = ap.parse_args(argv)
 
@@ -101,22 +102,25 @@ def main(argv=None):
                 print(f"T={T:5d} {b:8s} {mode:16s} {rt:10s} {ms:9.3f} ms  experts {touched:3d}  "
                       f"{r['touched_weight_gb_s']:8.1f} GB/s of touched weights", flush=True)
         if a.sweep:
-            from jvllm.ops.pallas_grouped_matmul import grouped_matmul
+            from jvllm.ops.pallas_grouped_matmul import grouped_glu, grouped_matmul
 
             order, sizes = gm.sort_by_expert(idx, E)
             xs = x[order // k]
             hs = jnp.asarray(rng.normal(size=(xs.shape[0], I)), dtype)
             first_out = None
             for cfg in a.sweep.split(","):
-                sw = cfg.startswith("t")
-                bm, bn, bk, st, nw = (int(v) for v in cfg.lstrip("t").split("x"))
+                fused, sw = cfg.startswith("f"), "t" in cfg[:2]
+                bm, bn, bk, st, nw = (int(v) for v in cfg.lstrip("ft").split("x"))
                 kw = dict(bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw, swap=sw)
-                f = jax.jit(lambda xs, hs, sz, kw=kw: (
-                    grouped_matmul(xs, ws[0], sz, **kw), grouped_matmul(xs, ws[1], sz, **kw),
-                    grouped_matmul(hs, ws[2], sz, **kw)))
+                if fused:  # gate, up and silu in one kernel
+                    gu = jax.jit(lambda xs, sz, kw=kw: grouped_glu(xs, ws[0], ws[1], sz, "silu", **kw))
+                else:
+                    gu = jax.jit(lambda xs, sz, kw=kw: gm.glu(grouped_matmul(xs, ws[0], sz, **kw),
+                                                              grouped_matmul(xs, ws[1], sz, **kw), "silu"))
+                down = jax.jit(lambda hs, sz, kw=kw: grouped_matmul(hs, ws[2], sz, **kw))
                 try:
-                    ms = median_ms(f, (xs, hs, sizes), a.iters)
-                    got = f(xs, hs, sizes)
+                    gu_ms, down_ms = median_ms(gu, (xs, sizes), a.iters), median_ms(down, (hs, sizes), a.iters)
+                    got = (gu(xs, sizes), down(hs, sizes))
                 except Exception as e:
                     rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg,
                                      error=f"{type(e).__name__}: {e}"[:400]))
@@ -125,10 +129,12 @@ def main(argv=None):
                     first_out = got
                 diff = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
                            for g, r in zip(got, first_out))
-                rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg, ms=ms,
-                                 touched_weight_gb_s=need / (ms / 1e3) / 1e9, max_abs_diff_vs_first=diff))
-                print(f"T={T:5d} pallas {cfg:16s} {ms:9.3f} ms  {need / (ms / 1e3) / 1e9:8.1f} GB/s  "
-                      f"diff {diff:.3g}", flush=True)
+                ms = gu_ms + down_ms
+                rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg, ms=ms, gate_up_ms=gu_ms,
+                                 down_ms=down_ms, touched_weight_gb_s=need / (ms / 1e3) / 1e9,
+                                 max_abs_diff_vs_first=diff))
+                print(f"T={T:5d} pallas {cfg:16s} {ms:9.3f} ms (gate/up {gu_ms:.3f}, down {down_ms:.3f})  "
+                      f"{need / (ms / 1e3) / 1e9:8.1f} GB/s  diff {diff:.3g}", flush=True)
                 dump(a, E, k, D, I, dtype, rows, partial=True)
     dump(a, E, k, D, I, dtype, rows, partial=False)
     return 0
