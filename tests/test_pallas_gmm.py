@@ -115,8 +115,34 @@ def test_decode_launch_by_rows_against_experts():
 
     assert launch_defaults(8, 128) == (64, 64, 128, 4, 4, False)      # one token, top-8 of 128
     assert launch_defaults(2048, 128) == (64, 128, 128, 3, 8, False)  # 256 tokens: 16 rows per expert
+    assert launch_defaults(2048, 128, 768) == (64, 64, 128, 3, 4, False)  # its down projection (K = 768)
+    assert launch_defaults(2048, 128, 2048)[:2] == (64, 128)
     assert launch_defaults(8192, 128)[:2] == (64, 128)                # 64 rows per expert
     assert launch_defaults(16384, 128) == (128, 256, 64, 3, 8, False)  # 2,048 tokens: prefill
+
+
+def test_glu_fused_at_prefill_sizes_only():
+    """The pallas backend fuses gate / up / act over 64 rows per expert (prefill), not at decode."""
+    from jvllm.ops import grouped_matmul as gm
+    from jvllm.ops import pallas_grouped_matmul as pgm
+
+    assert not pgm.fuse_glu(2048, 128) and pgm.fuse_glu(16384, 128)
+    assert pgm.glu_launch_defaults(16384, 128, 2048) == (128, 128, 64, 3, 8, False)
+    calls = []
+    real = pgm.grouped_glu
+    try:
+        pgm.grouped_glu = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+        rng = np.random.default_rng(5)
+        wg, wu = (jnp.asarray(rng.normal(size=(2, 32, 16)), jnp.float32) for _ in range(2))
+        for M in (64, 160):  # 32 and 80 rows per expert
+            x = jnp.asarray(rng.normal(size=(M, 32)), jnp.float32)
+            gs = jnp.asarray([M // 2, M // 2], jnp.int32)
+            got = gm.gated_fn("pallas")(x, wg, wu, gs, "silu")
+            want = gm.gated_fn("xla")(x, wg, wu, gs, "silu")
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    finally:
+        pgm.grouped_glu = real
+    assert calls == [160]
 
 
 def test_tile_table_has_no_loop():

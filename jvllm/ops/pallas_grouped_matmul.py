@@ -47,28 +47,38 @@ def _pow2_divisor(n: int, cap: int) -> int | None:
     return None
 
 
-def launch_defaults(M: int, G: int) -> tuple[int, int, int, int, int, bool]:
+def launch_defaults(M: int, G: int, K: int | None = None) -> tuple[int, int, int, int, int, bool]:
     """(bm, bn, bk, num_stages, num_warps, swap) by rows per group: decode-sized batches (up to 16 rows
     per expert on average) take 64-row tiles, so nearly every active expert is read once by one
     tile; prefill-sized ones take up to 128. Decode batches with fewer rows than experts (a few
     tokens: few active tiles) keep 64-column tiles, so that more programs stream the weights; from
-    one row per expert on, 128 columns and 8 warps. Prefill-sized batches (over 64 rows per expert)
-    take 128x256 tiles with 64-deep K steps and 8 warps. The decode and prefill launches are the
-    best of H200 sweeps at 1, 256 and 2,048 tokens (benchmarks/README.md); 17-64 rows per expert
-    are untuned."""
+    one row per expert on, 128 columns and 8 warps, except over a short K (<= 1024: the down
+    projection's expert size), where 64 columns and 4 warps were faster on an H100. Prefill-sized
+    batches (over 64 rows per expert) take 128x256 tiles with 64-deep K steps and 8 warps. The
+    launches are the best of H200 / H100 sweeps at 1, 256 and 2,048 tokens (benchmarks/README.md);
+    17-64 rows per expert are untuned."""
     per_group = max(1, M // max(G, 1))
     if per_group <= 16:
-        return (64, 64, 128, 4, 4, False) if M < G else (64, 128, 128, 3, 8, False)
+        if M < G:
+            return 64, 64, 128, 4, 4, False
+        return (64, 64, 128, 3, 4, False) if K is not None and K <= 1024 else (64, 128, 128, 3, 8, False)
     if per_group <= 64:
         return 64, 128, 64, 3, 4, False
     return 128, 256, 64, 3, 8, False
 
 
-def glu_launch_defaults(M: int, G: int) -> tuple[int, int, int, int, int, bool]:
+def fuse_glu(M: int, G: int) -> bool:
+    """Whether gate, up and the activation take one `grouped_glu` kernel: prefill-sized batches (over
+    64 rows per expert), where the fused launch beat the two matmuls on an H100 (gate/up at 2,048
+    tokens 0.64 against 0.89 ms); decode-sized ones keep two matmuls (0.55 against 0.52 ms)."""
+    return M // max(G, 1) > 64
+
+
+def glu_launch_defaults(M: int, G: int, K: int | None = None) -> tuple[int, int, int, int, int, bool]:
     """`grouped_glu`'s launch: `launch_defaults` with half the columns, so that a program streams
-    as many weight bytes per K step (gate's and up's blocks) as the unfused launch does. Not tuned
-    on its own (benchmarks/probes/moe_grouped_matmul.py --sweep takes f-prefixed configs)."""
-    bm, bn, bk, stages, warps, swap = launch_defaults(M, G)
+    as many weight bytes per K step (gate's and up's blocks) as the unfused launch does (at
+    prefill sizes 128x128x64, 3 stages, 8 warps: the H100 sweep's best)."""
+    bm, bn, bk, stages, warps, swap = launch_defaults(M, G, K)
     return bm, max(16, bn // 2), bk, stages, warps, swap
 
 
@@ -191,7 +201,7 @@ def _launch(lhs, rhss, group_sizes, out_dtype, act, defaults, launch: dict, inte
         raise ValueError(f"{name}: lhs has K={K}, rhs has K={K2}")
     if group_sizes.shape != (G,):
         raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}, expected ({G},)")
-    d_bm, d_bn, d_bk, d_stages, d_warps, d_swap = defaults(M, G)
+    d_bm, d_bn, d_bk, d_stages, d_warps, d_swap = defaults(M, G, K)
     swap = d_swap if launch["swap"] is None else launch["swap"]
     bm = launch["bm"] or d_bm
     bn = _pow2_divisor(N, launch["bn"] or d_bn)
