@@ -181,3 +181,11 @@ def test_gpu_probe_dry_run(tmp_path):
     d = json.loads(out.read_text())
     assert d["all_bit_equal"] and d["groups"]["qkv"]["tiles"]["splits"] > 1
     assert all(v == 0 for g in d["groups"].values() for v in g["unequal_elements_vs_full_auto"].values())
+    # the sweep sets both launches' row tile (the walk's too) and keeps the default's bits
+    p = subprocess.run([sys.executable, probe, "--tiny", "--skip-main", "--sweep", "16x64x4x2", "--sweep-groups", "qkv",
+                        "--sweep-launch", "walk", "--iters", "1", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads(out.read_text())["sweep"]["qkv"]
+    assert rows["16x64x4x2"]["walk_row_tile"] == 16 and rows["default"]["walk_row_tile"] == 64
+    assert rows["16x64x4x2"]["m8_walk_unequal_vs_default"] == 0

@@ -4,8 +4,8 @@ split and walk launches (the invariance contract, checked on the real Triton low
 than interpret mode), with the error against XLA's float32 dot as a sanity check; (2) ms per call
 of the grouped launches (q/k/v, gate/up) against one launch per weight, and of the walk and split
 launches against XLA's bf16 dot at prefill sizes; (3) with --sweep, other launch configurations
-(row tile bm x column tile cap bn x warps x stages, patched into the module; the split count
-kept at the default's): ms per call and
+(row tile bm x column tile cap bn x warps x stages, patched into the module as both launches'
+row tile; the split count kept at the default's): ms per call and
 whether each gives the same bits as the default configuration (does the per-element rounding depend
 on the tile shape, i.e. may a configuration be chosen by M?). One JSON, rewritten after each group.
 
@@ -134,7 +134,7 @@ def _sweep(a, groups, time_ms, interpret, write, res):
 
     from jvllm.ops import fixed_tile_matmul as ftm
 
-    orig_bm, orig_col, orig_tiles = ftm.ROW_TILE, ftm._col_tile, ftm.tiles
+    orig_bm, orig_walk, orig_col, orig_tiles = ftm.ROW_TILE, ftm.WALK_ROW_TILE, ftm._col_tile, ftm.tiles
     sweep = res.setdefault("sweep", {})
     key = jax.random.PRNGKey(1)
     for name in a.sweep_groups.split(","):
@@ -154,11 +154,11 @@ def _sweep(a, groups, time_ms, interpret, write, res):
                 ftm.ROW_TILE, ftm._col_tile = orig_bm, orig_col
             else:
                 bm, bn, warps, stages = (int(v) for v in cfg.split("x"))
-                ftm.ROW_TILE = bm
+                ftm.ROW_TILE = ftm.WALK_ROW_TILE = bm  # both launches: `row_tile` picks the walk's
                 ftm._col_tile = lambda N, bn=bn: ftm._pow2_divisor(N, bn) or min(bn, 1 << (N.bit_length() - 1))
                 ftm.tiles = lambda K, *Ns, S=S: dataclasses.replace(orig_tiles(K, *Ns), splits=S)
             try:
-                row = {"tiles": dataclasses.asdict(ftm.tiles(K, *Ns))}
+                row = {"tiles": dataclasses.asdict(ftm.tiles(K, *Ns)), "walk_row_tile": ftm.WALK_ROW_TILE}
                 for launch in a.sweep_launch.split(","):
                     fn = jax.jit(lambda x, *w, launch=launch: ftm.fixed_tile_matmuls(
                         x, w, w_transposed=tr, interpret=interpret, num_warps=warps, num_stages=stages, launch=launch))
@@ -172,7 +172,7 @@ def _sweep(a, groups, time_ms, interpret, write, res):
             except Exception as e:  # a configuration Triton refuses (registers, shared memory)
                 row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             finally:
-                ftm.ROW_TILE, ftm._col_tile, ftm.tiles = orig_bm, orig_col, orig_tiles
+                ftm.ROW_TILE, ftm.WALK_ROW_TILE, ftm._col_tile, ftm.tiles = orig_bm, orig_walk, orig_col, orig_tiles
             rows[cfg] = row
             print("sweep", name, cfg, row, flush=True)
             write()
