@@ -38,7 +38,10 @@ def main(argv=None):
                     help="pallas launch configs to time on the three grouped matmuls alone (gate/up with "
                          "silu, then down, timed apart), e.g. '16x128x64x3x4,64x128x64x3x4' (bm x bn x bk x "
                          "stages x warps; a leading f: gate, up and silu as one fused kernel; then t: the "
-                         "swapped product, e.g. t32x128x128x3x4, ft32x64x128x3x4)")
+                         "swapped product, e.g. t32x128x128x3x4, ft32x64x128x3x4; GU/DOWN: down's own launch, "
+                         "e.g. 64x128x128x3x8/64x64x128x3x4)")
+    ap.add_argument("--chain", type=int, default=0, help="sweep: time L chained FFN layers per program (0: per call)")
+    ap.add_argument("--rounds", type=int, default=3, help="sweep with --chain: rounds over all configs")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_gmm.json"))
     a = ap.parse_args(argv)
 
@@ -102,42 +105,86 @@ def main(argv=None):
                 print(f"T={T:5d} {b:8s} {mode:16s} {rt:10s} {ms:9.3f} ms  experts {touched:3d}  "
                       f"{r['touched_weight_gb_s']:8.1f} GB/s of touched weights", flush=True)
         if a.sweep:
-            from jvllm.ops.pallas_grouped_matmul import grouped_glu, grouped_matmul
-
-            order, sizes = gm.sort_by_expert(idx, E)
-            xs = x[order // k]
-            hs = jnp.asarray(rng.normal(size=(xs.shape[0], I)), dtype)
-            first_out = None
-            for cfg in a.sweep.split(","):
-                fused, sw = cfg.startswith("f"), "t" in cfg[:2]
-                bm, bn, bk, st, nw = (int(v) for v in cfg.lstrip("ft").split("x"))
-                kw = dict(bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw, swap=sw)
-                if fused:  # gate, up and silu in one kernel
-                    gu = jax.jit(lambda xs, sz, kw=kw: grouped_glu(xs, ws[0], ws[1], sz, "silu", **kw))
-                else:
-                    gu = jax.jit(lambda xs, sz, kw=kw: gm.glu(grouped_matmul(xs, ws[0], sz, **kw),
-                                                              grouped_matmul(xs, ws[1], sz, **kw), "silu"))
-                down = jax.jit(lambda hs, sz, kw=kw: grouped_matmul(hs, ws[2], sz, **kw))
-                try:
-                    gu_ms, down_ms = median_ms(gu, (xs, sizes), a.iters), median_ms(down, (hs, sizes), a.iters)
-                    got = (gu(xs, sizes), down(hs, sizes))
-                except Exception as e:
-                    rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg,
-                                     error=f"{type(e).__name__}: {e}"[:400]))
-                    continue
-                if first_out is None:  # the sweep's first config is the others' reference
-                    first_out = got
-                diff = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
-                           for g, r in zip(got, first_out))
-                ms = gu_ms + down_ms
-                rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg, ms=ms, gate_up_ms=gu_ms,
-                                 down_ms=down_ms, touched_weight_gb_s=need / (ms / 1e3) / 1e9,
-                                 max_abs_diff_vs_first=diff))
-                print(f"T={T:5d} pallas {cfg:16s} {ms:9.3f} ms (gate/up {gu_ms:.3f}, down {down_ms:.3f})  "
-                      f"{need / (ms / 1e3) / 1e9:8.1f} GB/s  diff {diff:.3g}", flush=True)
-                dump(a, E, k, D, I, dtype, rows, partial=True)
+            rows += sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng, jax, jnp,
+                          lambda r, done=list(rows): dump(a, E, k, D, I, dtype, done + r, True))
     dump(a, E, k, D, I, dtype, rows, partial=False)
     return 0
+
+
+def _launch(cfg: str) -> tuple[bool, dict]:
+    """'[f][t]bm x bn x bk x stages x warps' -> (fused, grouped_matmul keywords)."""
+    fused = cfg.startswith("f")
+    bm, bn, bk, st, nw = (int(v) for v in cfg.lstrip("ft").split("x"))
+    return fused, dict(bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw, swap="t" in cfg[:2])
+
+
+def sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng, jax, jnp, write):
+    """Each launch config GU[/DOWN] (gate/up with silu, then down; DOWN defaults to GU's launch),
+    against the first config's outputs. Per call (--chain 0): gate/up and down timed apart, each
+    its own program. --chain L: one program of L chained FFN layers (each layer's output is the
+    next one's input), so dispatch and clock ramps weigh 1/L; --rounds R times every config in turn
+    (config-major order would put a drifting clock on one config) and takes each one's median."""
+    import statistics
+
+    from jvllm.ops import grouped_matmul as gm
+    from jvllm.ops.pallas_grouped_matmul import grouped_glu, grouped_matmul
+    from probe_timing import median_ms
+
+    order, sizes = gm.sort_by_expert(idx, E)
+    xs = x[order // k]
+    hs = jnp.asarray(rng.normal(size=(xs.shape[0], I)), dtype)
+    progs = {}
+    for cfg in a.sweep.split(","):
+        gu_cfg, _, dn_cfg = cfg.partition("/")
+        fused, kw = _launch(gu_cfg)
+        dkw = _launch(dn_cfg)[1] if dn_cfg else kw
+        if fused:  # gate, up and silu in one kernel
+            gu = lambda xs, sz, kw=kw: grouped_glu(xs, ws[0], ws[1], sz, "silu", **kw)  # noqa: E731
+        else:
+            gu = lambda xs, sz, kw=kw: gm.glu(grouped_matmul(xs, ws[0], sz, **kw),  # noqa: E731
+                                              grouped_matmul(xs, ws[1], sz, **kw), "silu")
+        down = lambda hs, sz, dkw=dkw: grouped_matmul(hs, ws[2], sz, **dkw)  # noqa: E731
+
+        def chain(xs, sz, gu=gu, down=down):
+            for _ in range(a.chain):
+                xs = (down(gu(xs, sz), sz).astype(jnp.float32) * 0.05).astype(xs.dtype)
+            return xs
+
+        progs[cfg] = (jax.jit(gu), jax.jit(down), jax.jit(chain))
+    rows, first_out, times = [], None, {cfg: [] for cfg in progs}
+    for cfg, (gu, down, chain) in progs.items():
+        try:
+            got = (gu(xs, sizes), down(hs, sizes)) + ((chain(xs, sizes),) if a.chain else ())
+        except Exception as e:
+            rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg, error=f"{type(e).__name__}: {e}"[:400]))
+            times.pop(cfg)
+            continue
+        if first_out is None:  # the sweep's first config is the others' reference
+            first_out = got
+        diff = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32)))) for g, r in zip(got, first_out))
+        row = dict(tokens=T, backend="pallas", mode="sweep", config=cfg, max_abs_diff_vs_first=diff)
+        if not a.chain:
+            row["gate_up_ms"], row["down_ms"] = median_ms(gu, (xs, sizes), a.iters), median_ms(down, (hs, sizes), a.iters)
+            row["ms"] = row["gate_up_ms"] + row["down_ms"]
+            row["touched_weight_gb_s"] = need / (row["ms"] / 1e3) / 1e9
+            print(f"T={T:5d} pallas {cfg:32s} {row['ms']:9.3f} ms (gate/up {row['gate_up_ms']:.3f}, down "
+                  f"{row['down_ms']:.3f})  {row['touched_weight_gb_s']:8.1f} GB/s  diff {diff:.3g}", flush=True)
+        rows.append(row)
+        write(rows)
+    if a.chain:
+        for _ in range(a.rounds):
+            for cfg in times:
+                times[cfg].append(median_ms(progs[cfg][2], (xs, sizes), a.iters) / a.chain)
+        for row in rows:
+            if row.get("config") in times:
+                ms = statistics.median(times[row["config"]])
+                row.update(ms=ms, chain=a.chain, rounds=[round(t, 4) for t in times[row["config"]]],
+                           touched_weight_gb_s=need / (ms / 1e3) / 1e9)
+                print(f"T={T:5d} pallas {row['config']:32s} {ms:9.3f} ms a layer ({a.chain} chained, rounds "
+                      f"{row['rounds']})  {row['touched_weight_gb_s']:8.1f} GB/s  diff {row['max_abs_diff_vs_first']:.3g}",
+                      flush=True)
+        write(rows)
+    return rows
 
 
 def dump(a, E, k, D, I, dtype, rows, partial: bool):
