@@ -403,22 +403,22 @@ def test_grouped_matmul_probe_dry_run(tmp_path):
         ("one_device", "-"), ("expert_parallel", "gather"), ("expert_parallel", "all_to_all"),
         ("tensor_parallel", "gather"), ("groups", "gather"), ("groups", "all_to_all")}
     assert all(r["ms"] > 0 for r in rows)
-    # the launch sweep (interpreted here): plain and fused gate/up configs agree
+    # the launch sweep (interpreted here): plain, swapped and down-only configs agree
     p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "moe_grouped_matmul.py"), "--tiny", "--tokens",
-                        "8", "--backends", "xla", "--iters", "1", "--sweep", "16x16x16x2x4,f16x16x32x2x4,ft16x16x16x2x4",
+                        "8", "--backends", "xla", "--iters", "1", "--sweep", "16x16x16x2x4,16x16x32x2x4/16x32x16x2x4,t16x16x16x2x4",
                         "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     sweep = [r for r in json.loads(out.read_text())["rows"] if r["mode"] == "sweep"]
-    assert [r["config"] for r in sweep] == ["16x16x16x2x4", "f16x16x32x2x4", "ft16x16x16x2x4"]
+    assert [r["config"] for r in sweep] == ["16x16x16x2x4", "16x16x32x2x4/16x32x16x2x4", "t16x16x16x2x4"]
     assert all(r["max_abs_diff_vs_first"] < 1e-5 and r["gate_up_ms"] > 0 and r["down_ms"] > 0 for r in sweep)
     # chained layers, rounds over the configs, down's own launch
     p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "moe_grouped_matmul.py"), "--tiny", "--tokens",
                         "8", "--backends", "xla", "--iters", "1", "--chain", "2", "--rounds", "2", "--sweep",
-                        "16x16x16x2x4,f16x16x32x2x4/16x32x16x2x4", "--out", str(out)], capture_output=True, text=True,
+                        "16x16x16x2x4,t16x16x32x2x4/16x32x16x2x4", "--out", str(out)], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     sweep = [r for r in json.loads(out.read_text())["rows"] if r["mode"] == "sweep"]
-    assert [r["config"] for r in sweep] == ["16x16x16x2x4", "f16x16x32x2x4/16x32x16x2x4"]
+    assert [r["config"] for r in sweep] == ["16x16x16x2x4", "t16x16x32x2x4/16x32x16x2x4"]
     assert all(r["chain"] == 2 and len(r["rounds"]) == 2 and r["ms"] > 0 and r["max_abs_diff_vs_first"] < 1e-5
                for r in sweep)
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.ops.pallas_grouped_matmul import grouped_glu, grouped_matmul, tile_table
+from jvllm.ops.pallas_grouped_matmul import grouped_matmul, tile_table
 
 CASES = [
     (40, 32, 64, [10, 0, 25, 3]),     # empty group between others; 2 rows past the sum
@@ -31,44 +31,6 @@ def test_equals_ragged_dot(M, K, N, sizes, swap):
     want = jax.lax.ragged_dot(lhs, rhs, gs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
     assert np.all(np.asarray(got)[sum(sizes):] == 0)
-
-
-@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-@pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("M,K,N,sizes", CASES[::2] + CASES[3:4])
-def test_grouped_glu_equals_two_matmuls(M, K, N, sizes, swap, act):
-    """The fused gate / up kernel equals act(ragged_dot(x, w_gate)) * ragged_dot(x, w_up); rows
-    past the groups' sum are 0."""
-    from jvllm.ops.activations import activation
-
-    rng = np.random.default_rng(M + 1)
-    G = len(sizes)
-    lhs = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.normal(size=(G, K, N)) * 0.3, jnp.float32) for _ in range(2))
-    gs = jnp.asarray(sizes, jnp.int32)
-    got = jax.jit(lambda a, g, u, s: grouped_glu(a, g, u, s, act, bm=16, swap=swap))(lhs, wg, wu, gs)
-    want = activation(act)(jax.lax.ragged_dot(lhs, wg, gs)) * jax.lax.ragged_dot(lhs, wu, gs)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
-    assert np.all(np.asarray(got)[sum(sizes):] == 0)
-
-
-def test_grouped_glu_bfloat16_rounds_like_the_unfused_path():
-    """In bfloat16 the products are rounded before the activation, as two grouped matmuls and
-    `glu` compute it; mismatched weights and unknown activations are errors naming them."""
-    from jvllm.ops.grouped_matmul import glu
-
-    rng = np.random.default_rng(3)
-    lhs = jnp.asarray(rng.normal(size=(40, 64)), jnp.bfloat16)
-    wg, wu = (jnp.asarray(rng.normal(size=(4, 64, 32)) * 0.2, jnp.bfloat16) for _ in range(2))
-    gs = jnp.asarray([9, 0, 20, 6], jnp.int32)
-    got = grouped_glu(lhs, wg, wu, gs, "silu")
-    want = glu(grouped_matmul(lhs, wg, gs), grouped_matmul(lhs, wu, gs), "silu").astype(jnp.bfloat16)
-    assert got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=1e-2)
-    with pytest.raises(ValueError, match="w_gate .* and w_up .* differ"):
-        grouped_glu(lhs, wg, wu[:, :, :16], gs, "silu")
-    with pytest.raises(ValueError, match="unsupported activation 'xielu'"):
-        grouped_glu(lhs, wg, wu, gs, "xielu")
 
 
 def test_bfloat16_and_output_dtype():
@@ -115,34 +77,8 @@ def test_decode_launch_by_rows_against_experts():
 
     assert launch_defaults(8, 128) == (64, 64, 128, 4, 4, False)      # one token, top-8 of 128
     assert launch_defaults(2048, 128) == (64, 128, 128, 3, 8, False)  # 256 tokens: 16 rows per expert
-    assert launch_defaults(2048, 128, 768) == (64, 64, 128, 3, 4, False)  # its down projection (K = 768)
-    assert launch_defaults(2048, 128, 2048)[:2] == (64, 128)
     assert launch_defaults(8192, 128)[:2] == (64, 128)                # 64 rows per expert
     assert launch_defaults(16384, 128) == (128, 256, 64, 3, 8, False)  # 2,048 tokens: prefill
-
-
-def test_glu_fused_at_prefill_sizes_only():
-    """The pallas backend fuses gate / up / act over 64 rows per expert (prefill), not at decode."""
-    from jvllm.ops import grouped_matmul as gm
-    from jvllm.ops import pallas_grouped_matmul as pgm
-
-    assert not pgm.fuse_glu(2048, 128) and pgm.fuse_glu(16384, 128)
-    assert pgm.glu_launch_defaults(16384, 128, 2048) == (128, 128, 64, 3, 8, False)
-    calls = []
-    real = pgm.grouped_glu
-    try:
-        pgm.grouped_glu = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
-        rng = np.random.default_rng(5)
-        wg, wu = (jnp.asarray(rng.normal(size=(2, 32, 16)), jnp.float32) for _ in range(2))
-        for M in (64, 160):  # 32 and 80 rows per expert
-            x = jnp.asarray(rng.normal(size=(M, 32)), jnp.float32)
-            gs = jnp.asarray([M // 2, M // 2], jnp.int32)
-            got = gm.gated_fn("pallas")(x, wg, wu, gs, "silu")
-            want = gm.gated_fn("xla")(x, wg, wu, gs, "silu")
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
-    finally:
-        pgm.grouped_glu = real
-    assert calls == [160]
 
 
 def test_tile_table_has_no_loop():
@@ -218,5 +154,3 @@ def test_lowers_to_triton_for_cuda(M, swap):
     kw = dict(bm=32, swap=True) if swap else {}
     f = lambda a, b, s: grouped_matmul(a, b, s, interpret=False, **kw)  # noqa: E731
     assert "__gpu$xla.gpu.triton" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    g = lambda a, b, s: grouped_glu(a, b, b, s, "silu", interpret=False, **kw)  # noqa: E731
-    assert "__gpu$xla.gpu.triton" in jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

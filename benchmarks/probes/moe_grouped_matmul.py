@@ -37,9 +37,8 @@ def main(argv=None):
     ap.add_argument("--sweep", default="",
                     help="pallas launch configs to time on the three grouped matmuls alone (gate/up with "
                          "silu, then down, timed apart), e.g. '16x128x64x3x4,64x128x64x3x4' (bm x bn x bk x "
-                         "stages x warps; a leading f: gate, up and silu as one fused kernel; then t: the "
-                         "swapped product, e.g. t32x128x128x3x4, ft32x64x128x3x4; GU/DOWN: down's own launch, "
-                         "e.g. 64x128x128x3x8/64x64x128x3x4)")
+                         "stages x warps; a leading t: the swapped product, e.g. t32x128x128x3x4; GU/DOWN: "
+                         "down's own launch, e.g. 64x128x128x3x8/64x64x128x3x4)")
     ap.add_argument("--chain", type=int, default=0, help="sweep: time L chained FFN layers per program (0: per call)")
     ap.add_argument("--rounds", type=int, default=3, help="sweep with --chain: rounds over all configs")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_gmm.json"))
@@ -111,11 +110,10 @@ def main(argv=None):
     return 0
 
 
-def _launch(cfg: str) -> tuple[bool, dict]:
-    """'[f][t]bm x bn x bk x stages x warps' -> (fused, grouped_matmul keywords)."""
-    fused = cfg.startswith("f")
-    bm, bn, bk, st, nw = (int(v) for v in cfg.lstrip("ft").split("x"))
-    return fused, dict(bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw, swap="t" in cfg[:2])
+def _launch(cfg: str) -> dict:
+    """'[t]bm x bn x bk x stages x warps' -> grouped_matmul keywords (t: the swapped product)."""
+    bm, bn, bk, st, nw = (int(v) for v in cfg.lstrip("t").split("x"))
+    return dict(bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw, swap=cfg.startswith("t"))
 
 
 def sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng, jax, jnp, write):
@@ -127,7 +125,7 @@ def sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng, jax, jnp, write):
     import statistics
 
     from jvllm.ops import grouped_matmul as gm
-    from jvllm.ops.pallas_grouped_matmul import grouped_glu, grouped_matmul
+    from jvllm.ops.pallas_grouped_matmul import grouped_matmul
     from probe_timing import median_ms
 
     order, sizes = gm.sort_by_expert(idx, E)
@@ -136,13 +134,10 @@ def sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng, jax, jnp, write):
     progs = {}
     for cfg in a.sweep.split(","):
         gu_cfg, _, dn_cfg = cfg.partition("/")
-        fused, kw = _launch(gu_cfg)
-        dkw = _launch(dn_cfg)[1] if dn_cfg else kw
-        if fused:  # gate, up and silu in one kernel
-            gu = lambda xs, sz, kw=kw: grouped_glu(xs, ws[0], ws[1], sz, "silu", **kw)  # noqa: E731
-        else:
-            gu = lambda xs, sz, kw=kw: gm.glu(grouped_matmul(xs, ws[0], sz, **kw),  # noqa: E731
-                                              grouped_matmul(xs, ws[1], sz, **kw), "silu")
+        kw = _launch(gu_cfg)
+        dkw = _launch(dn_cfg) if dn_cfg else kw
+        gu = lambda xs, sz, kw=kw: gm.glu(grouped_matmul(xs, ws[0], sz, **kw),  # noqa: E731
+                                          grouped_matmul(xs, ws[1], sz, **kw), "silu")
         down = lambda hs, sz, dkw=dkw: grouped_matmul(hs, ws[2], sz, **dkw)  # noqa: E731
 
         def chain(xs, sz, gu=gu, down=down):
@@ -153,8 +148,8 @@ def sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng, jax, jnp, write):
         progs[cfg] = (jax.jit(gu), jax.jit(down), jax.jit(chain))
     rows, first_out, times = [], None, {cfg: [] for cfg in progs}
     for cfg, (gu, down, chain) in progs.items():
-        try:
-            got = (gu(xs, sizes), down(hs, sizes)) + ((chain(xs, sizes),) if a.chain else ())
+        try:  # with --chain only the chained program (each Pallas program compiles for ~10-20 s on a GPU)
+            got = (chain(xs, sizes),) if a.chain else (gu(xs, sizes), down(hs, sizes))
         except Exception as e:
             rows.append(dict(tokens=T, backend="pallas", mode="sweep", config=cfg, error=f"{type(e).__name__}: {e}"[:400]))
             times.pop(cfg)

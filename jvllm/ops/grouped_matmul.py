@@ -17,8 +17,7 @@ the engine uses and says why.
 
 Backends (`backend=`, fixed at model construction): "xla" is `jax.lax.ragged_dot`; "pallas" is
 jvllm's own Pallas kernel (`jvllm.ops.pallas_grouped_matmul`: Triton on GPUs, the interpreter
-elsewhere, so on CPU it is for tests only; at prefill sizes gate, up and the activation are one
-kernel there, `gated_fn`); "tokamax" is `tokamax.ragged_dot` (same signature; its
+elsewhere, so on CPU it is for tests only); "tokamax" is `tokamax.ragged_dot` (same signature; its
 Pallas kernels need the Pallas API of the jax it was released with). Hazard: upstream XLA lowers
 ragged_dot on CUDA GPUs by expanding it to a zero-padded dense product over every group (its own
 PRs say so), i.e. a dense all-experts product in disguise that reads every expert's weights each
@@ -95,27 +94,12 @@ def glu(g, u, act: str):
     return activation(act)(g) * u
 
 
-def gated_fn(backend: str):
-    """`f(lhs, w_gate, w_up, group_sizes, act) -> act(lhs @ w_gate) * (lhs @ w_up)` per group in
-    lhs's dtype: the pallas backend's one fused kernel (`pallas_grouped_matmul.grouped_glu`) at
-    prefill sizes (`fuse_glu`), two grouped matmuls and `glu` otherwise."""
-    dot = ragged_dot_fn(backend)
-
-    def gated(xs, w_gate, w_up, sizes, act):
-        if backend == "pallas":
-            from jvllm.ops import pallas_grouped_matmul as pgm
-
-            if pgm.fuse_glu(xs.shape[0], w_gate.shape[0]):  # static shapes: once per program
-                return pgm.grouped_glu(xs, w_gate, w_up, sizes, act)
-        return glu(dot(xs, w_gate, sizes), dot(xs, w_up, sizes), act).astype(xs.dtype)
-
-    return gated
-
-
 def _expert_mlp(xs, w_gate, w_up, w_down, sizes, backend, act):
+    dot = ragged_dot_fn(backend)
     with jax.named_scope(GMM_SCOPE):
-        h = gated_fn(backend)(xs, w_gate, w_up, sizes, act)
-        y = ragged_dot_fn(backend)(h, w_down, sizes)
+        g = dot(xs, w_gate, sizes)
+        u = dot(xs, w_up, sizes)
+        y = dot(glu(g, u, act).astype(xs.dtype), w_down, sizes)
     return jnp.where((jnp.arange(xs.shape[0]) < jnp.sum(sizes))[:, None], y, 0)
 
 

@@ -34,8 +34,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jvllm.ops.activations import activation
-
 
 def _pow2_divisor(n: int, cap: int) -> int | None:
     """Largest power of two in [16, cap] dividing n, or None."""
@@ -47,39 +45,21 @@ def _pow2_divisor(n: int, cap: int) -> int | None:
     return None
 
 
-def launch_defaults(M: int, G: int, K: int | None = None) -> tuple[int, int, int, int, int, bool]:
+def launch_defaults(M: int, G: int) -> tuple[int, int, int, int, int, bool]:
     """(bm, bn, bk, num_stages, num_warps, swap) by rows per group: decode-sized batches (up to 16 rows
     per expert on average) take 64-row tiles, so nearly every active expert is read once by one
     tile; prefill-sized ones take up to 128. Decode batches with fewer rows than experts (a few
     tokens: few active tiles) keep 64-column tiles, so that more programs stream the weights; from
-    one row per expert on, 128 columns and 8 warps, except over a short K (<= 1024: the down
-    projection's expert size), where 64 columns and 4 warps were faster on an H100. Prefill-sized
-    batches (over 64 rows per expert) take 128x256 tiles with 64-deep K steps and 8 warps. The
-    launches are the best of H200 / H100 sweeps at 1, 256 and 2,048 tokens (benchmarks/README.md);
-    17-64 rows per expert are untuned."""
+    one row per expert on, 128 columns and 8 warps. Prefill-sized batches (over 64 rows per expert)
+    take 128x256 tiles with 64-deep K steps and 8 warps. The decode and prefill launches are the
+    best of H200 sweeps at 1, 256 and 2,048 tokens (benchmarks/README.md); 17-64 rows per expert
+    are untuned."""
     per_group = max(1, M // max(G, 1))
     if per_group <= 16:
-        if M < G:
-            return 64, 64, 128, 4, 4, False
-        return (64, 64, 128, 3, 4, False) if K is not None and K <= 1024 else (64, 128, 128, 3, 8, False)
+        return (64, 64, 128, 4, 4, False) if M < G else (64, 128, 128, 3, 8, False)
     if per_group <= 64:
         return 64, 128, 64, 3, 4, False
     return 128, 256, 64, 3, 8, False
-
-
-def fuse_glu(M: int, G: int) -> bool:
-    """Whether gate, up and the activation take one `grouped_glu` kernel: prefill-sized batches (over
-    64 rows per expert), where the fused launch beat the two matmuls on an H100 (gate/up at 2,048
-    tokens 0.64 against 0.89 ms); decode-sized ones keep two matmuls (0.55 against 0.52 ms)."""
-    return M // max(G, 1) > 64
-
-
-def glu_launch_defaults(M: int, G: int, K: int | None = None) -> tuple[int, int, int, int, int, bool]:
-    """`grouped_glu`'s launch: `launch_defaults` with half the columns, so that a program streams
-    as many weight bytes per K step (gate's and up's blocks) as the unfused launch does (at
-    prefill sizes 128x128x64, 3 stages, 8 warps: the H100 sweep's best)."""
-    bm, bn, bk, stages, warps, swap = launch_defaults(M, G, K)
-    return bm, max(16, bn // 2), bk, stages, warps, swap
 
 
 def tile_table(group_sizes: jax.Array, M: int, bm: int, rows: int | None = None) -> jax.Array:
@@ -116,46 +96,30 @@ def pick(meta, i):
     return jnp.sum(jnp.where(lane == i, meta, 0))
 
 
-def _kernel(meta_ref, lhs_ref, *refs, bm: int, bk: int, bn: int, nk: int, swap: bool, act: str | None):
-    """One (row tile, column block) program: lhs rows times each rhs in `refs[:-1]` (one, or gate and
-    up with `act`: the output is act(gate) * up of the two products rounded to the output dtype,
-    as the unfused path computes it)."""
+def _kernel(meta_ref, lhs_ref, rhs_ref, out_ref, *, bm: int, bk: int, bn: int, nk: int, swap: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    rhs_refs, out_ref = refs[:-1], refs[-1]
     meta = meta_ref[...]                                   # [4] int32 of this tile
     g, first, end, window = (pick(meta, i) for i in range(4))
     n0 = pl.program_id(1) * bn
 
     @pl.when(end > first)
     def _():
-        def body(kk, accs):
+        def body(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
             a = lhs_ref[pl.ds(window, bm), pl.ds(k0, bk)]
-            out = []
-            for ref, acc in zip(rhs_refs, accs):
-                b = ref[pl.ds(g, 1), pl.ds(k0, bk), pl.ds(n0, bn)].reshape(bk, bn)
-                if swap:  # [bn, bm] += b^T a^T: the weight columns fill the MMA's M side
-                    out.append(acc + jnp.dot(b.T, a.T, preferred_element_type=jnp.float32))
-                else:
-                    out.append(acc + jnp.dot(a, b, preferred_element_type=jnp.float32))
-            return tuple(out)
+            b = rhs_ref[pl.ds(g, 1), pl.ds(k0, bk), pl.ds(n0, bn)].reshape(bk, bn)
+            if swap:  # [bn, bm] += b^T a^T: the weight columns fill the MMA's M side
+                return acc + jnp.dot(b.T, a.T, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
 
-        zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
-        accs = lax.fori_loop(0, nk, body, tuple(zero for _ in rhs_refs))
+        acc = lax.fori_loop(0, nk, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
         if swap:
-            accs = tuple(acc.T for acc in accs)
-        if act is None:
-            y = accs[0].astype(out_ref.dtype)
-        else:
-            # in float32 (Triton has no bfloat16 division), each product and act(gate) rounded to
-            # the output dtype first, as the unfused path's bfloat16 ops round their results
-            rnd = lambda v: v.astype(out_ref.dtype).astype(jnp.float32)  # noqa: E731
-            y = (rnd(activation(act)(rnd(accs[0]))) * rnd(accs[1])).astype(out_ref.dtype)
+            acc = acc.T
         rows = window + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
         mine = (rows >= first) & (rows < end)
-        plgpu.store(out_ref.at[pl.ds(window, bm), pl.ds(n0, bn)], y, mask=mine)
+        plgpu.store(out_ref.at[pl.ds(window, bm), pl.ds(n0, bn)], acc.astype(out_ref.dtype), mask=mine)
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
@@ -168,66 +132,44 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, preci
     tile's few rows then waste no tensor-core work on padding rows); `interpret` None = interpret unless the default backend is a GPU.
     `precision` is in the signature for compatibility with `ragged_dot` and must be None (the kernel's
     dot is the inputs' dtype with float32 accumulation): anything else is a ValueError."""
-    if precision is not None:
-        raise ValueError(f"grouped_matmul: precision={precision!r} is not supported (None only)")
-    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    launch = dict(bm=bm, bn=bn, bk=bk, num_warps=num_warps, num_stages=num_stages, swap=swap)
-    return _launch(lhs, (rhs,), group_sizes, out_dtype, None, launch_defaults, launch, interpret)
-
-
-def grouped_glu(lhs: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array, act: str, *,
-                bm: int | None = None, bn: int | None = None, bk: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, swap: bool | None = None, interpret: bool | None = None) -> jax.Array:
-    """act(ragged_dot(lhs, w_gate)) * ragged_dot(lhs, w_up) in lhs's dtype, the products rounded to
-    it first (the unfused path's arithmetic), in one kernel: each program loads its lhs block once
-    for both weights and applies the activation to its tile (no gate / up outputs in memory). Rows
-    past sum(group_sizes) are 0. Launch parameters as `grouped_matmul`'s, defaults from
-    `glu_launch_defaults`; `act` is any of `jvllm.ops.activations.NAMES`."""
-    if w_gate.shape != w_up.shape:
-        raise ValueError(f"grouped_glu: w_gate {w_gate.shape} and w_up {w_up.shape} differ")
-    activation(act)  # ValueError naming the supported ones
-    launch = dict(bm=bm, bn=bn, bk=bk, num_warps=num_warps, num_stages=num_stages, swap=swap)
-    return _launch(lhs, (w_gate, w_up), group_sizes, jnp.dtype(lhs.dtype), act, glu_launch_defaults, launch, interpret)
-
-
-def _launch(lhs, rhss, group_sizes, out_dtype, act, defaults, launch: dict, interpret):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    if precision is not None:
+        raise ValueError(f"grouped_matmul: precision={precision!r} is not supported (None only)")
     M, K = lhs.shape
-    G, K2, N = rhss[0].shape
-    name = "grouped_glu" if act else "grouped_matmul"
+    G, K2, N = rhs.shape
     if K2 != K:
-        raise ValueError(f"{name}: lhs has K={K}, rhs has K={K2}")
+        raise ValueError(f"grouped_matmul: lhs has K={K}, rhs has K={K2}")
     if group_sizes.shape != (G,):
-        raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}, expected ({G},)")
-    d_bm, d_bn, d_bk, d_stages, d_warps, d_swap = defaults(M, G, K)
-    swap = d_swap if launch["swap"] is None else launch["swap"]
-    bm = launch["bm"] or d_bm
-    bn = _pow2_divisor(N, launch["bn"] or d_bn)
-    bk = _pow2_divisor(K, launch["bk"] or d_bk)
+        raise ValueError(f"grouped_matmul: group_sizes has shape {group_sizes.shape}, expected ({G},)")
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    d_bm, d_bn, d_bk, d_stages, d_warps, d_swap = launch_defaults(M, G)
+    swap = d_swap if swap is None else swap
+    bm = bm or d_bm
+    bn = _pow2_divisor(N, bn or d_bn)
+    bk = _pow2_divisor(K, bk or d_bk)
     if bn is None or bk is None or M == 0:
-        outs = [lax.ragged_dot(lhs, r, group_sizes, preferred_element_type=out_dtype) for r in rhss]
-        return outs[0] if act is None else activation(act)(outs[0]) * outs[1]
-    num_stages = d_stages if launch["num_stages"] is None else launch["num_stages"]
-    num_warps = d_warps if launch["num_warps"] is None else launch["num_warps"]
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    num_stages = d_stages if num_stages is None else num_stages
+    num_warps = d_warps if num_warps is None else num_warps
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     Mp = max(M, bm)
     x = lhs if Mp == M else jnp.pad(lhs, ((0, Mp - M), (0, 0)))
     meta = tile_table(group_sizes, Mp, bm, rows=M)
-    kernel = functools.partial(_kernel, bm=bm, bk=bk, bn=bn, nk=K // bk, swap=bool(swap), act=act)
+    kernel = functools.partial(_kernel, bm=bm, bk=bk, bn=bn, nk=K // bk, swap=bool(swap))
     out = pl.pallas_call(
         kernel,
         grid=(meta.shape[0], N // bn),
         in_specs=[pl.BlockSpec((None, 4), lambda t, n: (t, 0)),
-                  pl.BlockSpec((Mp, K), lambda t, n: (0, 0))]
-                 + [pl.BlockSpec((G, K, N), lambda t, n: (0, 0, 0)) for _ in rhss],
+                  pl.BlockSpec((Mp, K), lambda t, n: (0, 0)),
+                  pl.BlockSpec((G, K, N), lambda t, n: (0, 0, 0))],
         out_specs=pl.BlockSpec((Mp, N), lambda t, n: (0, 0)),
         out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"jvllm_{name}_bm{bm}_bn{bn}_bk{bk}{'_t' if swap else ''}",
-    )(meta, x, *rhss)
+        name=f"jvllm_grouped_matmul_bm{bm}_bn{bn}_bk{bk}{'_t' if swap else ''}",
+    )(meta, x, rhs)
     total = jnp.sum(group_sizes.astype(jnp.int32))
     return jnp.where((jnp.arange(M) < total)[:, None], out[:M], jnp.zeros((), out_dtype))
