@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 
 from jvllm.config import CacheConfig, SchedulerConfig, pow2_buckets
@@ -22,15 +21,14 @@ from jvllm.engine.loop import StepHandle, make_loop
 from jvllm.engine.output_processor import OutputProcessor, RequestGroup
 from jvllm.engine.request import Status
 from jvllm.engine.scheduler import Scheduler
+from jvllm.engine.step_collect import StepCollect
 from jvllm.engine.weights_sleep import WeightsAndSleep
 from jvllm.memory.block_pool import KVCacheManager
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams
 
-log = logging.getLogger("jvllm")
 
-
-class LLMEngine(WeightsAndSleep):
+class LLMEngine(StepCollect, WeightsAndSleep):
     def __init__(self, config: EngineConfig, devices=None):
         """`devices`: the devices of this engine (a data-parallel replica gets a slice); default all."""
         from jvllm.worker.worker import Worker
@@ -306,92 +304,6 @@ class LLMEngine(WeightsAndSleep):
                 return StepHandle(outputs=self.output.outputs(self.groups, {req.group_id}))
             return StepHandle()
         return self._launch(sched, spec_q=spec_q)
-
-    def step_collect(self, handle: StepHandle) -> list[RequestOutput]:
-        if handle.sched is None:
-            return handle.outputs
-        sched = handle.sched
-        try:
-            if handle.error is not None:
-                raise handle.error
-            t0 = time.perf_counter()
-            res = self.runner.collect(handle.run)
-            t1 = time.perf_counter()
-            self.stats["device_wait_seconds"] += t1 - t0
-        except Exception as e:  # an engine error fails the requests of this step, not the engine
-            log.exception("step failed")
-            for s in sched.scheduled:
-                if s.samples:
-                    s.req.num_pending = max(0, s.req.num_pending - 1)
-                if s.req.is_finished:
-                    continue
-                s.req.error = f"{type(e).__name__}: {e}"
-                self.scheduler.finish(s.req, Status.FINISHED_ERROR)
-            return self.output.outputs(self.groups, {s.req.group_id for s in sched.scheduled})
-        now = time.time()
-        self.scheduler.update_after_step(sched)
-        self.stats["num_steps"] += 1
-        touched = set()
-        op = self.output
-        for r, s in enumerate(sched.scheduled):
-            req = s.req
-            touched.add(req.group_id)
-            if s.start < req.num_prompt_tokens:
-                self.stats["num_prompt_tokens"] += min(s.num_tokens, req.num_prompt_tokens - s.start)
-            if r in res.prompt_logprobs:
-                op.add_prompt_logprobs(req, *res.prompt_logprobs[r])
-            if r in res.hidden_states:
-                req.add_hidden_states(*res.hidden_states[r])
-            if not s.samples:
-                continue
-            req.num_pending = max(0, req.num_pending - 1)
-            if req.is_finished:  # stopped (or aborted) while this step was in flight: a wasted row
-                continue
-            if s.spec_token_ids:
-                self._append_verified(s, res.spec[r], now)
-                continue
-            lp = None if res.logprobs is None else tuple(a[r] for a in res.logprobs)
-            self._append(req, int(res.token_ids[r]), lp, now)
-        outs = op.outputs(self.groups, touched)
-        self.stats["host_seconds"] += time.perf_counter() - t1
-        return outs
-
-    def _append(self, req, tok: int, lps, now: float) -> bool:
-        """Record one new token of `req` (`lps`: (logprob, rank, top ids, top logprobs) or None);
-        False when the request finished (stopped, length, error)."""
-        entry, lp = None, None
-        if lps is not None:
-            lp = float(lps[0])
-            if req.params.logprobs is not None:
-                entry = self.output.logprob_entry(tok, lp, int(lps[1]), lps[2], lps[3], req.params.logprobs,
-                                                  req.params.detokenize)
-        if req.grammar is not None:  # only kept tokens reach the grammar (wasted rows returned above)
-            err = req.grammar.accept(tok)
-            if err is not None:
-                req.error = f"structured output: {err}"
-                self.scheduler.finish(req, Status.FINISHED_ERROR)
-                return False
-        req.append_token(tok, entry, lp)
-        self.stats["num_generation_tokens"] += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.metrics.last_token_time = now
-        if req.is_finished:
-            req.metrics.finished_time = now
-            self.scheduler.finish(req, req.status)
-            return False
-        return True
-
-    def _append_verified(self, s, res, now: float):
-        """A verified row: its accepted drafts and the target's token, one by one through the stop
-        conditions (a stop ends the row there), then the rejected drafts' KV slots rolled back."""
-        toks = self.speculator.emitted(s, res)
-        self.speculator.stats.record(len(s.spec_token_ids), len(toks) - 1)
-        for j, tok in enumerate(toks):
-            lps = None if res.logprobs is None else tuple(a[j] for a in res.logprobs)
-            if not self._append(s.req, tok, lps, now):
-                return
-        self.scheduler.accept_speculated(s, len(toks) - 1)
 
     def make_output(self, g: RequestGroup) -> RequestOutput | None:
         return self.output.make_output(g)
