@@ -103,6 +103,13 @@ ARCHS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
                                             "original_max_position_embeddings": 256}})),
+    # EXAONE 4: post-norm layers, q/k norms per head; 3 sliding layers with rope, then a global one
+    # without (NoPE); and without a window (EXAONE 4.0 1.2B-style): every layer global, with rope
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(num_hidden_layers=4, sliding_window=8,
+                                                            initializer_range=0.1)),
+    "exaone4_global": ("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=None,
+                                                                   layer_types=["full_attention"] * 2,
+                                                                   initializer_range=0.1)),
     # soft-caps small enough to bite on these random weights; query_pre_attn_scalar != head_dim
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=0.05, final_logit_softcapping=1.0,

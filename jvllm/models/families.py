@@ -84,6 +84,15 @@ def _rope_on_sliding_layers_only(hf) -> tuple:
     return tuple(i for i, t in enumerate(hf.layer_types) if t != "sliding_attention")
 
 
+def _exaone4_nope(hf) -> tuple:
+    """EXAONE 4: with a sliding window set, the layers that are not sliding-window layers have no
+    rotary embedding (transformers: rope iff sliding_window is None or the layer slides)."""
+    if getattr(hf, "sliding_window", None) is None:
+        return ()
+    types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+    return tuple(i for i, t in enumerate(types) if t != "sliding_attention")
+
+
 register(Family(
     name="llama",
     # Ministral (8B, 2410: alternating sliding layers) and Ministral 3 (3B / 8B / 14B, the decoder
@@ -180,6 +189,19 @@ register(Family(
     name_map="olmo",
     defaults={"qk_norm": True, "qk_norm_layout": "all", "norm_scale_f32": True},
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+))
+register(Family(
+    # EXAONE 4.0 (jvllm.models.olmo's post-norm layer, as OLMo 2): no norm before attention or the
+    # MLP, each block's output normalised before its residual add; q/k RMSNorms per head over
+    # head_dim (Qwen3's) before rope; Llama's RMSNorm (cast, then scaled by w); sliding-window
+    # layers from layer_types, and with a window set the global layers have no rope (NoPE)
+    name="exaone4",
+    architectures=("Exaone4ForCausalLM",),
+    model_types={"exaone4": "Exaone4ForCausalLM"},
+    model="jvllm.models.olmo:Olmo2ForCausalLM",
+    name_map="olmo",
+    defaults={"qk_norm": True},
+    per_arch={"Exaone4ForCausalLM": {"nope_layers": Derived(_exaone4_nope)}},
 ))
 register(Family(
     # Cohere Command R / R+ / Aya Expanse and Cohere 2 (Command R7B, Command A; jvllm.models.cohere):

@@ -1,4 +1,6 @@
-"""OLMo 2 and OLMo 3 (AI2's fully open models) in Flax NNX.
+"""OLMo 2 and OLMo 3 (AI2's fully open models) in Flax NNX; EXAONE 4.0's decoder is this post-norm
+layer with per-head q/k norms (`qk_norm_layout` "head"), Llama's RMSNorm and NoPE global layers
+(its registration in `families.py`).
 
 Differences from the Llama decoder, each a ModelConfig field or this file's decoder layer:
   - post-norm blocks: no norm before attention or the MLP; `post_attention_layernorm` and
