@@ -88,6 +88,8 @@ class ModelConfig:
       norm_kind            "rms" (RMSNorm) or "layer" (LayerNorm: GPT-2, GPT-NeoX, Cohere);
                            `rms_norm_eps` is the epsilon of either
       norm_bias            LayerNorms have a bias (False: Cohere's)
+      norm_affine          LayerNorms have a weight (and the bias of norm_bias); False: no
+                           parameters at all (OLMo 1's non-parametric LayerNorm)
       mlp_gated            down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-2, GPT-NeoX)
       parallel_residual    x + attn(norm1(x)) + mlp(norm2(x)) in one step (GPT-NeoX)
       learned_positions    absolute position embeddings added to the token embeddings, no rotary
@@ -111,6 +113,8 @@ class ModelConfig:
                            add, the attention scale itself, and a divisor of the logits
       logit_scale          a multiplier of the logits (Cohere)
       lm_head_bias         the LM head has a bias [vocab] (Phi), param `lm_head_bias`
+      clip_qkv             q, k and v clamped to [-clip_qkv, clip_qkv] after their projections
+                           and biases, before any norm or rope (OLMo 1)
       attn_temperature_beta, attn_temperature_len  Llama 4's attention temperature (Ministral 3's
                            llama_4_scaling_beta): queries at position p are multiplied by
                            1 + beta * log(1 + floor(p / len)) after rope
@@ -140,6 +144,7 @@ class ModelConfig:
     norm_scale_f32: bool = False
     norm_kind: str = "rms"
     norm_bias: bool = True
+    norm_affine: bool = True
     mlp_gated: bool = True
     parallel_residual: bool = False
     learned_positions: bool = False
@@ -160,6 +165,7 @@ class ModelConfig:
     logits_scaling: float | None = None
     logit_scale: float | None = None
     lm_head_bias: bool = False
+    clip_qkv: float | None = None
     attn_temperature_beta: float | None = None
     attn_temperature_len: int | None = None
     bos_token_id: int | None = None
@@ -194,9 +200,11 @@ class ModelConfig:
             raise ValueError(f"unsupported qk_norm_layout {self.qk_norm_layout!r}; supported: {', '.join(_QK_NORM_LAYOUTS)}")
         if self.norm_kind not in _NORM_KINDS:
             raise ValueError(f"unsupported norm_kind {self.norm_kind!r}; supported: {', '.join(_NORM_KINDS)}")
+        if not self.norm_affine and self.norm_kind != "layer":
+            raise ValueError("norm_affine=False (norms without parameters) is implemented for LayerNorm only")
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}")
-        for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+        for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta", "clip_qkv"):
             v = getattr(self, f)
             if v is not None and not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"ModelConfig.{f} must be a positive number or None, got {v!r}")

@@ -191,6 +191,17 @@ register(Family(
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
 ))
 register(Family(
+    # OLMo 1 (OlmoForCausalLM, AI2's allenai/OLMo-*-hf): the Llama decoder with LayerNorms that have
+    # no weight or bias (eps 1e-5, fixed), q/k/v clamped to +-clip_qkv when set, biases on every
+    # attention projection under attention_bias
+    name="olmo1",
+    architectures=("OlmoForCausalLM",),
+    model_types={"olmo": "OlmoForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    defaults={"norm_kind": "layer", "norm_affine": False, "rms_norm_eps": 1e-5},
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "clip_qkv": "clip_qkv"},
+))
+register(Family(
     # EXAONE 4.0 (jvllm.models.olmo's post-norm layer, as OLMo 2): no norm before attention or the
     # MLP, each block's output normalised before its residual add; q/k RMSNorms per head over
     # head_dim (Qwen3's) before rope; Llama's RMSNorm (cast, then scaled by w); sliding-window

@@ -200,8 +200,8 @@ def apply_rope(x, positions, rope: Rope):
 
 # ----------------------------------------------------------------------------------- blocks
 class Attention(nnx.Module):
-    """q/k/v projections (optional biases, optional q/k norms), rope, paged attention over the
-    layer's KV pages (sliding window and soft-cap as configured), o projection. The attention
+    """q/k/v projections (optional biases, optional clamp, optional q/k norms), rope, paged attention
+    over the layer's KV pages (sliding window and soft-cap as configured), o projection. The attention
     backend string is the model's `attention` argument (see `LlamaForCausalLM.__call__`); the
     JAX Pallas decode kernel has neither window nor soft-cap, so such layers use the ragged kernel."""
 
@@ -228,6 +228,7 @@ class Attention(nnx.Module):
         self.bias = cfg.attention_bias
         self.has_o_bias = cfg.o_bias
         self.qk_norm = cfg.qk_norm
+        self.clip = None if cfg.clip_qkv is None else float(cfg.clip_qkv)
         self.window = cfg.layer_windows[layer]
         self.softcap = cfg.attn_logit_softcap
         self.scale = (float(cfg.attention_multiplier) if cfg.attention_multiplier is not None
@@ -243,6 +244,8 @@ class Attention(nnx.Module):
                                                     (self.v_proj, self.v_proj_scale)])
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.clip is not None:  # OLMo 1's clip_qkv
+            q, k, v = (jnp.clip(t, -self.clip, self.clip) for t in (q, k, v))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:

@@ -1,6 +1,6 @@
 """The families' norms: RMSNorm (Llama's, Gemma's (1 + w), OLMo's float32 scaling) and LayerNorm
-(GPT-2's, GPT-NeoX's, Cohere's bias-free one), each over one or several trailing axes; `norm`
-picks a family's from its ModelConfig, once per module."""
+(GPT-2's, GPT-NeoX's, Cohere's bias-free one, OLMo 1's without weight or bias), each over one or
+several trailing axes; `norm` picks a family's from its ModelConfig, once per module."""
 from __future__ import annotations
 
 import jax
@@ -48,20 +48,23 @@ class RMSNorm(nnx.Module):
 class LayerNorm(nnx.Module):
     """torch.nn.LayerNorm (GPT-2, GPT-NeoX; Cohere's has no bias): (x - mean) / sqrt(var + eps) * w
     (+ b), in float32, then cast; unit_offset=True scales by (1 + w) instead (Nemotron's
-    LayerNorm1P; the stored weight is w). The weight has `shape`; the last `reduce_dims` axes are
+    LayerNorm1P; the stored weight is w); affine=False has neither weight nor bias (OLMo 1's
+    non-parametric LayerNorm). The weight has `shape`; the last `reduce_dims` axes are
     normalised jointly (Command R+'s q/k norms: weights [heads, head_dim], each head over head_dim).
     fixed_order as RMSNorm's."""
 
     def __init__(self, shape: int | tuple[int, ...], eps: float, dtype, axes=("norm",), fixed_order: bool = False,
-                 bias: bool = True, reduce_dims: int = 1, unit_offset: bool = False):
+                 bias: bool = True, reduce_dims: int = 1, unit_offset: bool = False, affine: bool = True):
         self.eps = eps
         self.mean = tree_mean if fixed_order else jnp.mean  # chosen once
         self.reduce_dims = reduce_dims
         self.unit_offset = unit_offset
+        self.affine = affine
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        self.weight = declare(shape, axes, dtype, ones=not unit_offset)
-        self.has_bias = bias
-        if bias:
+        if affine:
+            self.weight = declare(shape, axes, dtype, ones=not unit_offset)
+        self.has_bias = bias and affine
+        if self.has_bias:
             self.bias = declare(shape, axes, dtype)
 
     def __call__(self, x):
@@ -69,6 +72,8 @@ class LayerNorm(nnx.Module):
         flat = _joint(xf, self.reduce_dims)
         d = flat - self.mean(flat, axis=-1, keepdims=True)
         y = (d * jax.lax.rsqrt(self.mean(d * d, axis=-1, keepdims=True) + self.eps)).reshape(xf.shape)
+        if not self.affine:
+            return y.astype(x.dtype)
         w = self.weight[...].astype(jnp.float32)
         y = y * (1.0 + w if self.unit_offset else w)
         return (y + self.bias[...].astype(jnp.float32) if self.has_bias else y).astype(x.dtype)
@@ -80,6 +85,7 @@ def norm(cfg: ModelConfig, shape: int | tuple[int, ...], dtype, axes=("norm",),
     `reduce_dims` axes jointly."""
     if cfg.norm_kind == "layer":
         return LayerNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, fixed_order=cfg.batch_invariant,
-                         bias=cfg.norm_bias, reduce_dims=reduce_dims, unit_offset=cfg.norm_unit_offset)
+                         bias=cfg.norm_bias, reduce_dims=reduce_dims, unit_offset=cfg.norm_unit_offset,
+                         affine=cfg.norm_affine)
     return RMSNorm(shape, cfg.rms_norm_eps, dtype, axes=axes, unit_offset=cfg.norm_unit_offset,
                    fixed_order=cfg.batch_invariant, scale_f32=cfg.norm_scale_f32, reduce_dims=reduce_dims)
