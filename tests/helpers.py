@@ -103,6 +103,8 @@ ARCHS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
                                             "original_max_position_embeddings": 256}})),
+    # Helium: interleaved rope, q/k/v biases without an o_proj bias
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict(attention_bias=True, initializer_range=0.1)),
     # OLMo 1: LayerNorms without parameters; q/k/v clamped (clip_qkv small enough to bite) with biases
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5, attention_bias=True, initializer_range=0.1)),
     # EXAONE 4: post-norm layers, q/k norms per head; 3 sliding layers with rope, then a global one

@@ -98,20 +98,23 @@ register(Family(
     # Ministral (8B, 2410: alternating sliding layers) and Ministral 3 (3B / 8B / 14B, the decoder
     # of Mistral 3 checkpoints: yarn rope and Llama 4's query temperature) are Mistral decoders
     # Arcee (AFM-4.5B) has an ungated ReLU^2 MLP; ERNIE 4.5 rotates interleaved pairs and has a
-    # bias on every projection (use_bias); Seed-OSS sets o_proj's bias apart (attention_out_bias)
+    # bias on every projection (use_bias); Seed-OSS sets o_proj's bias apart (attention_out_bias);
+    # Helium (Kyutai) rotates interleaved pairs, scales its RMSNorms by w in float32 and has no
+    # o_proj bias (q/k/v biases under attention_bias)
     architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                    "SmolLM3ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM", "ArceeForCausalLM",
-                   "Ernie4_5ForCausalLM", "SeedOssForCausalLM"),
+                   "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "HeliumForCausalLM"),
     model_types={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "ministral": "MinistralForCausalLM",
                  "ministral3": "Ministral3ForCausalLM", "arcee": "ArceeForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
-                 "seed_oss": "SeedOssForCausalLM"},
+                 "seed_oss": "SeedOssForCausalLM", "helium": "HeliumForCausalLM"},
     model="jvllm.models.llama:LlamaForCausalLM",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     per_arch={"Qwen2ForCausalLM": {"attention_bias": True, "o_bias": False},
               "Qwen3ForCausalLM": {"qk_norm": True},
               "ArceeForCausalLM": {"mlp_gated": False},
               "SeedOssForCausalLM": {"o_bias": FromHF("attention_out_bias", False)},
+              "HeliumForCausalLM": {"rope_interleaved": True, "norm_scale_f32": True, "o_bias": False},
               "Ernie4_5ForCausalLM": {"rope_interleaved": True, "attention_bias": FromHF("use_bias", False),
                                       "o_bias": FromHF("use_bias", False), "mlp_bias": FromHF("use_bias", False)},
               "SmolLM3ForCausalLM": {"nope_layers": Derived(_smollm3_nope), "layer_windows": Derived(_smollm3_windows)}},
