@@ -233,10 +233,10 @@ def load_checkpoint(spec: ModelSpec | str, dtype="float32",
         stream = gguf_tensor_stream(spec.path, hf_config_dict(spec))
     else:
         from .quantization import prequantized_stream
-        from .readers import hf_tensor_stream, text_decoder_stream
+        from .readers import hf_tensor_stream, mtp_layers_skipped, text_decoder_stream
 
         d = hf_config_dict(spec)
-        stream = prequantized_stream(text_decoder_stream(hf_tensor_stream(spec.path), d), d)
+        stream = prequantized_stream(mtp_layers_skipped(text_decoder_stream(hf_tensor_stream(spec.path), d), d), d)
     np_dtype = np.float32 if jdtype == jnp.float32 else (np.float16 if jdtype == jnp.float16 else jdtype)
     from jvllm.models.registry import family_of
 

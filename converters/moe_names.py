@@ -1,4 +1,4 @@
-"""Checkpoint names of the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""Checkpoint names of the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5).
 
 Checkpoints store each expert as its own tensors (`...experts.{j}.w1.weight`; transformers 5's
 in-memory names fuse them, `...experts.gate_up_proj`, which load whole); jvllm stacks them
@@ -24,7 +24,7 @@ class ExpertSlice:
         return dataclasses.replace(self, index=index)
 
 
-def moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down) -> list:
+def moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity) -> list:
     """(pattern, target, transform) rules, in name_map's form, for the MoE families."""
     L = r"model\.layers\.(\d+)\."
     x = ExpertSlice(t_transpose)
@@ -39,6 +39,9 @@ def moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down) -> list:
         (L + r"mlp\.experts\.(?P<expert>\d+)\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.expert_\3", x),
         (L + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.shared_expert.\2_proj", t_transpose),
         (L + r"mlp\.shared_expert_gate\.weight", r"layers.\1.mlp.shared_expert_gate", t_row),
+        # GLM-4.5 (DeepSeek-V3's layout): shared_experts (plural, no gate), the router's selection bias
+        (L + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.shared_expert.\2_proj", t_transpose),
+        (L + r"mlp\.gate\.e_score_correction_bias", r"layers.\1.mlp.router_bias", t_identity),
         # transformers 5's in-memory layout (a torch.save of its state_dict): every expert fused,
         # experts.gate_up_proj [E, 2I, D] (gate rows first) and experts.down_proj [E, D, I]
         (L + r"mlp\.experts\.gate_up_proj", (r"layers.\1.mlp.expert_gate", r"layers.\1.mlp.expert_up"),

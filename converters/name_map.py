@@ -157,14 +157,19 @@ GLM4_RULES = [  # GLM-4's sandwich norms under the names of jvllm's sandwich lay
     (_L + r"post_attention_layernorm\.weight", r"layers.\1.pre_feedforward_layernorm.weight", t_identity),
     (_L + r"post_mlp_layernorm\.weight", r"layers.\1.post_feedforward_layernorm.weight", t_identity),
 ] + FUSED_RULES
+HUNYUAN_RULES = [  # HunYuan's q/k norms (after rope) under the model's q_norm / k_norm
+    (_L + r"self_attn\.query_layernorm\.weight", r"layers.\1.self_attn.q_norm.weight", t_identity),
+    (_L + r"self_attn\.key_layernorm\.weight", r"layers.\1.self_attn.k_norm.weight", t_identity),
+] + HF_RULES
 
 # the GPT lineage's maps live in gpt_names (which imports the transforms and templates above)
 from .gpt_names import (BIGCODE_RULES, FALCON_RULES, GPT2_RULES, GPTJ_RULES, NEOX_RULES,  # noqa: E402
                         OPT_RULES)
 
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES, "glm4": GLM4_RULES, "olmo": OLMO_RULES,
+                   "hunyuan": HUNYUAN_RULES,
                    "gpt2": GPT2_RULES, "opt": OPT_RULES, "gptj": GPTJ_RULES, "gpt_bigcode": BIGCODE_RULES, "falcon": FALCON_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
-                   "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down)}
+                   "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 
 

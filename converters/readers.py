@@ -143,6 +143,28 @@ def has_head_tensor(folder: str, config: dict) -> bool:
     return any(n in HEAD_TENSORS for n in renamed)
 
 
+MTP_LAYER_FIELDS = ("num_nextn_predict_layers", "num_mtp_layers")  # DeepSeek-V3 / GLM-4.5; transformers' name
+
+
+def mtp_layers_skipped(stream, config: dict) -> Iterator[tuple[str, callable]]:
+    """`stream` without the multi-token-prediction layers that DeepSeek-V3-style checkpoints store
+    after the decoder stack (`model.layers.{n}.` for n >= num_hidden_layers, when config.json
+    declares such layers: a field of MTP_LAYER_FIELDS > 0); they serve speculative decoding, which
+    jvllm does not take from them, so they are not read. Any other checkpoint's stream unchanged."""
+    import re
+
+    n_mtp = max(int(config.get(f) or 0) for f in MTP_LAYER_FIELDS)
+    layers = config.get("num_hidden_layers")
+    if not n_mtp or not isinstance(layers, int):
+        yield from stream
+        return
+    pat = re.compile(r"model\.layers\.(\d+)\.")
+    for name, load in stream:
+        m = pat.match(name)
+        if m is None or int(m.group(1)) < layers:
+            yield name, load
+
+
 def text_decoder_stream(stream, config: dict) -> Iterator[tuple[str, callable]]:
     """`stream` as its text decoder's tensors when `config` (config.json) names a multimodal
     architecture served text-only (`jvllm.models.registry.TextOnly`): names renamed, the vision

@@ -27,7 +27,7 @@ def supported_architectures() -> tuple[str, ...]:
 
     return archs()
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                      "OlmoeForCausalLM")  # jvllm.models.moe
+                      "OlmoeForCausalLM", "Glm4MoeForCausalLM", "Dots1ForCausalLM")  # jvllm.models.moe
 
 
 def _freeze(d: dict | None) -> tuple | None:
@@ -40,11 +40,15 @@ def _freeze(d: dict | None) -> tuple | None:
 class MoEConfig:
     """The mixture-of-experts part of a model (jvllm.models.moe).
 
-    Router: softmax over `num_experts` logits in float32, the `top_k` largest, renormalised to sum
-    to one when `norm_topk_prob` (Mixtral always). Layer i is sparse iff i is not in
-    `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; other layers keep the dense MLP of
-    `intermediate_size`. `shared_expert_size` > 0 adds Qwen2-MoE's shared expert, scaled by a
-    sigmoid gate. `expert_parallel` picks the expert computation's variant under a tensor-parallel
+    Router (`scoring`): "softmax" over `num_experts` logits in float32, the `top_k` largest,
+    renormalised to sum to one when `norm_topk_prob` (Mixtral always); or "sigmoid" (DeepSeek-V3 /
+    GLM-4.5): sigmoid scores in float32, chosen by score + a learned per-expert bias
+    (`correction_bias`) within the `topk_groups` best of `num_groups` expert groups (a group's
+    worth: its two best biased scores), weighted by the unbiased scores (renormalised when
+    `norm_topk_prob`) times `routed_scaling` (jvllm.models.moe_routers). Layer i is sparse iff i is
+    not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; other layers keep the dense
+    MLP of `intermediate_size`. `shared_expert_size` > 0 adds a shared expert, scaled by a sigmoid
+    gate (Qwen2-MoE) or not (`shared_expert_gate` False: GLM-4.5's shared experts). `expert_parallel` picks the expert computation's variant under a tensor-parallel
     mesh (experts sharded over the devices, not their hidden dimension); the engine sets it from
     `enable_expert_parallel`, it changes no parameter; so does `grouped_matmul`, the expert
     matmuls' backend (jvllm.ops.grouped_matmul.BACKENDS, from the engine's `moe_backend`)."""
@@ -58,14 +62,32 @@ class MoEConfig:
     mlp_only_layers: tuple = ()
     expert_parallel: bool = False
     grouped_matmul: str = "xla"
+    scoring: str = "softmax"
+    correction_bias: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    shared_expert_gate: bool = True
 
     def __post_init__(self):
-        for f in ("num_experts", "top_k", "expert_size", "decoder_sparse_step"):
+        for f in ("num_experts", "top_k", "expert_size", "decoder_sparse_step", "num_groups", "topk_groups"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"MoEConfig.{f} must be a positive integer, got {v!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.num_experts})")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE scoring function {self.scoring!r} is not supported; supported: softmax, sigmoid")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"n_group ({self.num_groups}) does not divide the {self.num_experts} experts")
+        if self.topk_groups > self.num_groups:
+            raise ValueError(f"topk_group ({self.topk_groups}) exceeds n_group ({self.num_groups})")
+        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+            raise ValueError(f"n_group ({self.num_groups}) leaves fewer than 2 experts a group (a group's worth "
+                             f"is its two best scores)")
+        if self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the experts of the topk_group "
+                             f"({self.topk_groups}) groups kept")
         if not isinstance(self.shared_expert_size, int) or self.shared_expert_size < 0:
             raise ValueError(f"shared_expert_intermediate_size must be an integer >= 0, got {self.shared_expert_size!r}")
 
@@ -100,6 +122,7 @@ class ModelConfig:
                            [head_dim] weight: Qwen3, Gemma 3), "per_head" (each head over head_dim,
                            its own weight [heads, head_dim]: Command R+), "all" (all heads jointly,
                            [heads, head_dim]: OLMo 2, OLMoE)
+      qk_norm_after_rope   the q/k norms normalise the rotated q and k (HunYuan); else before rope
       embed_scale          embeddings are multiplied by sqrt(hidden_size) in the model dtype (Gemma)
       sandwich_norms       extra norms after attention and around the MLP (Gemma 2/3)
       query_pre_attn_scalar  attention scale is its -1/2 power instead of head_dim's
@@ -138,6 +161,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     qk_norm_layout: str = "head"
+    qk_norm_after_rope: bool = False
     layer_windows: tuple = ()
     hidden_act: str = "silu"
     norm_unit_offset: bool = False
@@ -261,8 +285,8 @@ class ModelConfig:
         if self.moe is not None:  # sparse layers: router + experts (+ shared expert and its gate)
             m = self.moe
             sparse = sum(m.is_sparse(i) for i in range(self.num_layers))
-            moe = D * m.num_experts + 3 * D * m.expert_size * m.num_experts
-            moe += (3 * D * m.shared_expert_size + D) if m.shared_expert_size else 0
+            moe = D * m.num_experts + 3 * D * m.expert_size * m.num_experts + (m.num_experts if m.correction_bias else 0)
+            moe += (3 * D * m.shared_expert_size + (D if m.shared_expert_gate else 0)) if m.shared_expert_size else 0
             mlp += sparse * (moe - 3 * D * I)
         return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + mlp + D
 

@@ -55,6 +55,11 @@ def model_config_from_hf(hf) -> ModelConfig:
             rope.pop("type", None)
     temp_beta = rope.pop("llama_4_scaling_beta", None)  # Ministral 3: a query temperature, not rope
     theta, rope = _split_rope(rope, getattr(hf, "rope_theta", None))
+    if arch == "HunYuanDenseV1ForCausalLM" and rope.get("rope_type") == "dynamic" and rope.get("alpha"):
+        # HunYuan's NTK-alpha (checkpoints label it "dynamic"): a fixed alpha stretches the base,
+        # static default frequencies over the whole head (transformers' ntk_alpha)
+        theta *= float(rope["alpha"]) ** (head_dim / (head_dim - 2))
+        rope = {}
     partial = float(rope.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None) or 1.0)
     if rope.get("rope_type") == "longrope":
         rope.setdefault("original_max_position_embeddings",
@@ -134,6 +139,15 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
     if arch == "MixtralForCausalLM":
         return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                          expert_size=hf.intermediate_size, norm_topk_prob=True)
+    if arch in ("Glm4MoeForCausalLM", "Dots1ForCausalLM"):  # noaux_tc sigmoid router, ungated shared experts, dense first layers
+        return MoEConfig(num_experts=hf.n_routed_experts, top_k=hf.num_experts_per_tok,
+                         expert_size=hf.moe_intermediate_size, norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+                         shared_expert_size=hf.moe_intermediate_size * int(getattr(hf, "n_shared_experts", 0) or 0),
+                         shared_expert_gate=False,
+                         mlp_only_layers=tuple(range(int(getattr(hf, "first_k_dense_replace", 0) or 0))),
+                         scoring="sigmoid", correction_bias=True, num_groups=int(getattr(hf, "n_group", 1) or 1),
+                         topk_groups=int(getattr(hf, "topk_group", 1) or 1),
+                         routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
     if arch == "OlmoeForCausalLM":  # every layer sparse; the experts' size is intermediate_size
         return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.intermediate_size,
                          norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)))

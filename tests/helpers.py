@@ -105,6 +105,10 @@ ARCHS = {
                                             "original_max_position_embeddings": 256}})),
     # Helium: interleaved rope, q/k/v biases without an o_proj bias
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(attention_bias=True, initializer_range=0.1)),
+    # HunYuan dense: q/k norms after rope; its NTK-alpha rope (checkpoints' "dynamic" with alpha)
+    "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(
+        initializer_range=0.1, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=1000.0,
+                                                    factor=1.0))),
     # OLMo 1: LayerNorms without parameters; q/k/v clamped (clip_qkv small enough to bite) with biases
     "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5, attention_bias=True, initializer_range=0.1)),
     # EXAONE 4: post-norm layers, q/k norms per head; 3 sliding layers with rope, then a global one
@@ -142,6 +146,20 @@ ARCHS.update({  # mixture of experts (jvllm.models.moe); Qwen2-MoE with one dens
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32)),
     "mixtral_window": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                                     intermediate_size=32, sliding_window=8)),
+    # GLM-4.5: layer 0 dense, then a sigmoid router with a selection bias choosing 3 of 8 experts in
+    # the best 2 of 4 groups, scaled by 2.5, one ungated shared expert; q/k norms, rope on half of
+    # each head, q/k/v biases
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # dots.llm1: the same router (4 of 8 experts in the best 3 of 4 groups, unnormalised), two shared
+    # experts, per-head q/k norms, biases, sliding windows from layer 1 on (max_window_layers)
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=3,
+        moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5,
+        norm_topk_prob=False, attention_bias=True, sliding_window=8, max_window_layers=1)),
 })
 
 
@@ -192,6 +210,9 @@ def make_checkpoint(out: str, arch: str = "llama", tokenizer: bool = False, fmt:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3-style routers' selection bias (zeros at init)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
     if fmt in ("bf16", "f16"):
         model = model.to(torch.bfloat16 if fmt == "bf16" else torch.float16)
     if fmt == "sharded":

@@ -58,7 +58,8 @@ def base_logits(ckpt_dir):
     ("gptj", "rope_interleaved", False), ("gptj", "partial_rotary_factor", 1.0),
     ("stablelm", "partial_rotary_factor", 1.0), ("ernie4_5", "rope_interleaved", False), ("arcee", "hidden_act", "relu"),
     ("nemotron", "norm_unit_offset", False), ("nemotron", "partial_rotary_factor", 1.0),
-    ("exaone4", "nope_layers", ()), ("olmo", "clip_qkv", None), ("helium", "rope_interleaved", False)])
+    ("exaone4", "nope_layers", ()), ("olmo", "clip_qkv", None), ("helium", "rope_interleaved", False),
+    ("hunyuan_dense", "qk_norm_after_rope", False), ("hunyuan_dense", "rope_theta", 10000.0)])
 def test_variant_matters(base_logits, arch, field, value):
     """Turning one variant off changes the logits by far more than the 1e-4 parity tolerance, so
     the parity tests would catch it missing."""
@@ -92,7 +93,7 @@ def test_activations_are_transformers():
         activation("xielu")
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "falcon_40b", "ernie4_5", "nemotron", "exaone4", "olmo", "helium", "gpt_neox",
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "falcon_40b", "ernie4_5", "nemotron", "exaone4", "olmo", "helium", "hunyuan_dense", "gpt_neox",
                                   "starcoder2", "cohere2", "glm4"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked

@@ -167,7 +167,7 @@ def _prompts(seed=3):
     return [rng.integers(3, 256, int(n)).tolist() for n in (5, 21, 57, 30, 44, 38)] + [shared + [7, 8], shared + [9]]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1"])
 def test_moe_greedy_matches_transformers(ckpt_dir, arch):
     """One engine per family through every scheduling path at once: 32-token chunks (prompts up to
     57 tokens), a shared 33-token prefix, a second pass served from the prefix cache, and 12
@@ -243,11 +243,13 @@ def test_parallel_moe_equals_one_device(qwen3_moe_base, kw, want, monkeypatch):
                                                 enable_expert_parallel=True)),
     ("qwen2_moe", {}, dict(tensor_parallel_size=2, expert_parallel_size=4)),
     ("qwen2_moe", {}, dict(tensor_parallel_size=2, expert_parallel_size=2, enable_expert_parallel=True)),
-    ("olmoe", {}, dict(tensor_parallel_size=2, expert_parallel_size=2, enable_expert_parallel=True))],
-    ids=["mixtral-ep2xtp4", "qwen2_moe-groups4xtp2", "qwen2_moe-ep2xtp2", "olmoe-ep2xtp2"])
+    ("olmoe", {}, dict(tensor_parallel_size=2, expert_parallel_size=2, enable_expert_parallel=True)),
+    ("glm4_moe", {}, dict(tensor_parallel_size=2, expert_parallel_size=2, enable_expert_parallel=True))],
+    ids=["mixtral-ep2xtp4", "qwen2_moe-groups4xtp2", "qwen2_moe-ep2xtp2", "olmoe-ep2xtp2", "glm4_moe-ep2xtp2"])
 def test_expert_axis_families_equal_one_device(ckpt_dir, arch, base_kw, kw):
-    """Mixtral, Qwen2-MoE (shared expert, one dense layer) and OLMoE (q/k norms over the sharded
-    heads) on an ("expert", "tensor") stage mesh equal one device."""
+    """Mixtral, Qwen2-MoE (shared expert, one dense layer), OLMoE (q/k norms over the sharded
+    heads) and GLM-4.5 (grouped sigmoid router, ungated shared expert) on an ("expert", "tensor")
+    stage mesh equal one device."""
     path = ckpt_dir(arch, **base_kw)
     prompts = _prompts()[:4]
     outs = []
@@ -317,6 +319,52 @@ def test_moe_errors(ckpt_dir, tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"missing expert\(s\) \[2\] of 'layers.1.mlp.expert_up' \(3 of 4\)"):
         load_checkpoint(str(tmp_path))
+
+
+def test_glm4_moe_config_and_mtp_layers(ckpt_dir, tmp_path):
+    """GLM-4.5's router settings reach MoEConfig (and bad ones are errors naming them); the
+    next-token-prediction layer a real checkpoint stores after the decoder stack is skipped when
+    config.json declares it, and is an unexpected tensor otherwise."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jvllm.config import ModelConfig, MoEConfig
+    from jvllm.converters import CheckpointError, load_checkpoint
+
+    src = ckpt_dir("glm4_moe")
+    m = ModelConfig.from_pretrained(src).moe
+    assert (m.scoring, m.correction_bias, m.num_groups, m.topk_groups, m.routed_scaling) == ("sigmoid", True, 4, 2, 2.5)
+    assert (m.shared_expert_size, m.shared_expert_gate, m.mlp_only_layers) == (32, False, (0,))
+    with pytest.raises(ValueError, match=r"n_group \(3\) does not divide the 8 experts"):
+        MoEConfig(num_experts=8, top_k=2, expert_size=4, scoring="sigmoid", num_groups=3)
+    with pytest.raises(ValueError, match=r"topk_group \(5\) exceeds n_group \(4\)"):
+        MoEConfig(num_experts=8, top_k=2, expert_size=4, num_groups=4, topk_groups=5)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) exceeds the experts of the topk_group \(2\)"):
+        MoEConfig(num_experts=8, top_k=5, expert_size=4, num_groups=4, topk_groups=2)
+    with pytest.raises(ValueError, match="scoring function 'sqrtsoftplus' is not supported"):
+        MoEConfig(num_experts=8, top_k=2, expert_size=4, scoring="sqrtsoftplus")
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), tmp_path / f)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    n = 3  # the tiny checkpoint's num_hidden_layers: an MTP layer is stored as layer 3
+    sd.update({f"model.layers.{n}.eh_proj.weight": np.zeros((64, 128), np.float32),
+               f"model.layers.{n}.self_attn.q_proj.weight": np.zeros((64, 64), np.float32)})
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1  # transformers' Glm4MoeConfig default (num_mtp_layers)
+    cfg["num_nextn_predict_layers"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"unexpected tensor 'model.layers.{n}"):
+        load_checkpoint(str(tmp_path))
+    cfg["num_nextn_predict_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ck = load_checkpoint(str(tmp_path))
+    assert not any(k.startswith(f"layers.{n}.") for k in ck.params) and "layers.2.mlp.router_bias" in ck.params
+    # num_params counts the router bias and the ungated shared expert (not q/k/v biases, q/k norms)
+    extra = 3 * (4 + 2 * 2) * 16 + 3 * 2 * 16  # 3 layers: q/k/v biases (4 + 2 x 2 heads of 16), q/k norms
+    assert ck.config.num_params == sum(int(p.size) for p in ck.params.values()) - extra
 
 
 def test_expert_axis_rules_and_errors(ckpt_dir):

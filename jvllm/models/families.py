@@ -194,6 +194,18 @@ register(Family(
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
 ))
 register(Family(
+    # HunYuan dense (Hunyuan-0.5B / 1.8B / 4B / 7B): the Llama decoder with q/k RMSNorms per head
+    # over head_dim applied after rope (query_layernorm / key_layernorm: name map "hunyuan"); its
+    # "dynamic" rope with a fixed alpha is a static stretched base (jvllm.hf_config)
+    name="hunyuan_dense",
+    architectures=("HunYuanDenseV1ForCausalLM",),
+    model_types={"hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM"},
+    model="jvllm.models.llama:LlamaForCausalLM",
+    name_map="hunyuan",
+    defaults={"qk_norm": True, "qk_norm_after_rope": True},
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+))
+register(Family(
     # OLMo 1 (OlmoForCausalLM, AI2's allenai/OLMo-*-hf): the Llama decoder with LayerNorms that have
     # no weight or bias (eps 1e-5, fixed), q/k/v clamped to +-clip_qkv when set, biases on every
     # attention projection under attention_bias
@@ -369,15 +381,23 @@ register(Family(
     # mixture of experts (jvllm.models.moe): Llama's attention, norms and head around a routed,
     # grouped-matmul expert MLP; the MoE settings come from `ModelConfig.moe` (hf_config._moe_from_hf)
     name="moe",
-    architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+    # GLM-4.5 / 4.6: q/k/v biases without an o bias, optional per-head q/k norms, rope on part of each
+    # head, a sigmoid router (jvllm.models.moe_routers); its next-token-prediction layers after the
+    # decoder stack are not read (converters.readers.mtp_layers_skipped). dots.llm1: the same router
+    # and shared experts, Qwen3's per-head q/k norms, biases per attention_bias
+    architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                   "Glm4MoeForCausalLM", "Dots1ForCausalLM"),
     model_types={"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"},
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "dots1": "Dots1ForCausalLM"},
     model="jvllm.models.moe:MoEForCausalLM",
     name_map="moe",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     per_arch={"Qwen2MoeForCausalLM": {"attention_bias": FromHF("qkv_bias", True), "o_bias": False},
               "Qwen3MoeForCausalLM": {"qk_norm": True},
-              "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"}},  # OLMoE: AI2's, OLMo's q/k norms
+              "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"},  # OLMoE: AI2's, OLMo's q/k norms
+              "Glm4MoeForCausalLM": {"o_bias": False, "qk_norm": FromHF("use_qk_norm", False)},
+              "Dots1ForCausalLM": {"qk_norm": True}},
     refused={"OlmoeForCausalLM": ("clip_qkv",)},
 ))
 register_text_only(TextOnly(

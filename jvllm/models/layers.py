@@ -228,6 +228,7 @@ class Attention(nnx.Module):
         self.bias = cfg.attention_bias
         self.has_o_bias = cfg.o_bias
         self.qk_norm = cfg.qk_norm
+        self.qk_norm_after_rope = cfg.qk_norm_after_rope
         self.clip = None if cfg.clip_qkv is None else float(cfg.clip_qkv)
         self.window = cfg.layer_windows[layer]
         self.softcap = cfg.attn_logit_softcap
@@ -246,11 +247,13 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.clip is not None:  # OLMo 1's clip_qkv
             q, k, v = (jnp.clip(t, -self.clip, self.clip) for t in (q, k, v))
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             pos = jnp.maximum(md.positions, 0)
             q, k = apply_rope(q, pos, self.rope), apply_rope(k, pos, self.rope)
+        if self.qk_norm and self.qk_norm_after_rope:  # HunYuan
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.temperature is not None:  # Llama 4 / Ministral 3: queries scaled up with the position
             beta, n = self.temperature
             t = 1.0 + beta * jnp.log1p(jnp.floor(jnp.maximum(md.positions, 0).astype(jnp.float32) / n))

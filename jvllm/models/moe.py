@@ -1,5 +1,7 @@
 """Mixture-of-experts families in Flax NNX: Mixtral (top-2 of 8), Qwen2-MoE (shared expert behind
-a sigmoid gate, qkv bias), Qwen3-MoE (top-8 of 128, q/k norms, `norm_topk_prob`).
+a sigmoid gate, qkv bias), Qwen3-MoE (top-8 of 128, q/k norms, `norm_topk_prob`), OLMoE, GLM-4.5
+(sigmoid router with a selection bias over expert groups, ungated shared experts, dense first
+layers).
 
 Attention, norms, embedding and head are the Llama family's (jvllm.models.llama); only the
 feed-forward of a sparse layer differs (`ModelConfig.moe.is_sparse(i)`; other layers keep the dense
@@ -8,7 +10,8 @@ MLP). Forward contract: as `LlamaForCausalLM`.
 Parameter layout of a sparse layer's `mlp` (logical axes in brackets):
   router [embed, router]; expert_gate / expert_up [expert, embed, moe_mlp]; expert_down
   [expert, moe_mlp, embed]; Qwen2-MoE adds shared_expert.{gate,up,down}_proj (a dense MLP) and
-  shared_expert_gate [embed].
+  shared_expert_gate [embed]; GLM-4.5 the shared expert without its gate and router_bias [router]
+  (float32).
 The expert computation is jvllm.ops.grouped_matmul (tokens sorted by expert, ragged_dot). On a
 stage mesh ("expert", "tensor") the mesh axes the experts and their hidden dimension are split
 over are fixed at construction from the sharding preset (`jvllm.sharding.moe_mesh_axes`, chosen
@@ -27,6 +30,7 @@ from jvllm.config import ModelConfig
 from jvllm.models.layers import MLP, Attention, declare, norm
 from jvllm.quantization.schemes import DENSE
 from jvllm.models.llama import DecoderLayer, LlamaForCausalLM
+from jvllm.models.moe_routers import router_for
 from jvllm.ops import grouped_matmul as gm
 from jvllm.ops.attention import _TP_MESH
 
@@ -71,14 +75,17 @@ class SparseMoE(nnx.Module):
         m = cfg.moe
         D, E, I = cfg.hidden_size, m.num_experts, m.expert_size
         self.router = declare((D, E), ("embed", "router"), dtype)
+        # DeepSeek-V3 / GLM-4.5: the per-expert selection bias, kept in float32 as transformers keeps it
+        self.router_bias = declare((E,), ("router",), jnp.float32) if m.correction_bias else None
         self.expert_gate = declare((E, D, I), ("expert", "embed", "moe_mlp"), dtype)
         self.expert_up = declare((E, D, I), ("expert", "embed", "moe_mlp"), dtype)
         self.expert_down = declare((E, I, D), ("expert", "moe_mlp", "embed"), dtype)
         self.has_shared = m.shared_expert_size > 0
         if self.has_shared:
             self.shared_expert = SharedExpertMLP(cfg, dtype)
-            self.shared_expert_gate = declare((D,), ("embed",), dtype)
-        self.top_k, self.norm_topk = m.top_k, m.norm_topk_prob
+            self.shared_expert_gate = declare((D,), ("embed",), dtype) if m.shared_expert_gate else None
+        self.route_fn = router_for(m)
+        self.f32_logits = m.scoring == "sigmoid"  # transformers' noaux_tc router runs in float32 throughout
         from jvllm.sharding import moe_mesh_axes
 
         self.expert_axes, self.hidden_axis = moe_mesh_axes(m.expert_parallel)
@@ -86,13 +93,13 @@ class SparseMoE(nnx.Module):
         self.act = cfg.hidden_act  # the routed experts' activation, as the shared expert's and the dense MLP's
 
     def route(self, x):
-        """(top_idx [T, k] int32, top_w [T, k] float32): softmax in float32 over all experts, the
-        k largest, renormalised when `norm_topk_prob` (transformers' TopKRouter)."""
-        probs = jax.nn.softmax((x @ self.router[...]).astype(jnp.float32), axis=-1)
-        top_w, top_idx = jax.lax.top_k(probs, self.top_k)
-        if self.norm_topk:
-            top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-        return top_idx, top_w
+        """(top_idx [T, k] int32, top_w [T, k] float32): the config's router
+        (`jvllm.models.moe_routers`) over the logits in float32."""
+        if self.f32_logits:
+            logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        else:
+            logits = (x @ self.router[...]).astype(jnp.float32)
+        return self.route_fn(logits, None if self.router_bias is None else self.router_bias[...])
 
     def __call__(self, x, valid=None):
         """x [T, D]; valid [T] bool (False: a padding token, computed by no expert) or None."""
@@ -106,9 +113,11 @@ class SparseMoE(nnx.Module):
             y = gm.sharded_ffn(x, top_idx, top_w, *ws, valid, mesh=mesh, expert_axes=self.expert_axes,
                                hidden_axis=self.hidden_axis, backend=self.backend, act=self.act)
         y = y.astype(x.dtype)
-        if self.has_shared:
+        if self.has_shared and self.shared_expert_gate is not None:
             gate = jax.nn.sigmoid((x @ self.shared_expert_gate[...]).astype(jnp.float32))
             y = y + (gate[:, None] * self.shared_expert(x).astype(jnp.float32)).astype(x.dtype)
+        elif self.has_shared:
+            y = y + self.shared_expert(x)
         return y
 
 
