@@ -161,13 +161,25 @@ HUNYUAN_RULES = [  # HunYuan's q/k norms (after rope) under the model's q_norm /
     (_L + r"self_attn\.query_layernorm\.weight", r"layers.\1.self_attn.q_norm.weight", t_identity),
     (_L + r"self_attn\.key_layernorm\.weight", r"layers.\1.self_attn.k_norm.weight", t_identity),
 ] + HF_RULES
+def t_scalar(name, a, tgt):  # a 0-d tensor (a stored buffer) -> [1]
+    if tuple(a.shape) not in ((), (1,)) or tuple(tgt) != (1,):
+        _expect(name, a, ())
+    return np.reshape(a, (1,))
+
+
+APERTUS_RULES = [  # Apertus's pre-norms under Llama's names; its xIELU's learned scalars
+    (_L + r"attention_layernorm\.weight", r"layers.\1.input_layernorm.weight", t_identity),
+    (_L + r"feedforward_layernorm\.weight", r"layers.\1.post_attention_layernorm.weight", t_identity),
+    (_L + r"mlp\.act_fn\.(alpha_p|alpha_n)", r"layers.\1.mlp.\2", t_identity),
+    (_L + r"mlp\.act_fn\.(beta|eps)", r"layers.\1.mlp.\2", t_scalar),
+] + HF_RULES
 
 # the GPT lineage's maps live in gpt_names (which imports the transforms and templates above)
 from .gpt_names import (BIGCODE_RULES, FALCON_RULES, GPT2_RULES, GPTJ_RULES, NEOX_RULES,  # noqa: E402
                         OPT_RULES)
 
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES, "glm4": GLM4_RULES, "olmo": OLMO_RULES,
-                   "hunyuan": HUNYUAN_RULES,
+                   "hunyuan": HUNYUAN_RULES, "apertus": APERTUS_RULES,
                    "gpt2": GPT2_RULES, "opt": OPT_RULES, "gptj": GPTJ_RULES, "gpt_bigcode": BIGCODE_RULES, "falcon": FALCON_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}

@@ -17,6 +17,9 @@ from jvllm.quantization.config import QuantConfig
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "freq_factors")
 # jvllm.ops.activations.NAMES (named here: this module imports no jax)
 _ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu", "relu", "relu2")
+# activations with learned parameters: each the MLP module of the architectures named (not in
+# jvllm.ops.activations)
+_LEARNED_ACTIVATIONS = {"xielu": ("ApertusForCausalLM",)}  # jvllm.models.apertus
 _NORM_KINDS = ("rms", "layer")
 _QK_NORM_LAYOUTS = ("head", "per_head", "all")
 
@@ -226,7 +229,8 @@ class ModelConfig:
             raise ValueError(f"unsupported norm_kind {self.norm_kind!r}; supported: {', '.join(_NORM_KINDS)}")
         if not self.norm_affine and self.norm_kind != "layer":
             raise ValueError("norm_affine=False (norms without parameters) is implemented for LayerNorm only")
-        if self.hidden_act not in _ACTIVATIONS:
+        if self.hidden_act not in _ACTIVATIONS and (
+                self.architecture not in _LEARNED_ACTIVATIONS.get(self.hidden_act, ())):
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}")
         for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta", "clip_qkv"):
             v = getattr(self, f)

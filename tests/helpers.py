@@ -105,6 +105,10 @@ ARCHS = {
                                             "original_max_position_embeddings": 256}})),
     # Helium: interleaved rope, q/k/v biases without an o_proj bias
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(attention_bias=True, initializer_range=0.1)),
+    # Apertus: xIELU ungated MLP (learned scalars), q/k norms, renamed pre-norms; llama3 rope from 64
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(initializer_range=0.1, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
     # HunYuan dense: q/k norms after rope; its NTK-alpha rope (checkpoints' "dynamic" with alpha)
     "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(
         initializer_range=0.1, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=1000.0,

@@ -93,7 +93,7 @@ def test_activations_are_transformers():
         activation("xielu")
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "falcon_40b", "ernie4_5", "nemotron", "exaone4", "olmo", "helium", "hunyuan_dense", "gpt_neox",
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "falcon_40b", "ernie4_5", "nemotron", "exaone4", "olmo", "helium", "hunyuan_dense", "apertus", "gpt_neox",
                                   "starcoder2", "cohere2", "glm4"])
 def test_engine_modes_match_transformers(ckpt_dir, arch):
     """One engine: 8-token blocks and 13 of them (preemption), a 32-token budget (chunked

@@ -194,6 +194,19 @@ register(Family(
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
 ))
 register(Family(
+    # Apertus (swiss-ai, jvllm.models.apertus): the Llama decoder with q/k RMSNorms per head (before
+    # rope), an ungated MLP whose xIELU activation has learned scalars per layer, its norms named
+    # attention_layernorm / feedforward_layernorm (name map "apertus"); q/k/v/o biases under
+    # attention_bias
+    name="apertus",
+    architectures=("ApertusForCausalLM",),
+    model_types={"apertus": "ApertusForCausalLM"},
+    model="jvllm.models.apertus:ApertusForCausalLM",
+    name_map="apertus",
+    defaults={"qk_norm": True, "mlp_gated": False},
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+))
+register(Family(
     # HunYuan dense (Hunyuan-0.5B / 1.8B / 4B / 7B): the Llama decoder with q/k RMSNorms per head
     # over head_dim applied after rope (query_layernorm / key_layernorm: name map "hunyuan"); its
     # "dynamic" rope with a fixed alpha is a static stretched base (jvllm.hf_config)
