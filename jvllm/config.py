@@ -30,7 +30,8 @@ def supported_architectures() -> tuple[str, ...]:
 
     return archs()
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                      "OlmoeForCausalLM", "Glm4MoeForCausalLM", "Dots1ForCausalLM")  # jvllm.models.moe
+                      "OlmoeForCausalLM", "Glm4MoeForCausalLM", "Dots1ForCausalLM",
+                      "Ernie4_5_MoeForCausalLM")  # jvllm.models.moe
 
 
 def _freeze(d: dict | None) -> tuple | None:

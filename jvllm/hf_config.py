@@ -148,6 +148,14 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
                          scoring="sigmoid", correction_bias=True, num_groups=int(getattr(hf, "n_group", 1) or 1),
                          topk_groups=int(getattr(hf, "topk_group", 1) or 1),
                          routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
+    if arch == "Ernie4_5_MoeForCausalLM":  # softmax router choosing with a selection bias, ungated shared experts
+        n, start, end = hf.num_hidden_layers, int(hf.moe_layer_start_index), int(hf.moe_layer_end_index)
+        end = n - 1 if end == -1 else end
+        return MoEConfig(num_experts=hf.moe_num_experts, top_k=hf.moe_k, expert_size=hf.moe_intermediate_size,
+                         norm_topk_prob=True, correction_bias=True,
+                         shared_expert_size=hf.moe_intermediate_size * int(hf.moe_num_shared_experts or 0),
+                         shared_expert_gate=False, decoder_sparse_step=int(hf.moe_layer_interval or 1),
+                         mlp_only_layers=tuple(i for i in range(n) if i < start or i > end))
     if arch == "OlmoeForCausalLM":  # every layer sparse; the experts' size is intermediate_size
         return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.intermediate_size,
                          norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)))

@@ -164,6 +164,11 @@ ARCHS.update({  # mixture of experts (jvllm.models.moe); Qwen2-MoE with one dens
         num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=3,
         moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5,
         norm_topk_prob=False, attention_bias=True, sliding_window=8, max_window_layers=1)),
+    # ERNIE 4.5 MoE: softmax router choosing 3 of 8 by probability + bias, one ungated shared expert,
+    # sparse layers 1 and 3 (start 1, interval 2... of 4), interleaved rope
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        num_hidden_layers=4, moe_num_experts=8, moe_k=3, moe_intermediate_size=32, moe_num_shared_experts=1,
+        moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=2, tie_word_embeddings=False)),
 })
 
 

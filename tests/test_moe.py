@@ -167,7 +167,7 @@ def _prompts(seed=3):
     return [rng.integers(3, 256, int(n)).tolist() for n in (5, 21, 57, 30, 44, 38)] + [shared + [7, 8], shared + [9]]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe"])
 def test_moe_greedy_matches_transformers(ckpt_dir, arch):
     """One engine per family through every scheduling path at once: 32-token chunks (prompts up to
     57 tokens), a shared 33-token prefix, a second pass served from the prefix cache, and 12
@@ -365,6 +365,25 @@ def test_glm4_moe_config_and_mtp_layers(ckpt_dir, tmp_path):
     # num_params counts the router bias and the ungated shared expert (not q/k/v biases, q/k norms)
     extra = 3 * (4 + 2 * 2) * 16 + 3 * 2 * 16  # 3 layers: q/k/v biases (4 + 2 x 2 heads of 16), q/k norms
     assert ck.config.num_params == sum(int(p.size) for p in ck.params.values()) - extra
+
+
+def test_ernie45_moe_layers_and_refusal(ckpt_dir):
+    """ERNIE 4.5 MoE's sparse layers from moe_layer_start_index / end / interval, its softmax router
+    with a selection bias; use_bias (biases on the shared experts and the LM head) is refused."""
+    import json
+
+    from jvllm.config import ModelConfig
+
+    path = ckpt_dir("ernie4_5_moe")
+    m = ModelConfig.from_pretrained(path).moe
+    assert [i for i in range(4) if m.is_sparse(i)] == [1, 3]
+    assert (m.scoring, m.correction_bias, m.shared_expert_size, m.shared_expert_gate) == ("softmax", True, 32, False)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["use_bias"] = True
+    from transformers import Ernie4_5_MoeConfig
+
+    with pytest.raises(ValueError, match="Ernie4_5_MoeForCausalLM: config sets use_bias=True, which jvllm does not implement"):
+        ModelConfig.from_hf_config(Ernie4_5_MoeConfig(**cfg))
 
 
 def test_expert_axis_rules_and_errors(ckpt_dir):

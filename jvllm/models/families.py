@@ -397,12 +397,13 @@ register(Family(
     # GLM-4.5 / 4.6: q/k/v biases without an o bias, optional per-head q/k norms, rope on part of each
     # head, a sigmoid router (jvllm.models.moe_routers); its next-token-prediction layers after the
     # decoder stack are not read (converters.readers.mtp_layers_skipped). dots.llm1: the same router
-    # and shared experts, Qwen3's per-head q/k norms, biases per attention_bias
+    # and shared experts, Qwen3's per-head q/k norms, biases per attention_bias. ERNIE 4.5 MoE: a
+    # softmax router with the same kind of selection bias, ungated shared experts
     architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                   "Glm4MoeForCausalLM", "Dots1ForCausalLM"),
+                   "Glm4MoeForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM"),
     model_types={"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                 "dots1": "Dots1ForCausalLM"},
+                 "dots1": "Dots1ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"},
     model="jvllm.models.moe:MoEForCausalLM",
     name_map="moe",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
@@ -410,8 +411,11 @@ register(Family(
               "Qwen3MoeForCausalLM": {"qk_norm": True},
               "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"},  # OLMoE: AI2's, OLMo's q/k norms
               "Glm4MoeForCausalLM": {"o_bias": False, "qk_norm": FromHF("use_qk_norm", False)},
-              "Dots1ForCausalLM": {"qk_norm": True}},
-    refused={"OlmoeForCausalLM": ("clip_qkv",)},
+              "Dots1ForCausalLM": {"qk_norm": True},
+              # ERNIE 4.5 MoE: interleaved rope; use_bias (biases on every projection and the LM head,
+              # none on the experts) is refused: the real checkpoints have none
+              "Ernie4_5_MoeForCausalLM": {"rope_interleaved": True}},
+    refused={"OlmoeForCausalLM": ("clip_qkv",), "Ernie4_5_MoeForCausalLM": ("use_bias",)},
 ))
 register_text_only(TextOnly(
     # Gemma 3 4B / 12B / 27B (SigLIP vision tower + projector around a Gemma 3 decoder)

@@ -85,7 +85,9 @@ class SparseMoE(nnx.Module):
             self.shared_expert = SharedExpertMLP(cfg, dtype)
             self.shared_expert_gate = declare((D,), ("embed",), dtype) if m.shared_expert_gate else None
         self.route_fn = router_for(m)
-        self.f32_logits = m.scoring == "sigmoid"  # transformers' noaux_tc router runs in float32 throughout
+        # the routers with a selection bias (DeepSeek-V3's, GLM-4.5's, ERNIE 4.5's) keep their weight in
+        # float32 in transformers and run in float32 throughout
+        self.f32_logits = m.correction_bias
         from jvllm.sharding import moe_mesh_axes
 
         self.expert_axes, self.hidden_axis = moe_mesh_axes(m.expert_parallel)

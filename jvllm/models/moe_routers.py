@@ -2,7 +2,8 @@
 top_w [T, k] float32), one function per `MoEConfig.scoring`, picked once per layer (`router_for`).
 
   softmax   Mixtral / Qwen-MoE / OLMoE: softmax over all experts, the k largest, renormalised to
-            sum to one when `norm_topk_prob`
+            sum to one when `norm_topk_prob`; with a selection bias (ERNIE 4.5) the k largest of
+            probability + bias, weighted by their probabilities
   sigmoid   DeepSeek-V3 / GLM-4.5 ("noaux_tc"): sigmoid scores; the choice ranks score + a learned
             per-expert bias (which balances the load; it never weights an output) among the experts
             of the `topk_groups` best of `num_groups` groups (a group's worth is the sum of its two
@@ -25,7 +26,11 @@ from jvllm.config import MoEConfig
 
 def softmax_topk(logits, bias, *, k: int, norm: bool):
     probs = jax.nn.softmax(logits, axis=-1)
-    top_w, top_idx = jax.lax.top_k(probs, k)
+    if bias is None:
+        top_w, top_idx = jax.lax.top_k(probs, k)
+    else:  # ERNIE 4.5: chosen by probability + bias, weighted by the probability
+        _, top_idx = jax.lax.top_k(probs + bias.astype(jnp.float32)[None, :], k)
+        top_w = jnp.take_along_axis(probs, top_idx, axis=-1)
     if norm:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     return top_idx, top_w
