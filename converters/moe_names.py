@@ -45,6 +45,8 @@ def moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity)
         # ERNIE 4.5 MoE: the selection bias as [1, E], on the hub under mlp.moe_statics (transformers
         # 5 keeps it under mlp.gate.moe_statics)
         (L + r"mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias", r"layers.\1.mlp.router_bias", t_row),
+        # MiniMax-M2: the selection bias beside Mixtral's names (transformers 5: mlp.e_score_correction_bias)
+        (L + r"(?:block_sparse_moe|mlp)\.e_score_correction_bias", r"layers.\1.mlp.router_bias", t_identity),
         # transformers 5's in-memory layout (a torch.save of its state_dict): every expert fused,
         # experts.gate_up_proj [E, 2I, D] (gate rows first) and experts.down_proj [E, D, I]
         (L + r"mlp\.experts\.gate_up_proj", (r"layers.\1.mlp.expert_gate", r"layers.\1.mlp.expert_up"),

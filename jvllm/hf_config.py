@@ -148,6 +148,10 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
                          scoring="sigmoid", correction_bias=True, num_groups=int(getattr(hf, "n_group", 1) or 1),
                          topk_groups=int(getattr(hf, "topk_group", 1) or 1),
                          routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
+    if arch == "MiniMaxM2ForCausalLM":  # Mixtral's layout, a sigmoid router choosing with a selection bias
+        return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                         expert_size=hf.intermediate_size, norm_topk_prob=True, scoring="sigmoid",
+                         correction_bias=True)
     if arch == "Ernie4_5_MoeForCausalLM":  # softmax router choosing with a selection bias, ungated shared experts
         n, start, end = hf.num_hidden_layers, int(hf.moe_layer_start_index), int(hf.moe_layer_end_index)
         end = n - 1 if end == -1 else end

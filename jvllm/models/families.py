@@ -398,12 +398,14 @@ register(Family(
     # head, a sigmoid router (jvllm.models.moe_routers); its next-token-prediction layers after the
     # decoder stack are not read (converters.readers.mtp_layers_skipped). dots.llm1: the same router
     # and shared experts, Qwen3's per-head q/k norms, biases per attention_bias. ERNIE 4.5 MoE: a
-    # softmax router with the same kind of selection bias, ungated shared experts
+    # softmax router with the same kind of selection bias, ungated shared experts. MiniMax-M2:
+    # Mixtral's names, a sigmoid router with a selection bias (no groups, no shared expert)
     architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                   "Glm4MoeForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM"),
+                   "Glm4MoeForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM"),
     model_types={"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                 "dots1": "Dots1ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"},
+                 "dots1": "Dots1ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+                 "minimax_m2": "MiniMaxM2ForCausalLM"},
     model="jvllm.models.moe:MoEForCausalLM",
     name_map="moe",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
@@ -414,7 +416,9 @@ register(Family(
               "Dots1ForCausalLM": {"qk_norm": True},
               # ERNIE 4.5 MoE: interleaved rope; use_bias (biases on every projection and the LM head,
               # none on the experts) is refused: the real checkpoints have none
-              "Ernie4_5_MoeForCausalLM": {"rope_interleaved": True}},
+              "Ernie4_5_MoeForCausalLM": {"rope_interleaved": True},
+              # MiniMax-M2: q/k norms over all heads jointly (OLMo's layout), rope on part of each head
+              "MiniMaxM2ForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"}},
     refused={"OlmoeForCausalLM": ("clip_qkv",), "Ernie4_5_MoeForCausalLM": ("use_bias",)},
 ))
 register_text_only(TextOnly(
