@@ -1,4 +1,5 @@
-"""Checkpoint names of the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5).
+"""Checkpoint names of the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5,
+dots.llm1, ERNIE 4.5 MoE, MiniMax-M2, GraniteMoe).
 
 Checkpoints store each expert as its own tensors (`...experts.{j}.w1.weight`; transformers 5's
 in-memory names fuse them, `...experts.gate_up_proj`, which load whole); jvllm stacks them
@@ -24,7 +25,7 @@ class ExpertSlice:
         return dataclasses.replace(self, index=index)
 
 
-def moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity) -> list:
+def moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity, t_split_gate_up) -> list:
     """(pattern, target, transform) rules, in name_map's form, for the MoE families."""
     L = r"model\.layers\.(\d+)\."
     x = ExpertSlice(t_transpose)
@@ -47,6 +48,17 @@ def moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity)
         (L + r"mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias", r"layers.\1.mlp.router_bias", t_row),
         # MiniMax-M2: the selection bias beside Mixtral's names (transformers 5: mlp.e_score_correction_bias)
         (L + r"(?:block_sparse_moe|mlp)\.e_score_correction_bias", r"layers.\1.mlp.router_bias", t_identity),
+        # GraniteMoe: fused experts under block_sparse_moe (input_linear [E, 2I, D], gate rows first;
+        # output_linear [E, D, I]; transformers 5: experts.gate_up_proj / down_proj), the router as
+        # router.layer (transformers 5: router), GraniteMoeShared's shared_mlp (input_linear [2S, D])
+        (L + r"block_sparse_moe\.(?:input_linear\.weight|experts\.gate_up_proj)",
+         (r"layers.\1.mlp.expert_gate", r"layers.\1.mlp.expert_up"), t_experts_gate_up),
+        (L + r"block_sparse_moe\.(?:output_linear\.weight|experts\.down_proj)", r"layers.\1.mlp.expert_down",
+         t_experts_down),
+        (L + r"block_sparse_moe\.router\.(?:layer\.)?weight", r"layers.\1.mlp.router", t_transpose),
+        (L + r"shared_mlp\.input_linear\.weight",
+         (r"layers.\1.mlp.shared_expert.gate_proj", r"layers.\1.mlp.shared_expert.up_proj"), t_split_gate_up),
+        (L + r"shared_mlp\.output_linear\.weight", r"layers.\1.mlp.shared_expert.down_proj", t_transpose),
         # transformers 5's in-memory layout (a torch.save of its state_dict): every expert fused,
         # experts.gate_up_proj [E, 2I, D] (gate rows first) and experts.down_proj [E, D, I]
         (L + r"mlp\.experts\.gate_up_proj", (r"layers.\1.mlp.expert_gate", r"layers.\1.mlp.expert_up"),

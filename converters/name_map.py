@@ -181,7 +181,8 @@ from .gpt_names import (BIGCODE_RULES, FALCON_RULES, GPT2_RULES, GPTJ_RULES, NEO
 HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES, "glm4": GLM4_RULES, "olmo": OLMO_RULES,
                    "hunyuan": HUNYUAN_RULES, "apertus": APERTUS_RULES,
                    "gpt2": GPT2_RULES, "opt": OPT_RULES, "gptj": GPTJ_RULES, "gpt_bigcode": BIGCODE_RULES, "falcon": FALCON_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
-                   "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity)}
+                   "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity,
+                                                        t_split_gate_up)}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 
 

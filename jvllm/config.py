@@ -31,7 +31,8 @@ def supported_architectures() -> tuple[str, ...]:
     return archs()
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                       "OlmoeForCausalLM", "Glm4MoeForCausalLM", "Dots1ForCausalLM",
-                      "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")  # jvllm.models.moe
+                      "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeForCausalLM",
+                      "GraniteMoeSharedForCausalLM")  # jvllm.models.moe
 
 
 def _freeze(d: dict | None) -> tuple | None:

@@ -148,6 +148,11 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
                          scoring="sigmoid", correction_bias=True, num_groups=int(getattr(hf, "n_group", 1) or 1),
                          topk_groups=int(getattr(hf, "topk_group", 1) or 1),
                          routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
+    if arch in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):  # softmax over the top-k logits
+        return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                         expert_size=hf.intermediate_size, norm_topk_prob=True,
+                         shared_expert_size=int(getattr(hf, "shared_intermediate_size", 0) or 0),
+                         shared_expert_gate=False)
     if arch == "MiniMaxM2ForCausalLM":  # Mixtral's layout, a sigmoid router choosing with a selection bias
         return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                          expert_size=hf.intermediate_size, norm_topk_prob=True, scoring="sigmoid",

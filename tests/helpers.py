@@ -169,6 +169,13 @@ ARCHS.update({  # mixture of experts (jvllm.models.moe); Qwen2-MoE with one dens
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
         num_hidden_layers=4, moe_num_experts=8, moe_k=3, moe_intermediate_size=32, moe_num_shared_experts=1,
         moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=2, tie_word_embeddings=False)),
+    # GraniteMoe: Granite's four scales around top-2 of 4 experts; GraniteMoeShared adds an ungated shared MLP
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, embedding_multiplier=3.0,
+        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0)),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, shared_intermediate_size=48,
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0)),
     # MiniMax-M2: a sigmoid router choosing 3 of 8 with a selection bias; q/k norms over all heads,
     # rope on half of each head (the released configs' legacy rotary_dim)
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(num_local_experts=8, num_experts_per_tok=3,

@@ -184,6 +184,19 @@ register(Family(
                "attention_multiplier": "attention_multiplier", "logits_scaling": "logits_scaling"},
 ))
 register(Family(
+    # Granite 3.0 / 3.1 MoE (1B-A400M, 3B-A800M) and GraniteMoeShared (jvllm.models.granite): the MoE
+    # model with Granite's scales; softmax over the top-k router logits (= renormalised top-k
+    # probabilities), fused expert tensors (input_linear / output_linear), an ungated shared MLP
+    name="granite_moe",
+    architectures=("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"),
+    model_types={"granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM"},
+    model="jvllm.models.granite:GraniteMoeForCausalLM",
+    name_map="moe",
+    hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias",
+               "embedding_multiplier": "embedding_multiplier", "residual_multiplier": "residual_multiplier",
+               "attention_multiplier": "attention_multiplier", "logits_scaling": "logits_scaling"},
+))
+register(Family(
     # OLMo 2 / OLMo 3 (jvllm.models.olmo): post-norm blocks, q/k norms over all heads jointly
     name="olmo",
     architectures=("Olmo2ForCausalLM", "Olmo3ForCausalLM"),

@@ -1,4 +1,5 @@
-"""IBM Granite 3.x (GraniteForCausalLM) in Flax NNX: the Llama decoder with four scales, each a
+"""IBM Granite 3.x (GraniteForCausalLM, and its mixture-of-experts GraniteMoe / GraniteMoeShared
+on jvllm.models.moe's layer) in Flax NNX: the Llama decoder with four scales, each a
 ModelConfig field: `embedding_multiplier` (the embeddings, in `LlamaForCausalLM`),
 `attention_multiplier` (the attention scale itself, in `layers.Attention`), `logits_scaling` (a
 divisor of the logits, in `layers.LMHead`) and `residual_multiplier`, which scales each block's
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 
 from jvllm.config import ModelConfig
 from jvllm.models.llama import DecoderLayer, LlamaForCausalLM
+from jvllm.models.moe import MoEDecoderLayer, MoEForCausalLM
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -33,3 +35,27 @@ class GraniteForCausalLM(LlamaForCausalLM):
     """Granite: the Llama model's embedding, stages and forward contract with the scaled residuals."""
 
     layer_cls = GraniteDecoderLayer
+
+
+class GraniteMoeDecoderLayer(MoEDecoderLayer):
+    """The MoE layer (a routed expert MLP on sparse layers) with Granite's scaled residuals."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        super().__init__(cfg, layer, dtype)
+        self.residual_multiplier = float(cfg.residual_multiplier)
+
+    def _scaled(self, y):
+        return (y.astype(jnp.float32) * self.residual_multiplier).astype(y.dtype)
+
+    def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
+        a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
+        x = x + self._scaled(a)
+        h = self.post_attention_layernorm(x)
+        x = x + self._scaled(self.mlp(h, md.positions >= 0) if self.sparse else self.mlp(h))
+        return x, kv
+
+
+class GraniteMoeForCausalLM(MoEForCausalLM):
+    """GraniteMoe / GraniteMoeShared: the MoE model with Granite's four scales."""
+
+    layer_cls = GraniteMoeDecoderLayer
