@@ -32,7 +32,7 @@ def supported_architectures() -> tuple[str, ...]:
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                       "OlmoeForCausalLM", "Glm4MoeForCausalLM", "Dots1ForCausalLM",
                       "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeForCausalLM",
-                      "GraniteMoeSharedForCausalLM")  # jvllm.models.moe
+                      "GraniteMoeSharedForCausalLM", "PhimoeForCausalLM")  # jvllm.models.moe
 
 
 def _freeze(d: dict | None) -> tuple | None:
@@ -50,7 +50,8 @@ class MoEConfig:
     GLM-4.5): sigmoid scores in float32, chosen by score + a learned per-expert bias
     (`correction_bias`) within the `topk_groups` best of `num_groups` expert groups (a group's
     worth: its two best biased scores), weighted by the unbiased scores (renormalised when
-    `norm_topk_prob`) times `routed_scaling` (jvllm.models.moe_routers). Layer i is sparse iff i is
+    `norm_topk_prob`) times `routed_scaling`; or "sparsemixer" (Phi-3.5-MoE, top-2, `jitter_eps`)
+    (jvllm.models.moe_routers). Layer i is sparse iff i is
     not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; other layers keep the dense
     MLP of `intermediate_size`. `shared_expert_size` > 0 adds a shared expert, scaled by a sigmoid
     gate (Qwen2-MoE) or not (`shared_expert_gate` False: GLM-4.5's shared experts). `expert_parallel` picks the expert computation's variant under a tensor-parallel
@@ -73,6 +74,7 @@ class MoEConfig:
     topk_groups: int = 1
     routed_scaling: float = 1.0
     shared_expert_gate: bool = True
+    jitter_eps: float = 0.0  # sparsemixer's relative band (Phi-3.5-MoE's router_jitter_noise)
 
     def __post_init__(self):
         for f in ("num_experts", "top_k", "expert_size", "decoder_sparse_step", "num_groups", "topk_groups"):
@@ -81,8 +83,11 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{f} must be a positive integer, got {v!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.num_experts})")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"MoE scoring function {self.scoring!r} is not supported; supported: softmax, sigmoid")
+        if self.scoring not in ("softmax", "sigmoid", "sparsemixer"):
+            raise ValueError(f"MoE scoring function {self.scoring!r} is not supported; supported: softmax, sigmoid, "
+                             f"sparsemixer")
+        if self.scoring == "sparsemixer" and self.top_k != 2:
+            raise ValueError(f"the sparsemixer router picks exactly 2 experts; num_experts_per_tok is {self.top_k}")
         if self.num_experts % self.num_groups:
             raise ValueError(f"n_group ({self.num_groups}) does not divide the {self.num_experts} experts")
         if self.topk_groups > self.num_groups:

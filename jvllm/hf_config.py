@@ -75,7 +75,7 @@ def model_config_from_hf(hf) -> ModelConfig:
         # transformers applies these models' sliding_window to every layer and never reads
         # layer_types (Mistral reads layer_types when a config has them)
         if arch in ("Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Starcoder2ForCausalLM",
-                    "Ministral3ForCausalLM"):
+                    "Ministral3ForCausalLM", "PhimoeForCausalLM"):
             windows = [sw] * n
         elif layer_types:
             windows = [sw if t == "sliding_attention" else None for t in layer_types]
@@ -153,6 +153,10 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
                          expert_size=hf.intermediate_size, norm_topk_prob=True,
                          shared_expert_size=int(getattr(hf, "shared_intermediate_size", 0) or 0),
                          shared_expert_gate=False)
+    if arch == "PhimoeForCausalLM":  # Mixtral's layout, the sparsemixer router
+        return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
+                         expert_size=hf.intermediate_size, scoring="sparsemixer",
+                         jitter_eps=float(getattr(hf, "router_jitter_noise", 0.0) or 0.0))
     if arch == "MiniMaxM2ForCausalLM":  # Mixtral's layout, a sigmoid router choosing with a selection bias
         return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                          expert_size=hf.intermediate_size, norm_topk_prob=True, scoring="sigmoid",

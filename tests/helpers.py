@@ -176,6 +176,11 @@ ARCHS.update({  # mixture of experts (jvllm.models.moe); Qwen2-MoE with one dens
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, shared_intermediate_size=48,
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0)),
+    # Phi-3.5-MoE: the sparsemixer router (a band wide enough that the second choices' softmax sees
+    # several experts), LayerNorms, biases everywhere, a biased head, a window on every layer
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, router_jitter_noise=0.3,
+        attention_bias=True, lm_head_bias=True, sliding_window=8)),
     # MiniMax-M2: a sigmoid router choosing 3 of 8 with a selection bias; q/k norms over all heads,
     # rope on half of each head (the released configs' legacy rotary_dim)
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(num_local_experts=8, num_experts_per_tok=3,

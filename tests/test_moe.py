@@ -168,7 +168,7 @@ def _prompts(seed=3):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
-                                  "minimax_m2", "granitemoeshared"])
+                                  "minimax_m2", "granitemoeshared", "phimoe"])
 def test_moe_greedy_matches_transformers(ckpt_dir, arch):
     """One engine per family through every scheduling path at once: 32-token chunks (prompts up to
     57 tokens), a shared 33-token prefix, a second pass served from the prefix cache, and 12
@@ -346,6 +346,8 @@ def test_glm4_moe_config_and_mtp_layers(ckpt_dir, tmp_path):
         MoEConfig(num_experts=8, top_k=5, expert_size=4, num_groups=4, topk_groups=2)
     with pytest.raises(ValueError, match="scoring function 'sqrtsoftplus' is not supported"):
         MoEConfig(num_experts=8, top_k=2, expert_size=4, scoring="sqrtsoftplus")
+    with pytest.raises(ValueError, match="the sparsemixer router picks exactly 2 experts; num_experts_per_tok is 3"):
+        MoEConfig(num_experts=8, top_k=3, expert_size=4, scoring="sparsemixer")
     for f in os.listdir(src):
         shutil.copy(os.path.join(src, f), tmp_path / f)
     sd = load_file(str(tmp_path / "model.safetensors"))

@@ -412,13 +412,15 @@ register(Family(
     # decoder stack are not read (converters.readers.mtp_layers_skipped). dots.llm1: the same router
     # and shared experts, Qwen3's per-head q/k norms, biases per attention_bias. ERNIE 4.5 MoE: a
     # softmax router with the same kind of selection bias, ungated shared experts. MiniMax-M2:
-    # Mixtral's names, a sigmoid router with a selection bias (no groups, no shared expert)
+    # Mixtral's names, a sigmoid router with a selection bias (no groups, no shared expert).
+    # Phi-3.5-MoE: Mixtral's names, the sparsemixer router
     architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                   "Glm4MoeForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM"),
+                   "Glm4MoeForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM",
+                   "PhimoeForCausalLM"),
     model_types={"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                  "dots1": "Dots1ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-                 "minimax_m2": "MiniMaxM2ForCausalLM"},
+                 "minimax_m2": "MiniMaxM2ForCausalLM", "phimoe": "PhimoeForCausalLM"},
     model="jvllm.models.moe:MoEForCausalLM",
     name_map="moe",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
@@ -431,7 +433,10 @@ register(Family(
               # none on the experts) is refused: the real checkpoints have none
               "Ernie4_5_MoeForCausalLM": {"rope_interleaved": True},
               # MiniMax-M2: q/k norms over all heads jointly (OLMo's layout), rope on part of each head
-              "MiniMaxM2ForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"}},
+              "MiniMaxM2ForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"},
+              # Phi-3.5-MoE: LayerNorms with biases, biases on q/k/v/o, a biased LM head, a window on
+              # every layer, longrope
+              "PhimoeForCausalLM": {"norm_kind": "layer", "lm_head_bias": FromHF("lm_head_bias", False)}},
     refused={"OlmoeForCausalLM": ("clip_qkv",), "Ernie4_5_MoeForCausalLM": ("use_bias",)},
 ))
 register_text_only(TextOnly(

@@ -11,6 +11,10 @@ top_w [T, k] float32), one function per `MoEConfig.scoring`, picked once per lay
             renormalised when `norm_topk_prob` (with transformers' 1e-20 in the sum), times
             `routed_scaling`
 
+  sparsemixer  Phi-3.5-MoE (inference form, top-2 only): the best expert, weighted by its softmax
+            among the logits within a relative distance 2 * jitter_eps of the best (the others
+            masked); then the best of the rest, weighted the same way among the rest
+
 Ties between equal scores go to the lower expert index (`jax.lax.top_k`); torch's topk may order
 exact ties differently, which random float weights never produce.
 """
@@ -53,9 +57,29 @@ def sigmoid_grouped_topk(logits, bias, *, k: int, norm: bool, groups: int, topk_
     return top_idx, top_w * scaling
 
 
+def _sparsemixer_pick(scores, masked, eps: float):
+    """(index [T, 1], weight [T, 1]) of the best of `masked` (scores with earlier picks at -inf),
+    weighted by its softmax over the entries of `masked` within 2 * eps of it relative to
+    max(|score|, best) (transformers' sparsemixer, eval mode)."""
+    best = jnp.max(masked, axis=-1, keepdims=True)
+    idx = jnp.argmax(masked, axis=-1)[:, None]
+    far = (best - scores) / jnp.maximum(jnp.abs(scores), best) > 2 * eps
+    gates = jax.nn.softmax(jnp.where(far, -jnp.inf, masked), axis=-1)
+    return idx, jnp.take_along_axis(gates, idx, axis=-1)
+
+
+def sparsemixer_top2(logits, bias, *, eps: float):
+    i1, w1 = _sparsemixer_pick(logits, logits, eps)
+    rest = jnp.where(jnp.arange(logits.shape[1])[None, :] == i1, -jnp.inf, logits)
+    i2, w2 = _sparsemixer_pick(logits, rest, eps)
+    return jnp.concatenate([i1, i2], axis=1).astype(jnp.int32), jnp.concatenate([w1, w2], axis=1)
+
+
 def router_for(m: MoEConfig):
     """`f(logits [T, E] float32, bias [E] or None) -> (top_idx, top_w)` for `m`'s scoring."""
     if m.scoring == "softmax":
         return functools.partial(softmax_topk, k=m.top_k, norm=m.norm_topk_prob)
+    if m.scoring == "sparsemixer":
+        return functools.partial(sparsemixer_top2, eps=m.jitter_eps)
     return functools.partial(sigmoid_grouped_topk, k=m.top_k, norm=m.norm_topk_prob, groups=m.num_groups,
                              topk_groups=m.topk_groups, scaling=m.routed_scaling)
