@@ -1,7 +1,8 @@
 """Model families: one registration each, as data (no jax import here).
 
 A family is one model file (`jvllm/models/<family>.py`) plus one `register(Family(...))` in
-`jvllm/models/families.py` (the built-in ones; imported at the end of this module). The
+`jvllm/models/families.py` (the built-in ones, with the GPT lineage's in `families_gpt.py`;
+imported at the end of this module). The
 registration says which architectures and `model_type`s it serves, where its Flax class lives
 (imported on first use, so host-only code can read configs without jax), which converter name
 maps read its checkpoints (`jvllm.converters.name_map.HF_RULES_BY_MAP`, `gguf.GGUF_RULES_BY_MAP`),
