@@ -10,7 +10,6 @@ top_w [T, k] float32), one function per `MoEConfig.scoring`, picked once per lay
             best biased scores); the chosen experts are weighted by their unbiased scores,
             renormalised when `norm_topk_prob` (with transformers' 1e-20 in the sum), times
             `routed_scaling`
-
   sparsemixer  Phi-3.5-MoE (inference form, top-2 only): the best expert, weighted by its softmax
             among the logits within a relative distance 2 * jitter_eps of the best (the others
             masked); then the best of the rest, weighted the same way among the rest
