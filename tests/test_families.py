@@ -91,6 +91,15 @@ def test_activations_are_transformers():
     assert np.abs(np.asarray(activation("gelu")(x)) - np.asarray(activation("gelu_new")(x))).max() > 1e-4
     with pytest.raises(ValueError, match="unsupported activation 'xielu'; supported: silu"):
         activation("xielu")
+    # xIELU has learned parameters: only Apertus declares them, any other architecture refuses it
+    from jvllm.config import ModelConfig
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                tie_word_embeddings=False, hidden_act="xielu")
+    with pytest.raises(ValueError, match="unsupported hidden_act 'xielu'; supported: silu"):
+        ModelConfig(architecture="LlamaForCausalLM", **base)
+    assert ModelConfig(architecture="ApertusForCausalLM", **base).hidden_act == "xielu"
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "olmo3", "smollm3_window", "gpt2", "opt", "gptj", "gpt_bigcode", "stablelm", "falcon_40b", "ernie4_5", "nemotron", "exaone4", "olmo", "helium", "hunyuan_dense", "apertus", "gpt_neox",
