@@ -32,7 +32,7 @@ def supported_architectures() -> tuple[str, ...]:
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                       "OlmoeForCausalLM", "Glm4MoeForCausalLM", "Dots1ForCausalLM",
                       "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeForCausalLM",
-                      "GraniteMoeSharedForCausalLM", "PhimoeForCausalLM")  # jvllm.models.moe
+                      "GraniteMoeSharedForCausalLM", "PhimoeForCausalLM", "ExaoneMoeForCausalLM")  # jvllm.models.moe
 
 
 def _freeze(d: dict | None) -> tuple | None:

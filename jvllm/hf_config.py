@@ -153,6 +153,18 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
                          expert_size=hf.intermediate_size, norm_topk_prob=True,
                          shared_expert_size=int(getattr(hf, "shared_intermediate_size", 0) or 0),
                          shared_expert_gate=False)
+    if arch == "ExaoneMoeForCausalLM":  # DeepSeek-V3's router; sparse layers named by mlp_layer_types
+        types = list(getattr(hf, "mlp_layer_types", None) or [])
+        bad = sorted(set(types) - {"sparse", "dense"})
+        if bad:
+            raise ValueError(f"ExaoneMoeForCausalLM: unknown mlp_layer_types {bad}; known: sparse, dense")
+        return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.moe_intermediate_size,
+                         norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
+                         shared_expert_size=hf.moe_intermediate_size * int(getattr(hf, "num_shared_experts", 0) or 0),
+                         shared_expert_gate=False, mlp_only_layers=tuple(i for i, t in enumerate(types) if t != "sparse"),
+                         scoring="sigmoid", correction_bias=True, num_groups=int(getattr(hf, "n_group", 1) or 1),
+                         topk_groups=int(getattr(hf, "topk_group", 1) or 1),
+                         routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
     if arch == "PhimoeForCausalLM":  # Mixtral's layout, the sparsemixer router
         return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                          expert_size=hf.intermediate_size, scoring="sparsemixer",

@@ -181,6 +181,12 @@ ARCHS.update({  # mixture of experts (jvllm.models.moe); Qwen2-MoE with one dens
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, router_jitter_noise=0.3,
         attention_bias=True, lm_head_bias=True, sliding_window=8)),
+    # EXAONE MoE: DeepSeek-V3's router (3 of 8 in the best 2 of 4 groups), a shared expert, layer 0
+    # dense; sliding layers in a pattern of 2 whose global layers have no rope
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(
+        num_hidden_layers=4, num_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=32,
+        num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, sliding_window=8,
+        sliding_window_pattern=2)),
     # MiniMax-M2: a sigmoid router choosing 3 of 8 with a selection bias; q/k norms over all heads,
     # rope on half of each head (the released configs' legacy rotary_dim)
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(num_local_experts=8, num_experts_per_tok=3,

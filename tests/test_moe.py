@@ -168,7 +168,7 @@ def _prompts(seed=3):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
-                                  "minimax_m2", "granitemoeshared", "phimoe"])
+                                  "minimax_m2", "granitemoeshared", "phimoe", "exaone_moe"])
 def test_moe_greedy_matches_transformers(ckpt_dir, arch):
     """One engine per family through every scheduling path at once: 32-token chunks (prompts up to
     57 tokens), a shared 33-token prefix, a second pass served from the prefix cache, and 12

@@ -204,14 +204,15 @@ register(Family(
     # and shared experts, Qwen3's per-head q/k norms, biases per attention_bias. ERNIE 4.5 MoE: a
     # softmax router with the same kind of selection bias, ungated shared experts. MiniMax-M2:
     # Mixtral's names, a sigmoid router with a selection bias (no groups, no shared expert).
-    # Phi-3.5-MoE: Mixtral's names, the sparsemixer router
+    # Phi-3.5-MoE: Mixtral's names, the sparsemixer router. EXAONE MoE: GLM-4.5's router and shared
+    # experts with EXAONE 4's attention
     architectures=("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                    "Glm4MoeForCausalLM", "Dots1ForCausalLM", "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM",
-                   "PhimoeForCausalLM"),
+                   "PhimoeForCausalLM", "ExaoneMoeForCausalLM"),
     model_types={"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
                  "dots1": "Dots1ForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-                 "minimax_m2": "MiniMaxM2ForCausalLM", "phimoe": "PhimoeForCausalLM"},
+                 "minimax_m2": "MiniMaxM2ForCausalLM", "phimoe": "PhimoeForCausalLM", "exaone_moe": "ExaoneMoeForCausalLM"},
     model="jvllm.models.moe:MoEForCausalLM",
     name_map="moe",
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
@@ -227,7 +228,10 @@ register(Family(
               "MiniMaxM2ForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"},
               # Phi-3.5-MoE: LayerNorms with biases, biases on q/k/v/o, a biased LM head, a window on
               # every layer, longrope
-              "PhimoeForCausalLM": {"norm_kind": "layer", "lm_head_bias": FromHF("lm_head_bias", False)}},
+              "PhimoeForCausalLM": {"norm_kind": "layer", "lm_head_bias": FromHF("lm_head_bias", False)},
+              # K-EXAONE (EXAONE MoE): EXAONE 4's per-head q/k norms and rope-free global layers under a
+              # window, on Llama's pre-norm layer
+              "ExaoneMoeForCausalLM": {"qk_norm": True, "nope_layers": Derived(_exaone4_nope)}},
     refused={"OlmoeForCausalLM": ("clip_qkv",), "Ernie4_5_MoeForCausalLM": ("use_bias",)},
 ))
 register_text_only(TextOnly(
