@@ -14,8 +14,9 @@ from jvllm.models.llama import DecoderLayer, LlamaForCausalLM
 from jvllm.models.moe import MoEDecoderLayer, MoEForCausalLM
 
 
-class GraniteDecoderLayer(DecoderLayer):
-    """Llama's layer with each block's output scaled before its residual add."""
+class ScaledResiduals:
+    """A mixin for a decoder layer (Llama's or the MoE one): each block's output scaled before its
+    residual add."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         super().__init__(cfg, layer, dtype)
@@ -27,8 +28,12 @@ class GraniteDecoderLayer(DecoderLayer):
     def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
         a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
         x = x + self._scaled(a)
-        x = x + self._scaled(self.mlp(self.post_attention_layernorm(x)))
+        x = x + self._scaled(self.ffn(self.post_attention_layernorm(x), md))
         return x, kv
+
+
+class GraniteDecoderLayer(ScaledResiduals, DecoderLayer):
+    """Llama's layer with Granite's scaled residuals."""
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
@@ -37,22 +42,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
     layer_cls = GraniteDecoderLayer
 
 
-class GraniteMoeDecoderLayer(MoEDecoderLayer):
+class GraniteMoeDecoderLayer(ScaledResiduals, MoEDecoderLayer):
     """The MoE layer (a routed expert MLP on sparse layers) with Granite's scaled residuals."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, dtype):
-        super().__init__(cfg, layer, dtype)
-        self.residual_multiplier = float(cfg.residual_multiplier)
-
-    def _scaled(self, y):
-        return (y.astype(jnp.float32) * self.residual_multiplier).astype(y.dtype)
-
-    def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
-        a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
-        x = x + self._scaled(a)
-        h = self.post_attention_layernorm(x)
-        x = x + self._scaled(self.mlp(h, md.positions >= 0) if self.sparse else self.mlp(h))
-        return x, kv
 
 
 class GraniteMoeForCausalLM(MoEForCausalLM):

@@ -39,8 +39,13 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
         a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
         x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.ffn(self.post_attention_layernorm(x), md)
         return x, kv
+
+    def ffn(self, h, md):
+        """The feed-forward block on the normed hidden states (a MoE layer's routes, step metadata `md`
+        in hand)."""
+        return self.mlp(h)
 
 
 class LlamaForCausalLM(nnx.Module):

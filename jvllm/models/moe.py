@@ -134,12 +134,8 @@ class MoEDecoderLayer(DecoderLayer):
         self.sparse = cfg.moe.is_sparse(layer)
         self.mlp = SparseMoE(cfg, dtype) if self.sparse else MLP(cfg, dtype)
 
-    def __call__(self, x, kv, md, kv_chunk_blocks, attention="xla"):
-        a, kv = self.self_attn(self.input_layernorm(x), kv, md, kv_chunk_blocks, attention)
-        x = x + a
-        h = self.post_attention_layernorm(x)
-        x = x + (self.mlp(h, md.positions >= 0) if self.sparse else self.mlp(h))
-        return x, kv
+    def ffn(self, h, md):
+        return self.mlp(h, md.positions >= 0) if self.sparse else self.mlp(h)
 
 
 class MoEForCausalLM(LlamaForCausalLM):
