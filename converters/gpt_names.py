@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .name_map import _QKV, _QKV_BIAS, _expect, t_bias_heads, t_identity, t_in_heads, t_out_heads, t_transpose
+from .name_map import (_QKV, _QKV_BIAS, LM_HEAD_BIAS_RULE, _expect, t_bias_heads, t_identity, t_in_heads,
+                       t_out_heads, t_transpose)
 
 
 def t_conv1d_qkv(name, a, tgts):  # GPT-2's Conv1D c_attn [embed, 3 * H*hd] (q | k | v) -> q, k, v [embed, H, hd]
@@ -149,7 +150,7 @@ GPTJ_RULES = [  # GPT-J: Linear layers ([out, in]), q/k/v/out_proj without biase
     (_TH + r"mlp\.fc_out\.bias", r"layers.\1.mlp.down_bias", t_identity),
     (r"transformer\.ln_f\.(weight|bias)", r"norm.\1", t_identity),
     (r"lm_head\.weight", "lm_head", t_transpose),
-    (r"lm_head\.bias", "lm_head_bias", t_identity),
+    LM_HEAD_BIAS_RULE,
     (_TH + r"attn\.(bias|masked_bias)", None, None),  # old checkpoints' causal-mask buffers
 ]
 _N = r"gpt_neox\.layers\.(\d+)\."

@@ -59,10 +59,6 @@ def moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity,
         (L + r"shared_mlp\.input_linear\.weight",
          (r"layers.\1.mlp.shared_expert.gate_proj", r"layers.\1.mlp.shared_expert.up_proj"), t_split_gate_up),
         (L + r"shared_mlp\.output_linear\.weight", r"layers.\1.mlp.shared_expert.down_proj", t_transpose),
-        # Phi-3.5-MoE: LayerNorms with biases, a biased LM head
-        (L + r"(input_layernorm|post_attention_layernorm)\.bias", r"layers.\1.\2.bias", t_identity),
-        (r"model\.norm\.bias", "norm.bias", t_identity),
-        (r"lm_head\.bias", "lm_head_bias", t_identity),
         # transformers 5's in-memory layout (a torch.save of its state_dict): every expert fused,
         # experts.gate_up_proj [E, 2I, D] (gate rows first) and experts.down_proj [E, D, I]
         (L + r"mlp\.experts\.gate_up_proj", (r"layers.\1.mlp.expert_gate", r"layers.\1.mlp.expert_up"),

@@ -130,14 +130,17 @@ FUSED_RULES = [  # fused qkv_proj (Phi-3) and gate_up_proj (Phi-3, GLM) split in
      (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj"), t_split_qkv),
     (_L + r"mlp\.gate_up_proj\.weight", (r"layers.\1.mlp.gate_proj", r"layers.\1.mlp.up_proj"), t_split_gate_up),
 ] + HF_RULES
+NORM_BIAS_RULES = [  # LayerNorms with biases under Llama's norm names (StarCoder2, Nemotron, Phi-3.5-MoE)
+    (_L + r"(input_layernorm|post_attention_layernorm)\.bias", r"layers.\1.\2.bias", t_identity),
+    (r"model\.norm\.bias", "norm.bias", t_identity),
+]
 STARCODER2_RULES = [  # LayerNorms with biases; the ungated MLP's c_fc / c_proj
     (_L + r"mlp\.c_fc\.weight", r"layers.\1.mlp.up_proj", t_transpose),
     (_L + r"mlp\.c_fc\.bias", r"layers.\1.mlp.up_bias", t_identity),
     (_L + r"mlp\.c_proj\.weight", r"layers.\1.mlp.down_proj", t_transpose),
     (_L + r"mlp\.c_proj\.bias", r"layers.\1.mlp.down_bias", t_identity),
-    (_L + r"(input_layernorm|post_attention_layernorm)\.bias", r"layers.\1.\2.bias", t_identity),
-    (r"model\.norm\.bias", "norm.bias", t_identity),
-] + HF_RULES
+] + NORM_BIAS_RULES + HF_RULES
+LM_HEAD_BIAS_RULE = (r"lm_head\.bias", "lm_head_bias", t_identity)
 _QKV = (r"layers.\1.self_attn.q_proj", r"layers.\1.self_attn.k_proj", r"layers.\1.self_attn.v_proj")
 _QKV_BIAS = (r"layers.\1.self_attn.q_bias", r"layers.\1.self_attn.k_bias", r"layers.\1.self_attn.v_bias")
 PHI_RULES = [  # Phi-1 / 1.5 / 2: dense, fc1 / fc2, LayerNorms with biases, q/k LayerNorms, a biased head
@@ -150,7 +153,7 @@ PHI_RULES = [  # Phi-1 / 1.5 / 2: dense, fc1 / fc2, LayerNorms with biases, q/k 
     (_L + r"mlp\.fc2\.bias", r"layers.\1.mlp.down_bias", t_identity),
     (_L + r"input_layernorm\.bias", r"layers.\1.input_layernorm.bias", t_identity),
     (r"model\.final_layernorm\.(weight|bias)", r"norm.\1", t_identity),
-    (r"lm_head\.bias", "lm_head_bias", t_identity),
+    LM_HEAD_BIAS_RULE,
 ] + HF_RULES
 GLM4_RULES = [  # GLM-4's sandwich norms under the names of jvllm's sandwich layer (models/gemma.py)
     (_L + r"post_self_attn_layernorm\.weight", r"layers.\1.post_attention_layernorm.weight", t_identity),
@@ -182,7 +185,7 @@ HF_RULES_BY_MAP = {"llama": HF_RULES, "gemma": GEMMA_RULES, "fused": FUSED_RULES
                    "hunyuan": HUNYUAN_RULES, "apertus": APERTUS_RULES,
                    "gpt2": GPT2_RULES, "opt": OPT_RULES, "gptj": GPTJ_RULES, "gpt_bigcode": BIGCODE_RULES, "falcon": FALCON_RULES, "gpt_neox": NEOX_RULES, "starcoder2": STARCODER2_RULES, "phi": PHI_RULES,
                    "moe": HF_RULES + moe_rules(t_transpose, t_row, t_experts_gate_up, t_experts_down, t_identity,
-                                                        t_split_gate_up)}
+                                                        t_split_gate_up) + NORM_BIAS_RULES + [LM_HEAD_BIAS_RULE]}
 _COMPILED = {k: [(re.compile(p + r"\Z"), t, f) for p, t, f in rules] for k, rules in HF_RULES_BY_MAP.items()}
 
 

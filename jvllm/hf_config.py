@@ -131,6 +131,18 @@ def _split_rope(rope: dict, theta_default) -> tuple[float, dict]:
     return theta, rope
 
 
+def _noaux_tc_moe(hf, num_experts: int, shared_experts, mlp_only_layers: tuple) -> MoEConfig:
+    """DeepSeek-V3's MoE as GLM-4.5, dots.llm1 and K-EXAONE configure it: the sigmoid router with a
+    selection bias over expert groups ("noaux_tc"), `shared_experts` ungated shared experts of the
+    routed experts' size."""
+    return MoEConfig(num_experts=num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.moe_intermediate_size,
+                     norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+                     shared_expert_size=hf.moe_intermediate_size * int(shared_experts or 0), shared_expert_gate=False,
+                     mlp_only_layers=mlp_only_layers, scoring="sigmoid", correction_bias=True,
+                     num_groups=int(getattr(hf, "n_group", 1) or 1), topk_groups=int(getattr(hf, "topk_group", 1) or 1),
+                     routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
+
+
 def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
     """The MoE settings of a transformers config (None for dense architectures). Router options
     jvllm does not implement are refused by name."""
@@ -139,15 +151,9 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
     if arch == "MixtralForCausalLM":
         return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                          expert_size=hf.intermediate_size, norm_topk_prob=True)
-    if arch in ("Glm4MoeForCausalLM", "Dots1ForCausalLM"):  # noaux_tc sigmoid router, ungated shared experts, dense first layers
-        return MoEConfig(num_experts=hf.n_routed_experts, top_k=hf.num_experts_per_tok,
-                         expert_size=hf.moe_intermediate_size, norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
-                         shared_expert_size=hf.moe_intermediate_size * int(getattr(hf, "n_shared_experts", 0) or 0),
-                         shared_expert_gate=False,
-                         mlp_only_layers=tuple(range(int(getattr(hf, "first_k_dense_replace", 0) or 0))),
-                         scoring="sigmoid", correction_bias=True, num_groups=int(getattr(hf, "n_group", 1) or 1),
-                         topk_groups=int(getattr(hf, "topk_group", 1) or 1),
-                         routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
+    if arch in ("Glm4MoeForCausalLM", "Dots1ForCausalLM"):  # dense first layers
+        first_dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)
+        return _noaux_tc_moe(hf, hf.n_routed_experts, getattr(hf, "n_shared_experts", 0), tuple(range(first_dense)))
     if arch in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):  # softmax over the top-k logits
         return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                          expert_size=hf.intermediate_size, norm_topk_prob=True,
@@ -158,13 +164,8 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
         bad = sorted(set(types) - {"sparse", "dense"})
         if bad:
             raise ValueError(f"ExaoneMoeForCausalLM: unknown mlp_layer_types {bad}; known: sparse, dense")
-        return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.moe_intermediate_size,
-                         norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
-                         shared_expert_size=hf.moe_intermediate_size * int(getattr(hf, "num_shared_experts", 0) or 0),
-                         shared_expert_gate=False, mlp_only_layers=tuple(i for i, t in enumerate(types) if t != "sparse"),
-                         scoring="sigmoid", correction_bias=True, num_groups=int(getattr(hf, "n_group", 1) or 1),
-                         topk_groups=int(getattr(hf, "topk_group", 1) or 1),
-                         routed_scaling=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0))
+        return _noaux_tc_moe(hf, hf.num_experts, getattr(hf, "num_shared_experts", 0),
+                             tuple(i for i, t in enumerate(types) if t != "sparse"))
     if arch == "PhimoeForCausalLM":  # Mixtral's layout, the sparsemixer router
         return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
                          expert_size=hf.intermediate_size, scoring="sparsemixer",

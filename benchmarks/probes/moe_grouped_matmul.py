@@ -104,7 +104,7 @@ def main(argv=None):
                 print(f"T={T:5d} {b:8s} {mode:16s} {rt:10s} {ms:9.3f} ms  experts {touched:3d}  "
                       f"{r['touched_weight_gb_s']:8.1f} GB/s of touched weights", flush=True)
         if a.sweep:
-            rows += sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng, jax, jnp,
+            rows += sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng,
                           lambda r, done=list(rows): dump(a, E, k, D, I, dtype, done + r, True))
     dump(a, E, k, D, I, dtype, rows, partial=False)
     return 0
@@ -116,13 +116,16 @@ def _launch(cfg: str) -> dict:
     return dict(bm=bm, bn=bn, bk=bk, num_stages=st, num_warps=nw, swap=cfg.startswith("t"))
 
 
-def sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng, jax, jnp, write):
+def sweep(a, T, x, idx, ws, E, k, I, need, dtype, rng, write):
     """Each launch config GU[/DOWN] (gate/up with silu, then down; DOWN defaults to GU's launch),
     against the first config's outputs. Per call (--chain 0): gate/up and down timed apart, each
     its own program. --chain L: one program of L chained FFN layers (each layer's output is the
     next one's input), so dispatch and clock ramps weigh 1/L; --rounds R times every config in turn
     (config-major order would put a drifting clock on one config) and takes each one's median."""
     import statistics
+
+    import jax
+    import jax.numpy as jnp
 
     from jvllm.ops import grouped_matmul as gm
     from jvllm.ops.pallas_grouped_matmul import grouped_matmul
