@@ -18,7 +18,7 @@
 #                        (no sizing compile)
 #   ft256                fixed_tile_probe.py at W1's 256-row decode bucket: XLA against the mode's
 #                        launches, and a row-tile sweep timed with the auto, walk and split launches
-# Env: STAGES (b1_default spec b1_on), END (575: every run ends by then), MODEL, DTYPE, MAXLEN, C (the
+# Env: STAGES (b1_default spec b1_on), END (575: every run ends by then), W1CAP (w1_default's limit, 240), MODEL, DTYPE, MAXLEN, C (the
 # commit for the JSONs), TAG (the tar's name), XF (XLA_FLAGS; unset: none. The session-4 figures
 # with "detflag" in their names ran with XF=--xla_gpu_exclude_nondeterministic_ops=true, which
 # halved B1). Everything under $OUT goes into one $TAG.tgz (the device returns at most 8 files).
@@ -49,7 +49,7 @@ for s in ${STAGES:-b1_default spec b1_on}; do case $s in
   b1_int8) bench b1_int8 200 latency SMALL --quantization int8 ;;
   b1_int8_g32) bench b1_int8_g32 200 latency SMALL --quantization int8 --quantization-group-size 32 ;;
   spec) run spec_b1 200 benchmarks/spec_b1.py "${M[@]}" --max-model-len ${MAXLEN:-4096} "${SMALL[@]}" --k 4 --workloads oproj --iters 2 --output-json $OUT/spec_b1.json ;;
-  w1_default) bench inv_w1_default 240 throughput WIDE ;;
+  w1_default) bench inv_w1_default ${W1CAP:-240} throughput WIDE ;;
   w1_on) bench inv_w1_on 420 throughput WIDE --batch-invariant ;;  # its empty-cache warm-up passed 200 s at ed390ac
   w1_top_p) bench w1_top_p 240 throughput WIDE --temperature 0.8 --top-p 0.95 ;;
   w1_ngram) bench w1_ngram 240 throughput WIDE --speculative-config "$NGRAM" ;;
