@@ -324,7 +324,8 @@ def _mixed_batch(R, Vl, seed):
     return jnp.asarray(logits), sb
 
 
-IMPLS = {"gpu": SamplerImpl(4, False), "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
+IMPLS = {"gpu": SamplerImpl(4, False, search_kernel=True), "gpu_xla": SamplerImpl(4, False),
+         "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
          "radix2": SamplerImpl(2, False)}
 
 
@@ -337,7 +338,7 @@ def _jit_sample(impl, variant=None):
     return jax.jit(functools.partial(sample, impl=impl, variant=variant))
 
 
-@pytest.mark.parametrize("impl", ["gpu", "cpu", "tpu"])
+@pytest.mark.parametrize("impl", ["gpu_xla", "cpu", "tpu"])
 def test_threshold_path_matches_full_sort(impl):
     """Every row -- top_k of any size, a nucleus from narrow to nearly the whole vocabulary, both,
     min_p, temperatures -- draws the token a full sort draws with the same noise."""
@@ -467,7 +468,7 @@ def test_smallest_variant_draws_the_largest_variants_ids(kind):
     sb = dataclasses.replace(sb, top_k=jnp.asarray(k), top_p=jnp.asarray(p))
     v = _variant_for(sb, Vl)
     assert v.search == {"none": 0, "both": 2}.get(kind, 1)
-    small, lp = _jit_sample(IMPLS["gpu"], v)(logits, sb, None)
+    small, lp = _jit_sample(IMPLS["gpu_xla"], v)(logits, sb, None)
     big, _ = _sample(logits, sb, None)
     assert lp is None
     np.testing.assert_array_equal(np.asarray(small), np.asarray(big))
