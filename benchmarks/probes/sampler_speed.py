@@ -14,7 +14,8 @@ conds), gpuk / gpuk2 (radix 4 / 2, each pass's sums from the Pallas kernel
 `jvllm.ops.pallas_radix`). Times are medians of --reps calls after one untimed call (compile), each ending with
 block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
 passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
-programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax), and with
+programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax, argmax alone
+and as `jvllm.ops.pallas_argmax`), and with
 --kernel-sweep CxWxS,... the kernel's search at radix 4 per launch (chunk, warps, stages). A build whose
 sampler has `SamplerImpl` runs as its platform's impl; --both-old applies to older builds only.
 """
@@ -122,7 +123,15 @@ def time_parts(mod, logits, reps: int, sweep: str = "") -> dict:
                 pr.pass_sums = orig
     noise = jax.jit(lambda x: jnp.argmax(x + mod._gumbel(sb, V), axis=-1))
     out["gumbel_argmax_ms"] = 1e3 * timed(noise, logits, reps=reps)[0]
-    out["argmax_ms"] = 1e3 * timed(jax.jit(lambda x: jnp.argmax(x, axis=-1)), logits, reps=reps)[0]
+    s, want = timed(jax.jit(lambda x: jnp.argmax(x, axis=-1)), logits, reps=reps)
+    out["argmax_ms"] = 1e3 * s
+    try:
+        from jvllm.ops import pallas_argmax
+
+        s, got = timed(jax.jit(pallas_argmax.argmax), logits, reps=reps)
+        out["argmax_kernel_ms"], out["argmax_kernel_same_ids"] = 1e3 * s, bool((got == want).all())
+    except ImportError:  # a build without jvllm.ops.pallas_argmax
+        pass
     print(json.dumps(out), file=sys.stderr, flush=True)
     return out
 
