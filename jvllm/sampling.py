@@ -100,12 +100,15 @@ class SamplerImpl:
     them unrolled (a while loop's trip test would be a device-to-host round trip per pass).
     search_kernel: each pass's candidate sums from one Pallas kernel (`jvllm.ops.pallas_radix`)
     instead of XLA's variadic reduction; its sums' order depends on the number of rows, so not
-    with fixed_order_sums."""
+    with fixed_order_sums. argmax_kernel: every argmax over the vocabulary (greedy rows, the
+    Gumbel-max draw) from `jvllm.ops.pallas_argmax` (the same ids as jnp.argmax: a maximum does
+    not depend on the order it is found in, so batch-invariant mode keeps it)."""
     radix_bits: int = 4
     branchy: bool = False
     fixed_order_sums: bool = False
     looped_passes: bool = False
     search_kernel: bool = False
+    argmax_kernel: bool = False
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):
@@ -117,8 +120,18 @@ class SamplerImpl:
     @staticmethod
     def for_platform(platform: str) -> "SamplerImpl":
         cpu = platform == "cpu"
-        return SamplerImpl(radix_bits=1 if cpu else 4, branchy=platform != "gpu", looped_passes=cpu,
-                           search_kernel=platform == "gpu")
+        gpu = platform == "gpu"
+        return SamplerImpl(radix_bits=1 if cpu else 4, branchy=not gpu, looped_passes=cpu, search_kernel=gpu,
+                           argmax_kernel=gpu)
+
+
+def row_argmax(x, impl: SamplerImpl):
+    """int32 argmax of x [R, V] float32 over the vocabulary (`SamplerImpl.argmax_kernel`)."""
+    if impl.argmax_kernel:
+        from jvllm.ops.pallas_argmax import argmax
+
+        return argmax(x)
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
 
 def apply_token_mask(logits, words):
@@ -252,7 +265,7 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
         t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
     t = jnp.where(greedy, umax, jnp.minimum(t, umax))
     g = jnp.where(greedy[:, None], 0.0, _gumbel(sb, V))
-    return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1).astype(jnp.int32)
+    return row_argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, impl)
 
 
 def logprob_outputs(logits, tokens, fixed_order: bool = False):
@@ -294,7 +307,7 @@ def sample(logits, sb: SamplingBatch, ex: SamplingExtras | None = None, mask: Vo
         logits = jnp.where(allowed, logits, -jnp.inf)
     greedy_all = jnp.all(sb.temperature <= 0.0)
     tok = _maybe(impl, ~greedy_all, lambda: _draw(logits, sb, v, impl),
-                 lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+                 lambda: row_argmax(logits, impl))
     if not v.logprobs:
         return tok, None
     R = logits.shape[0]

@@ -12,7 +12,7 @@ from jvllm.ops import pallas_radix as pr
 from jvllm.sampling import SamplerImpl, sample
 from tests.test_sampling import _mixed_batch, _sorted_oracle
 
-KERNEL = SamplerImpl(4, False, search_kernel=True)
+KERNEL = SamplerImpl(4, False, search_kernel=True, argmax_kernel=True)
 
 
 @pytest.mark.parametrize("R,V,n,chunk", [(3, 1000, 15, 128), (5, 4099, 3, 128), (2, 700, 1, 256), (1, 64, 15, 128)])

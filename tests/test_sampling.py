@@ -324,7 +324,7 @@ def _mixed_batch(R, Vl, seed):
     return jnp.asarray(logits), sb
 
 
-IMPLS = {"gpu": SamplerImpl(4, False, search_kernel=True), "gpu_xla": SamplerImpl(4, False),
+IMPLS = {"gpu": SamplerImpl(4, False, search_kernel=True, argmax_kernel=True), "gpu_xla": SamplerImpl(4, False),
          "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
          "radix2": SamplerImpl(2, False)}
 
