@@ -127,7 +127,7 @@ class SamplerImpl:
 
 def row_argmax(x, impl: SamplerImpl):
     """int32 argmax of x [R, V] float32 over the vocabulary (`SamplerImpl.argmax_kernel`)."""
-    if impl.argmax_kernel:
+    if impl.argmax_kernel and x.size < 2 ** 31:  # the kernel's int32 offsets
         from jvllm.ops.pallas_argmax import argmax
 
         return argmax(x)
@@ -195,6 +195,7 @@ def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bo
     as a fori_loop of a fixed trip count (`SamplerImpl.looped_passes`), unrolled otherwise;
     `kernel`: each pass's sums from `jvllm.ops.pallas_radix` (`SamplerImpl.search_kernel`)."""
     n = (1 << bits) - 1
+    kernel = kernel and u.size < 2 ** 31  # the kernel's int32 offsets; XLA's reduction beyond
     if kernel:
         from jvllm.ops.pallas_radix import pass_sums, signed_key
 

@@ -83,3 +83,21 @@ def test_bad_inputs_are_refused():
         pr.pass_sums(k, jnp.zeros((2, 8)), jnp.zeros((2, 3), jnp.int32), chunk=96)
     with pytest.raises(ValueError, match="fixed_order_sums"):
         SamplerImpl(4, False, fixed_order_sums=True, search_kernel=True)
+
+
+def test_rows_beyond_int32_offsets_take_xla(monkeypatch):
+    """R * V >= 2**31 (e.g. 8,192 rows of a 262k vocabulary) would overflow the kernels' int32
+    offsets: the sampler traces XLA's reductions there instead (no kernel in the program)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' Triton form, not interpret
+    R, V = 8192, 262144
+    x = jax.ShapeDtypeStruct((R, V), jnp.float32)
+    text = jax.jit(lambda x: sampling.row_argmax(x, KERNEL)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" not in text
+    small = jax.ShapeDtypeStruct((8, V), jnp.float32)
+    text = jax.jit(lambda x: sampling.row_argmax(x, KERNEL)).trace(small).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+    u = jax.ShapeDtypeStruct((R, V), jnp.uint32)
+    w = jax.ShapeDtypeStruct((R, V), jnp.float32)
+    tgt = jax.ShapeDtypeStruct((R,), jnp.float32)
+    f = functools.partial(sampling._radix_search, bits=4, kernel=True)
+    assert "triton" not in jax.jit(f).trace(u, w, tgt).lower(lowering_platforms=("cuda",)).as_text()
