@@ -5,9 +5,12 @@
     sums[r, j] = sum of w[r, v] over the v with k[r, v] >= cands[r, j]
 
 k is the signed form of the sampler's order-preserving key (`signed_key`); w >= 0. XLA compiles
-the same pass as one variadic reduction of n outputs, whose loop runs far below the GPU's
-arithmetic rate (benchmarks/README.md, "the sampler's search"); here each program keeps n
-elementwise float32 accumulators over C-wide column chunks and reduces them once at its end.
+the same pass as one variadic reduction of n outputs; here each program keeps n elementwise
+float32 accumulators over C-wide column chunks and reduces them once at its end. Unlike the
+one-program-per-row kernel measured and dropped before (benchmarks/README.md, "The sampler's
+truncation search as a Pallas kernel"), each pass is its own launch over R x S programs reading
+the keys and weights XLA materialized once, so no program recomputes them and a wave holds
+enough loads in flight.
 
 Grid (R, S): program (r, s) walks S's s-th contiguous range of the row in C-wide chunks (the
 tail masked: columns >= V load w = 0) and stores its n partial sums; one XLA reduction adds the S
