@@ -1,10 +1,10 @@
 """Row argmax as a Pallas kernel (Triton lowering on NVIDIA GPUs; `interpret=True` runs it on CPU
 for tests): jnp.argmax(x, axis=-1) for x [R, V] float32, ties to the lowest index.
 
-Why: XLA compiles the argmax as a variadic (value, index) reduction; at R = 256, V = 128,256 it
-took 0.40 ms for 128 MB of logits on an H200 (`probes/sampler_speed.py --parts`, "argmax_ms"),
-about a tenth of the memory's rate. Here each program keeps an elementwise running (best, index)
-pair over C-wide chunks and reduces it once at its end.
+Why: XLA compiles the argmax as a variadic (value, index) reduction that reads the logits far
+below the memory's rate (`probes/sampler_speed.py --parts` times both; benchmarks/README.md).
+Here each program keeps an elementwise running (best, index) pair over C-wide chunks and
+reduces it once at its end.
 
 Grid (R, S) as in `jvllm.ops.pallas_radix` (`splits`): program (r, s) walks its range of the row
 and stores its (best value, lowest index of it); one XLA reduction picks each row's best split
