@@ -121,8 +121,10 @@ class SamplerImpl:
     def for_platform(platform: str) -> "SamplerImpl":
         cpu = platform == "cpu"
         gpu = platform == "gpu"
-        return SamplerImpl(radix_bits=1 if cpu else 4, branchy=not gpu, looped_passes=cpu, search_kernel=gpu,
-                           argmax_kernel=gpu)
+        # the Pallas search / argmax kernels stay off until measured faster than XLA's on a GPU
+        # (benchmarks/README.md: `probes/sampler_speed.py --parts` and W1 before / after)
+        return SamplerImpl(radix_bits=1 if cpu else 4, branchy=not gpu, looped_passes=cpu,
+                           search_kernel=False, argmax_kernel=False)
 
 
 def row_argmax(x, impl: SamplerImpl):

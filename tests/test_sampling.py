@@ -324,7 +324,7 @@ def _mixed_batch(R, Vl, seed):
     return jnp.asarray(logits), sb
 
 
-IMPLS = {"gpu": SamplerImpl(4, False, search_kernel=True, argmax_kernel=True), "gpu_xla": SamplerImpl(4, False),
+IMPLS = {"gpu": SamplerImpl(4, False), "gpu_kernels": SamplerImpl(4, False, search_kernel=True, argmax_kernel=True),
          "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
          "radix2": SamplerImpl(2, False)}
 
@@ -338,7 +338,7 @@ def _jit_sample(impl, variant=None):
     return jax.jit(functools.partial(sample, impl=impl, variant=variant))
 
 
-@pytest.mark.parametrize("impl", ["gpu_xla", "cpu", "tpu"])
+@pytest.mark.parametrize("impl", ["gpu", "cpu", "tpu"])
 def test_threshold_path_matches_full_sort(impl):
     """Every row -- top_k of any size, a nucleus from narrow to nearly the whole vocabulary, both,
     min_p, temperatures -- draws the token a full sort draws with the same noise."""
@@ -468,7 +468,7 @@ def test_smallest_variant_draws_the_largest_variants_ids(kind):
     sb = dataclasses.replace(sb, top_k=jnp.asarray(k), top_p=jnp.asarray(p))
     v = _variant_for(sb, Vl)
     assert v.search == {"none": 0, "both": 2}.get(kind, 1)
-    small, lp = _jit_sample(IMPLS["gpu_xla"], v)(logits, sb, None)
+    small, lp = _jit_sample(IMPLS["gpu"], v)(logits, sb, None)
     big, _ = _sample(logits, sb, None)
     assert lp is None
     np.testing.assert_array_equal(np.asarray(small), np.asarray(big))
@@ -498,7 +498,7 @@ def test_vocab_mask_rows_and_logprobs(row):
     words = np.packbits(allowed, axis=1, bitorder="little").view("<u4").view(np.int32).copy()
     words[2] = np.random.default_rng(0).integers(-2**31, 2**31 - 1, words.shape[1])  # not read: row 2 unmasked
     m = VocabMask(jnp.asarray(words), jnp.asarray([True, True, False]), jnp.asarray([True, False, False]))
-    fn = _jit_sample(IMPLS["gpu"], SamplerVariant(mask=True))
+    fn = _jit_sample(IMPLS["gpu_kernels"], SamplerVariant(mask=True))
     tok, (lp, *_) = fn(logits, _sb(R, temperature=0.0, want_lp=True), None, m)
     best_allowed = [3, 9, 17][int(np.argmax(row[[3, 9, 17]]))]
     assert np.asarray(tok).tolist() == [best_allowed, best_allowed, int(np.argmax(row))]
