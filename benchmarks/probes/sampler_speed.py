@@ -11,7 +11,7 @@ flat rows by default; --scale 4 gives peaked rows). The old sampler runs as each
 smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of gpu
 (radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), cpu (radix 1, conds), tpu (radix 4,
 conds), gpuk / gpuk2 (radix 4 / 2, each pass's sums from the Pallas kernel
-`jvllm.ops.pallas_radix`). Times are medians of --reps calls after one untimed call (compile), each ending with
+`jvllm.ops.pallas_radix`, argmaxes from `jvllm.ops.pallas_argmax`). Times are medians of --reps calls after one untimed call (compile), each ending with
 block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
 passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
 programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax, argmax alone
@@ -40,7 +40,7 @@ CASES = {
     "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95),
 }
 IMPLS = {"gpu": (4, False), "gpu2": (2, False), "gpu1": (1, False), "cpu": (1, True), "tpu": (4, True),
-         "gpuk": (4, False, False, False, True), "gpuk2": (2, False, False, False, True)}
+         "gpuk": (4, False, False, False, True, True), "gpuk2": (2, False, False, False, True, True)}
 
 
 def load_old(base: str | None, old_file: str | None):
