@@ -97,43 +97,20 @@ class SamplerImpl:
     batch-invariant mode). looped_passes: the search's passes run as one `lax.fori_loop` body
     instead of unrolled (the same arithmetic, so the same ids): on CPUs, where 1-bit passes make 32
     unrolled passes per search that XLA takes seconds to compile (benchmarks/README.md); GPUs keep
-    them unrolled (a while loop's trip test would be a device-to-host round trip per pass).
-    search_kernel: each pass's candidate sums from one Pallas kernel (`jvllm.ops.pallas_radix`)
-    instead of XLA's variadic reduction; its sums' order depends on the number of rows, so not
-    with fixed_order_sums. argmax_kernel: every argmax over the vocabulary (greedy rows, the
-    Gumbel-max draw) from `jvllm.ops.pallas_argmax` (the same ids as jnp.argmax: a maximum does
-    not depend on the order it is found in, so batch-invariant mode keeps it)."""
+    them unrolled (a while loop's trip test would be a device-to-host round trip per pass)."""
     radix_bits: int = 4
     branchy: bool = False
     fixed_order_sums: bool = False
     looped_passes: bool = False
-    search_kernel: bool = False
-    argmax_kernel: bool = False
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):
             raise ValueError(f"SamplerImpl.radix_bits must be 1, 2 or 4, got {self.radix_bits!r}")
-        if self.search_kernel and self.fixed_order_sums:
-            raise ValueError("SamplerImpl.search_kernel sums in an order that depends on the number of rows; "
-                             "fixed_order_sums (batch-invariant mode) needs search_kernel=False")
 
     @staticmethod
     def for_platform(platform: str) -> "SamplerImpl":
         cpu = platform == "cpu"
-        gpu = platform == "gpu"
-        # the Pallas search / argmax kernels stay off until measured faster than XLA's on a GPU
-        # (benchmarks/README.md: `probes/sampler_speed.py --parts` and W1 before / after)
-        return SamplerImpl(radix_bits=1 if cpu else 4, branchy=not gpu, looped_passes=cpu,
-                           search_kernel=False, argmax_kernel=False)
-
-
-def row_argmax(x, impl: SamplerImpl):
-    """int32 argmax of x [R, V] float32 over the vocabulary (`SamplerImpl.argmax_kernel`)."""
-    if impl.argmax_kernel and x.size < 2 ** 31:  # the kernel's int32 offsets
-        from jvllm.ops.pallas_argmax import argmax
-
-        return argmax(x)
-    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+        return SamplerImpl(radix_bits=1 if cpu else 4, branchy=platform != "gpu", looped_passes=cpu)
 
 
 def apply_token_mask(logits, words):
@@ -188,32 +165,23 @@ def _row_sum(x, impl: SamplerImpl):
     return jnp.sum(x, axis=-1)
 
 
-def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bool = False, kernel: bool = False):
+def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bool = False):
     """Per row, the largest uint32 t with sum(w where u >= t) >= target, for w >= 0 and a target
     the whole row's sum reaches (t = 0 qualifies). `bits` bits of t per pass, from the top: each
     pass sums w above the 2**bits - 1 candidate prefixes in one variadic reduction over [R, V] and
     keeps the number of candidates that reach the target (the sums fall as the candidate rises:
     the same reduction with terms dropped). No data-dependent control flow; `looped`: the passes
-    as a fori_loop of a fixed trip count (`SamplerImpl.looped_passes`), unrolled otherwise;
-    `kernel`: each pass's sums from `jvllm.ops.pallas_radix` (`SamplerImpl.search_kernel`)."""
+    as a fori_loop of a fixed trip count (`SamplerImpl.looped_passes`), unrolled otherwise."""
     n = (1 << bits) - 1
-    kernel = kernel and u.size < 2 ** 31  # the kernel's int32 offsets; XLA's reduction beyond
-    if kernel:
-        from jvllm.ops.pallas_radix import pass_sums, signed_key
-
-        k = signed_key(u)
 
     def one_pass(t, shift):
         cands = [t | (jnp.uint32(j) << shift) for j in range(1, n + 1)]
-        if kernel:
-            sums = pass_sums(k, w, signed_key(jnp.stack(cands, axis=1)))
-            sums = tuple(sums[:, j] for j in range(n))
-        elif fixed_order:  # batch-invariant mode: one fixed pairwise tree per sum (jvllm.ops.fixed_order)
+        ops = tuple(jnp.where(u >= c[:, None], w, 0.0) for c in cands)
+        if fixed_order:  # batch-invariant mode: one fixed pairwise tree per sum (jvllm.ops.fixed_order)
             from jvllm.ops.fixed_order import tree_sum
 
-            sums = tuple(tree_sum(jnp.where(u >= c[:, None], w, 0.0)) for c in cands)
+            sums = tuple(tree_sum(o) for o in ops)
         else:
-            ops = tuple(jnp.where(u >= c[:, None], w, 0.0) for c in cands)
             sums = jax.lax.reduce(ops, (jnp.float32(0),) * n, lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
         digit = sum((s >= target).astype(jnp.uint32) for s in sums)
         return t | (digit << shift)
@@ -252,8 +220,7 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
         def first():
             w = jnp.where(use_k[:, None], 1.0, e)
             target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * _row_sum(e, impl))
-            found = _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes,
-                                  impl.search_kernel)
+            found = _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes)
             return jnp.where(use_k | use_p, found, 0)
 
         t = _maybe(impl, jnp.any((use_k | use_p) & ~greedy), first, zeros)
@@ -263,12 +230,12 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
         def second():
             kept_mass = _row_sum(jnp.where(u >= t[:, None], e, 0.0), impl)
             return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums,
-                                                   impl.looped_passes, impl.search_kernel), 0)
+                                                   impl.looped_passes), 0)
 
         t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
     t = jnp.where(greedy, umax, jnp.minimum(t, umax))
     g = jnp.where(greedy[:, None], 0.0, _gumbel(sb, V))
-    return row_argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, impl)
+    return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1).astype(jnp.int32)
 
 
 def logprob_outputs(logits, tokens, fixed_order: bool = False):
@@ -310,7 +277,7 @@ def sample(logits, sb: SamplingBatch, ex: SamplingExtras | None = None, mask: Vo
         logits = jnp.where(allowed, logits, -jnp.inf)
     greedy_all = jnp.all(sb.temperature <= 0.0)
     tok = _maybe(impl, ~greedy_all, lambda: _draw(logits, sb, v, impl),
-                 lambda: row_argmax(logits, impl))
+                 lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
     if not v.logprobs:
         return tok, None
     R = logits.shape[0]

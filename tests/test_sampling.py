@@ -324,8 +324,7 @@ def _mixed_batch(R, Vl, seed):
     return jnp.asarray(logits), sb
 
 
-IMPLS = {"gpu": SamplerImpl(4, False), "gpu_kernels": SamplerImpl(4, False, search_kernel=True, argmax_kernel=True),
-         "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
+IMPLS = {"gpu": SamplerImpl(4, False), "cpu": SamplerImpl(1, True, looped_passes=True), "tpu": SamplerImpl(4, True),
          "radix2": SamplerImpl(2, False)}
 
 
@@ -498,7 +497,7 @@ def test_vocab_mask_rows_and_logprobs(row):
     words = np.packbits(allowed, axis=1, bitorder="little").view("<u4").view(np.int32).copy()
     words[2] = np.random.default_rng(0).integers(-2**31, 2**31 - 1, words.shape[1])  # not read: row 2 unmasked
     m = VocabMask(jnp.asarray(words), jnp.asarray([True, True, False]), jnp.asarray([True, False, False]))
-    fn = _jit_sample(IMPLS["gpu_kernels"], SamplerVariant(mask=True))
+    fn = _jit_sample(IMPLS["gpu"], SamplerVariant(mask=True))
     tok, (lp, *_) = fn(logits, _sb(R, temperature=0.0, want_lp=True), None, m)
     best_allowed = [3, 9, 17][int(np.argmax(row[[3, 9, 17]]))]
     assert np.asarray(tok).tolist() == [best_allowed, best_allowed, int(np.argmax(row))]

@@ -10,13 +10,10 @@ flat rows by default; --scale 4 gives peaked rows). The old sampler runs as each
 (`branchless`: True on GPUs, False elsewhere) and both ways with --both-old; the new one in its
 smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of gpu
 (radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), cpu (radix 1, conds), tpu (radix 4,
-conds), gpuk / gpuk2 (radix 4 / 2, each pass's sums from the Pallas kernel
-`jvllm.ops.pallas_radix`, argmaxes from `jvllm.ops.pallas_argmax`). Times are medians of --reps calls after one untimed call (compile), each ending with
+conds). Times are medians of --reps calls after one untimed call (compile), each ending with
 block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
 passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
-programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax, argmax alone
-and as `jvllm.ops.pallas_argmax`), and with
---kernel-sweep CxWxS,... the kernel's search at radix 4 per launch (chunk, warps, stages). A build whose
+programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax). A build whose
 sampler has `SamplerImpl` runs as its platform's impl; --both-old applies to older builds only.
 """
 from __future__ import annotations
@@ -39,8 +36,7 @@ CASES = {
     "min_p": dict(temperature=0.8, min_p=0.05),
     "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95),
 }
-IMPLS = {"gpu": (4, False), "gpu2": (2, False), "gpu1": (1, False), "cpu": (1, True), "tpu": (4, True),
-         "gpuk": (4, False, False, False, True, True), "gpuk2": (2, False, False, False, True, True)}
+IMPLS = {"gpu": (4, False), "gpu2": (2, False), "gpu1": (1, False), "cpu": (1, True), "tpu": (4, True)}
 
 
 def load_old(base: str | None, old_file: str | None):
@@ -83,7 +79,7 @@ def timed(fn, *args, reps: int) -> tuple[float, object]:
     return ts[len(ts) // 2], out
 
 
-def time_parts(mod, logits, reps: int, sweep: str = "") -> dict:
+def time_parts(mod, logits, reps: int) -> dict:
     """ms per call of the pieces of a temperature 0.8 + top_p 0.95 draw, each its own jitted program
     (so each pays one launch and one read of its inputs: an upper bound on its share when fused)."""
     import jax
@@ -103,35 +99,9 @@ def time_parts(mod, logits, reps: int, sweep: str = "") -> dict:
     for bits in (4, 2, 1):
         f = jax.jit(functools.partial(mod._radix_search, bits=bits))
         out[f"search_radix{bits}_ms"] = 1e3 * timed(f, u, e, target, reps=reps)[0]
-    if hasattr(mod, "SamplerImpl") and "search_kernel" in mod.SamplerImpl.__dataclass_fields__:
-        from jvllm.ops import pallas_radix as pr
-
-        ref = jax.jit(functools.partial(mod._radix_search, bits=4))(u, e, target)
-        orig = pr.pass_sums
-        for launch in ["%dx%dx%d" % (pr.C, pr.NUM_WARPS, pr.NUM_STAGES)] + [x for x in sweep.split(",") if x]:
-            c, nw, ns = (int(v) for v in launch.split("x"))
-            pr.pass_sums = functools.partial(orig, chunk=c, num_warps=nw, num_stages=ns)
-            try:
-                for bits in (4, 2):
-                    f = jax.jit(functools.partial(mod._radix_search, bits=bits, kernel=True))
-                    s, t = timed(f, u, e, target, reps=reps)
-                    out[f"kernel_radix{bits}_{launch}_ms"] = 1e3 * s
-                    out[f"kernel_radix{bits}_{launch}_same_threshold"] = bool((t == ref).all())
-            except Exception as ex:  # a launch Triton cannot compile (registers, shared memory)
-                out[f"kernel_{launch}_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
-            finally:
-                pr.pass_sums = orig
     noise = jax.jit(lambda x: jnp.argmax(x + mod._gumbel(sb, V), axis=-1))
     out["gumbel_argmax_ms"] = 1e3 * timed(noise, logits, reps=reps)[0]
-    s, want = timed(jax.jit(lambda x: jnp.argmax(x, axis=-1)), logits, reps=reps)
-    out["argmax_ms"] = 1e3 * s
-    try:
-        from jvllm.ops import pallas_argmax
-
-        s, got = timed(jax.jit(pallas_argmax.argmax), logits, reps=reps)
-        out["argmax_kernel_ms"], out["argmax_kernel_same_ids"] = 1e3 * s, bool((got == want).all())
-    except ImportError:  # a build without jvllm.ops.pallas_argmax
-        pass
+    out["argmax_ms"] = 1e3 * timed(jax.jit(lambda x: jnp.argmax(x, axis=-1)), logits, reps=reps)[0]
     print(json.dumps(out), file=sys.stderr, flush=True)
     return out
 
@@ -150,7 +120,6 @@ def main(argv=None):
     ap.add_argument("--parts", action="store_true",
                     help="also time the draw's parts: the pre-pass (temperature, max, exp, keys), one threshold "
                          "search per radix width, the Gumbel noise + argmax")
-    ap.add_argument("--kernel-sweep", default="", help="with --parts: Pallas search launches CxWxS (chunk, warps, stages)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -202,7 +171,7 @@ def main(argv=None):
             row[f"new_{name}_same_ids_as_old"] = bool(np.array_equal(np.asarray(tok_new), np.asarray(tok_old)))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    parts = time_parts(new, logits, a.reps, a.kernel_sweep) if a.parts else None
+    parts = time_parts(new, logits, a.reps) if a.parts else None
     from jvllm.bench import device_info, versions
 
     out = dict(parts=parts, probe="sampler_speed", platform=platform, device=device_info(), versions=versions(), R=a.R, V=a.V,

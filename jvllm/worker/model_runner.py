@@ -118,7 +118,7 @@ class ModelRunner:
         # GPUs: exact sampler variants without conds (a cond blocks the dispatcher); elsewhere conds
         self.sampler_impl = sampler_impl or SamplerImpl.for_platform(self.platform)
         if batch_invariant:  # vocabulary sums in a fixed order whatever the rows (jvllm.worker.batch_invariant)
-            self.sampler_impl = dataclasses.replace(self.sampler_impl, fixed_order_sums=True, search_kernel=False)
+            self.sampler_impl = dataclasses.replace(self.sampler_impl, fixed_order_sums=True)
         # stages over several processes: each process launches only its own stages
         self.pid = jax.process_index()
         self.multiprocess = jax.process_count() > 1 and len(self.stages) > 1

@@ -35,7 +35,7 @@ from flax import nnx
 from jvllm.compilation.registry import ProgramKind, Signature, register
 from jvllm.models.layers import LMHead
 from jvllm.ops.attention import tensor_parallel_mesh
-from jvllm.sampling import SamplerVariant, logprob_outputs, row_argmax, sample
+from jvllm.sampling import SamplerVariant, logprob_outputs, sample
 from jvllm.worker import sampler
 
 
@@ -78,8 +78,8 @@ def sample_procs_body(w, h, rows, pi, *, layout, procs, impl, head, max_num_seqs
     return tok, lp, _pad_tok(tok, max_num_seqs)
 
 
-def greedy_body(w, h, *, head, impl, max_num_seqs):
-    tok = row_argmax(head(w, h), impl)
+def greedy_body(w, h, *, head, max_num_seqs):
+    tok = jnp.argmax(head(w, h), axis=-1).astype(jnp.int32)
     return tok, _pad_tok(tok, max_num_seqs)
 
 
@@ -206,7 +206,7 @@ def largest_sample_key(ctx, R: int):
 def _greedy_signature(ctx, R) -> Signature:
     last = ctx.stages[-1]
     fn = cached(ctx, "greedy", lambda: jax.jit(functools.partial(
-        greedy_body, head=LMHead.of(ctx.cfg), impl=ctx.sampler_impl, max_num_seqs=ctx.max_num_seqs)))
+        greedy_body, head=LMHead.of(ctx.cfg), max_num_seqs=ctx.max_num_seqs)))
     return Signature(fn, (_like(ctx.head_w), _sds((R, ctx.cfg.hidden_size), ctx.dtype, last.sharding())),
                      tuple(last.devices()))
 
