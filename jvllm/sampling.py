@@ -7,20 +7,28 @@ request's draw depends only on its own seed and position, never on what else is 
 Logprobs are the model's raw log-softmax (vLLM's default); rows constrained by a grammar see the
 grammar mask in their logprobs, rows masked by allowed_token_ids / bad_words do not (vLLM's order).
 
-Truncation without a sort: the kept tokens are those whose value is >= a per-row threshold, and
-the threshold is found exactly by a radix search over the order-preserving uint32 key of the values
+Truncation without a sort. top_k: the kept tokens are those whose value is >= a per-row
+threshold, found exactly by a radix search over the order-preserving uint32 key of the values
 (`_radix_search`: `radix_bits` bits per pass over [R, V], each pass one variadic reduction of
-2**radix_bits - 1 candidate sums, so 32 / radix_bits passes). Rows with top_k count tokens, rows
-with top_p sum probability mass, in the same passes; a second search runs only when some row has
-both (top_p applies to the top_k-filtered distribution). Tokens that tie with the threshold value
-are all kept (a full sort keeps only as many of them as it needs); the best token always is.
+2**radix_bits - 1 candidate counts, so 32 / radix_bits passes). Tokens that tie with the
+threshold value are all kept (a full sort keeps only as many of them as it needs). top_p (over
+what min_p and top_k kept): token j is in the nucleus iff the mass strictly above it,
+sum(p where x > x_j), is below top_p (the best token always is). The draw is the Gumbel-max
+token of the nucleus, argmax over it of x + g, found without locating the nucleus' edge: take the
+best x + g among the tokens above `low` (first -inf); if it is in the nucleus it is the answer
+(the nucleus lies above `low`), else every token at or below it is outside, so `low` rises to it
+and the round repeats. One round of two reductions settles a row with probability >= top_p, so
+most rows finish in the first. The answer is the same token a threshold search would draw with
+the same noise; only the order of the float sums differs.
 
-What a program computes is a `SamplerVariant`, decided per batch on the host (no truncation, one
-or two searches, logprobs, extras, a vocabulary mask), so a batch pays only for what its rows use.
-`SamplerImpl.branchy` (CPUs, TPUs: `lax.cond` runs on the device) instead compiles the largest
-variant and skips unused parts with conds; on GPUs XLA runs a cond by copying its predicate to the
-host and waiting, which would block the dispatcher on every sampled step, so GPU programs have no
-data-dependent control flow at all. Both give the same ids.
+What a program computes is a `SamplerVariant`, decided per batch on the host (no truncation,
+top_p only, top_k; logprobs, extras, a vocabulary mask), so a batch pays only for what its rows
+use. `SamplerImpl.branchy` (CPUs, TPUs: `lax.cond` and `while_loop` run on the device) instead
+compiles the largest variant, skips unused parts with conds and loops the top-p rounds until
+every row is done; on GPUs XLA runs a cond or a while by copying its predicate to the host and
+waiting, which would block the dispatcher on every sampled step, so GPU programs have no
+data-dependent control flow outside one Pallas kernel (the rows the first top-p round leaves,
+looped on the device: `jvllm.ops.pallas_rejection`). Both give the same ids.
 """
 from __future__ import annotations
 
@@ -69,8 +77,9 @@ class VocabMask:
 class SamplerVariant:
     """What one sampler program computes (part of its program key), decided per batch on the host.
 
-    search: 0 = no row truncates (top_k / top_p off everywhere), 1 = each row uses at most one of
-    top_k, top_p; 2 = some row uses both. logprobs: the logprob outputs. extras: penalties / logit
+    search: 0 = no row truncates (top_k / top_p off everywhere), 1 = some rows use top_p, none
+    top_k (the rejection rounds only); 2 = some row uses top_k (its threshold search, then the
+    rounds). logprobs: the logprob outputs. extras: penalties / logit
     bias / min_tokens. mask: a `VocabMask` input."""
     search: int = 2
     logprobs: bool = True
@@ -97,15 +106,22 @@ class SamplerImpl:
     batch-invariant mode). looped_passes: the search's passes run as one `lax.fori_loop` body
     instead of unrolled (the same arithmetic, so the same ids): on CPUs, where 1-bit passes make 32
     unrolled passes per search that XLA takes seconds to compile (benchmarks/README.md); GPUs keep
-    them unrolled (a while loop's trip test would be a device-to-host round trip per pass)."""
+    them unrolled (a while loop's trip test would be a device-to-host round trip per pass).
+    rejection_rounds: top-p rounds run as XLA reductions over every row before the rows left go to
+    the per-row Pallas tail (GPUs only; branchy platforms loop in XLA until every row is done).
+    pallas_interpret: the tail kernel in interpret mode (None: unless the default backend is a GPU)."""
     radix_bits: int = 4
     branchy: bool = False
     fixed_order_sums: bool = False
     looped_passes: bool = False
+    rejection_rounds: int = 1
+    pallas_interpret: bool | None = None
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):
             raise ValueError(f"SamplerImpl.radix_bits must be 1, 2 or 4, got {self.radix_bits!r}")
+        if self.rejection_rounds < 0:
+            raise ValueError(f"SamplerImpl.rejection_rounds must be >= 0, got {self.rejection_rounds!r}")
 
     @staticmethod
     def for_platform(platform: str) -> "SamplerImpl":
@@ -200,42 +216,63 @@ def _maybe(impl: SamplerImpl, pred, fn, other):
     return jax.lax.cond(pred, fn, other) if impl.branchy else fn()
 
 
+def _top_p_draw(x, e, g, mx, target, use_p, impl: SamplerImpl):
+    """Per row, argmax of x + g over the top-p set {j : sum(e where x > x_j) < target} (every row
+    where ~use_p): rejection rounds (module docstring). Each round takes the best candidate above
+    the row's `low`, keeps it if it is in the set, else raises `low` to it. Branchy platforms loop
+    until every row is done; GPUs run `impl.rejection_rounds` rounds in XLA and finish the rows
+    left in one Pallas program per row (`jvllm.ops.pallas_rejection`)."""
+    R = x.shape[0]
+
+    def round_(state):
+        low, tok, done = state
+        j = jnp.argmax(jnp.where(x > low[:, None], x + g, -jnp.inf), axis=-1).astype(jnp.int32)
+        xj = jnp.take_along_axis(x, j[:, None], axis=-1)[:, 0]
+        above = _row_sum(jnp.where(x > xj[:, None], e, 0.0), impl)
+        ok = ~done & (~use_p | ~(xj > low) | (above < target))
+        return jnp.where(done | ok, low, xj), jnp.where(ok, j, tok), done | ok
+
+    state = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.full((R,), -1, jnp.int32), jnp.zeros((R,), bool))
+    if impl.branchy:
+        return jax.lax.while_loop(lambda s: ~jnp.all(s[2]), round_, state)[1]
+    for _ in range(impl.rejection_rounds):
+        state = round_(state)
+    from jvllm.ops.pallas_rejection import finish
+
+    low, tok, done = state
+    return finish(x, g, mx, target, low, jnp.where(done, tok, -1), interpret=impl.pallas_interpret)
+
+
 def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
     """Token ids [R] from processed logits x [R, V]: greedy rows argmax, the others temperature ->
     min_p -> top_k -> top_p -> Gumbel-max over the kept tokens."""
     R, V = x.shape
     greedy = sb.temperature <= 0.0
     x = x / jnp.where(greedy, 1.0, jnp.maximum(sb.temperature, 1e-5))[:, None]
+    x = jnp.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0: float order is then the keys' order (`_ukey`)
     mx = jnp.max(x, axis=-1)
     e = jnp.exp(x - mx[:, None])
     drop = e < sb.min_p[:, None]  # min_p: p < min_p * p_max
     x = jnp.where(drop, -jnp.inf, x)
     e = jnp.where(drop, 0.0, e)
-    u = _ukey(x)
-    umax = _ukey(mx)
-    t = jnp.zeros((R,), jnp.uint32)
-    use_k, use_p = sb.top_k < V, sb.top_p < 1.0
-    zeros = lambda: jnp.zeros((R,), jnp.uint32)  # noqa: E731
-    if v.search >= 1:  # top_k rows count tokens, top_p rows sum mass (renormalized: target p * sum)
-        def first():
-            w = jnp.where(use_k[:, None], 1.0, e)
-            target = jnp.where(use_k, sb.top_k.astype(jnp.float32), sb.top_p * _row_sum(e, impl))
-            found = _radix_search(u, w, target, impl.radix_bits, impl.fixed_order_sums, impl.looped_passes)
-            return jnp.where(use_k | use_p, found, 0)
+    use_k, use_p = (sb.top_k < V) & ~greedy, (sb.top_p < 1.0) & ~greedy
+    if v.search == 2:  # top_k rows count tokens: the threshold key, then drop what lies below it
+        u = _ukey(x)
 
-        t = _maybe(impl, jnp.any((use_k | use_p) & ~greedy), first, zeros)
-    if v.search == 2:  # top_p over the top_k-filtered distribution: lands at or above top_k's threshold
-        both = use_k & use_p
+        def top_k():
+            found = _radix_search(u, jnp.ones_like(e), sb.top_k.astype(jnp.float32), impl.radix_bits,
+                                  impl.fixed_order_sums, impl.looped_passes)
+            return jnp.where(use_k, found, 0)
 
-        def second():
-            kept_mass = _row_sum(jnp.where(u >= t[:, None], e, 0.0), impl)
-            return jnp.where(both, _radix_search(u, e, sb.top_p * kept_mass, impl.radix_bits, impl.fixed_order_sums,
-                                                   impl.looped_passes), 0)
-
-        t = jnp.maximum(t, _maybe(impl, jnp.any(both & ~greedy), second, zeros))
-    t = jnp.where(greedy, umax, jnp.minimum(t, umax))
+        t = _maybe(impl, jnp.any(use_k), top_k, lambda: jnp.zeros((R,), jnp.uint32))
+        keep = u >= t[:, None]
+        x = jnp.where(keep, x, -jnp.inf)
+        e = jnp.where(keep, e, 0.0)
     g = jnp.where(greedy[:, None], 0.0, _gumbel(sb, V))
-    return jnp.argmax(jnp.where(u >= t[:, None], x, -jnp.inf) + g, axis=-1).astype(jnp.int32)
+    if v.search == 0:
+        return jnp.argmax(x + g, axis=-1).astype(jnp.int32)
+    # top_p over what min_p and top_k kept (renormalized: the target is p times the kept mass)
+    return _top_p_draw(x, e, g, mx, sb.top_p * _row_sum(e, impl), use_p, impl)
 
 
 def logprob_outputs(logits, tokens, fixed_order: bool = False):

@@ -43,15 +43,16 @@ def test_every_chosen_unmasked_variant_is_compiled_at_warm_up(impl):
         v = choose_variant(rows, V, impl)
         assert v in warm, v
         ps = [r.req.params for r in rows if not r.req.params.greedy]
-        need = max([2 if (0 < p.top_k < V and p.top_p < 1) else 1 if (0 < p.top_k < V or p.top_p < 1) else 0
-                    for p in ps], default=0)
+        need = max([2 if 0 < p.top_k < V else 1 if p.top_p < 1 else 0 for p in ps], default=0)
         assert v.search >= need and (v.logprobs or not any(r.req.params.logprobs for r in rows))
 
 
 def test_smallest_variants_on_gpu():
     assert choose_variant([_row(temperature=0.8)], V, GPU) == SamplerVariant(0, False)
-    assert choose_variant([_row(temperature=0.8, top_p=0.9), _row(temperature=0.8, top_k=5)], V, GPU) == SamplerVariant(1, False)
-    assert choose_variant([_row(temperature=0.8, top_p=0.9, top_k=5)], V, GPU) == SamplerVariant(2, False)
+    assert choose_variant([_row(temperature=0.8, top_p=0.9), _row(temperature=0.8, min_p=0.1)], V, GPU) == SamplerVariant(1, False)
+    # any top_k row needs the threshold search, with top_p in the same row or another
+    assert choose_variant([_row(temperature=0.8, top_p=0.9), _row(temperature=0.8, top_k=5)], V, GPU) == SamplerVariant(2, False)
+    assert choose_variant([_row(temperature=0.8, top_k=5)], V, GPU) == SamplerVariant(2, False)
     # greedy rows need no search, whatever their top_k / top_p; top_k >= V is off
     assert choose_variant([_row(temperature=0, top_p=0.5, top_k=3, logprobs=0), _row(temperature=1, top_k=V)], V, GPU) \
         == SamplerVariant(0, True)
@@ -119,7 +120,7 @@ def test_exact_variants_end_to_end_match_the_branchy_sampler(ckpt_dir, monkeypat
     monkeypatch.setattr(programs, "sample_variants", lambda impl: [])
     rng = np.random.default_rng(4)
     prompts = [{"prompt_token_ids": rng.integers(3, 250, int(rng.integers(2, 30))).tolist()} for _ in range(12)]
-    # greedy rows next to top_k rows and top_p rows, min_p, logprobs: one variant, (search 1, logprobs)
+    # greedy rows next to top_k rows and top_p rows, min_p, logprobs: one variant, (search 2, logprobs)
     params = [SamplingParams(max_tokens=6, ignore_eos=True, seed=i, temperature=[0.0, 0.8, 1.3][i % 3],
                              top_k=[0, 5][i % 2], top_p=[0.8, 1.0][i % 2], min_p=float(rng.choice([0.0, 0.05])),
                              logprobs=2) for i in range(12)]

@@ -9,8 +9,8 @@ Cases: greedy (argmax, the reference cost), temperature 0.8 alone, + top_p 0.95,
 flat rows by default; --scale 4 gives peaked rows). The old sampler runs as each platform ran it
 (`branchless`: True on GPUs, False elsewhere) and both ways with --both-old; the new one in its
 smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of gpu
-(radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), cpu (radix 1, conds), tpu (radix 4,
-conds). Times are medians of --reps calls after one untimed call (compile), each ending with
+(radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), gpu_r0 / gpu_r2 (top-p: no XLA round
+before the Pallas tail / two), cpu (radix 1, conds), tpu (radix 4, conds). Times are medians of --reps calls after one untimed call (compile), each ending with
 block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
 passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
 programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax). A build whose
@@ -36,7 +36,9 @@ CASES = {
     "min_p": dict(temperature=0.8, min_p=0.05),
     "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95),
 }
-IMPLS = {"gpu": (4, False), "gpu2": (2, False), "gpu1": (1, False), "cpu": (1, True), "tpu": (4, True)}
+IMPLS = {"gpu": dict(radix_bits=4), "gpu2": dict(radix_bits=2), "gpu1": dict(radix_bits=1),
+         "gpu_r0": dict(rejection_rounds=0), "gpu_r2": dict(rejection_rounds=2),
+         "cpu": dict(radix_bits=1, branchy=True), "tpu": dict(radix_bits=4, branchy=True)}
 
 
 def load_old(base: str | None, old_file: str | None):
@@ -113,7 +115,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0, help="logits ~ N(0, scale)")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {','.join(CASES)}")
-    ap.add_argument("--impls", default="", help="new-sampler impls besides this platform's: gpu,gpu2,gpu1,cpu,tpu")
+    ap.add_argument("--impls", default="", help=f"new-sampler impls besides this platform's: {','.join(IMPLS)}")
     ap.add_argument("--both-old", action="store_true", help="the old sampler with branchless True and False (builds before SamplerImpl)")
     ap.add_argument("--base", default="e64adcb", help="git revision of the old jvllm/sampling.py")
     ap.add_argument("--old-file", default=None, help="the old jvllm/sampling.py as a file (no git)")
@@ -140,7 +142,7 @@ def main(argv=None):
     old_modes = [True, False] if a.both_old else [platform == "gpu"]
     impls = {"platform": SamplerImpl.for_platform(platform)}
     for name in (i for i in a.impls.split(",") if i):
-        impls[name] = SamplerImpl(*IMPLS[name])
+        impls[name] = SamplerImpl(**IMPLS[name])
     argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
     rows = []
     for c in cases:
@@ -162,7 +164,7 @@ def main(argv=None):
                 s, (tok_old, _) = timed(f, logits, batch(old, a.R, a.V, case), None, reps=a.reps)
                 row[f"old_branchless_{bl}_ms"] = 1e3 * s
         for name, impl in impls.items():
-            v = SamplerVariant(2 if (k and p) else 1 if (k or p) else 0, logprobs=False)
+            v = SamplerVariant(2 if k else 1 if p else 0, logprobs=False)
             if impl.branchy:
                 v = SamplerVariant(2, True)
             f = jax.jit(functools.partial(new.sample, variant=v, impl=impl))
