@@ -22,7 +22,7 @@ most rows finish in the first. The answer is the same token a threshold search w
 the same noise; only the order of the float sums differs.
 
 What a program computes is a `SamplerVariant`, decided per batch on the host (no truncation,
-top_p only, top_k; logprobs, extras, a vocabulary mask), so a batch pays only for what its rows
+top_p, top_k, both; logprobs, extras, a vocabulary mask), so a batch pays only for what its rows
 use. `SamplerImpl.branchy` (CPUs, TPUs: `lax.cond` and `while_loop` run on the device) instead
 compiles the largest variant, skips unused parts with conds and loops the top-p rounds until
 every row is done; on GPUs XLA runs a cond or a while by copying its predicate to the host and
@@ -77,18 +77,18 @@ class VocabMask:
 class SamplerVariant:
     """What one sampler program computes (part of its program key), decided per batch on the host.
 
-    search: 0 = no row truncates (top_k / top_p off everywhere), 1 = some rows use top_p, none
-    top_k (the rejection rounds only); 2 = some row uses top_k (its threshold search, then the
-    rounds). logprobs: the logprob outputs. extras: penalties / logit
+    search: which truncations run, as bits: 1 = some row uses top_p (the rejection rounds), 2 =
+    some row uses top_k (its threshold search); 0 = neither (a Gumbel-max over what min_p keeps),
+    3 = both (the largest). logprobs: the logprob outputs. extras: penalties / logit
     bias / min_tokens. mask: a `VocabMask` input."""
-    search: int = 2
+    search: int = 3
     logprobs: bool = True
     extras: bool = False
     mask: bool = False
 
     def __post_init__(self):
-        if self.search not in (0, 1, 2):
-            raise ValueError(f"SamplerVariant.search must be 0, 1 or 2, got {self.search!r}")
+        if self.search not in (0, 1, 2, 3):
+            raise ValueError(f"SamplerVariant.search must be 0, 1, 2 or 3, got {self.search!r}")
 
     def __repr__(self) -> str:
         parts = [f"search={self.search}"] + [n for n in ("logprobs", "extras", "mask") if getattr(self, n)]
@@ -256,7 +256,7 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
     x = jnp.where(drop, -jnp.inf, x)
     e = jnp.where(drop, 0.0, e)
     use_k, use_p = (sb.top_k < V) & ~greedy, (sb.top_p < 1.0) & ~greedy
-    if v.search == 2:  # top_k rows count tokens: the threshold key, then drop what lies below it
+    if v.search & 2:  # top_k rows count tokens: the threshold key, then drop what lies below it
         u = _ukey(x)
 
         def top_k():
@@ -269,7 +269,7 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
         x = jnp.where(keep, x, -jnp.inf)
         e = jnp.where(keep, e, 0.0)
     g = jnp.where(greedy[:, None], 0.0, _gumbel(sb, V))
-    if v.search == 0:
+    if not v.search & 1:
         return jnp.argmax(x + g, axis=-1).astype(jnp.int32)
     # top_p over what min_p and top_k kept (renormalized: the target is p times the kept mass)
     return _top_p_draw(x, e, g, mx, sb.top_p * _row_sum(e, impl), use_p, impl)

@@ -142,7 +142,7 @@ def test_greedy_tokens_equal_from_argmax_and_full_sampler(inv, monkeypatch):
         _cold(inv)
         got = _run(inv, b, tp, sampled)
         assert got[0] == alone[0], f"batch {b and [len(p) for p in b]} changed the greedy target's tokens"
-        assert SamplerVariant(2, True) in programs, programs  # steps beside the sampled neighbour
+        assert SamplerVariant(3, True) in programs, programs  # steps beside the sampled neighbour
 
 
 def test_bit_equal_with_prefix_cache_hit(inv):
@@ -176,7 +176,7 @@ def test_every_bucket_fixed_tile_and_no_compile_while_serving(inv):
     assert r.token_buckets == BUCKETS and not any(r.layout.has_decode_variant(T) for T in BUCKETS)
     first, rest = r.warmup_keys()
     assert ("greedy", r.layout.seq_bucket(BUCKETS[0])) in first  # all-greedy batches: argmax only
-    assert {(key[-1].search, key[-1].logprobs) for kind, key in first + rest if kind == "sample"} == {(2, True)}  # the largest
+    assert {(key[-1].search, key[-1].logprobs) for kind, key in first + rest if kind == "sample"} == {(3, True)}  # the largest
     model = nnx.merge(r.stages[0].graphdef, r.stages[0].state)
     assert model.layers[0].self_attn.proj is FIXED_TILE_DENSE and model.layers[1].mlp.proj is FIXED_TILE_DENSE
     assert LMHead.of(r.cfg).fixed_tile

@@ -54,7 +54,7 @@ def test_sampler_rows_with_fixed_order_sums(fixed):
     z = jnp.asarray(RNG.standard_normal((R, V)) * 2, jnp.float32)
     sb = _batch(R, V)
     impl = SamplerImpl(radix_bits=1, branchy=True, fixed_order_sums=fixed, looped_passes=True)  # the CPU's
-    f = jax.jit(lambda z, sb: sample(z, sb, variant=SamplerVariant(2, True), impl=impl))
+    f = jax.jit(lambda z, sb: sample(z, sb, variant=SamplerVariant(3, True), impl=impl))
     tok, lp = f(z, sb)
     same = True
     for m, o in [(8, 0), (8, 5), (16, 20), (1, 3)]:

@@ -43,22 +43,24 @@ def test_every_chosen_unmasked_variant_is_compiled_at_warm_up(impl):
         v = choose_variant(rows, V, impl)
         assert v in warm, v
         ps = [r.req.params for r in rows if not r.req.params.greedy]
-        need = max([2 if 0 < p.top_k < V else 1 if p.top_p < 1 else 0 for p in ps], default=0)
-        assert v.search >= need and (v.logprobs or not any(r.req.params.logprobs for r in rows))
+        need = 0
+        for p in ps:
+            need |= (2 if 0 < p.top_k < V else 0) | (1 if p.top_p < 1 else 0)
+        assert v.search & need == need and (v.logprobs or not any(r.req.params.logprobs for r in rows))
 
 
 def test_smallest_variants_on_gpu():
     assert choose_variant([_row(temperature=0.8)], V, GPU) == SamplerVariant(0, False)
     assert choose_variant([_row(temperature=0.8, top_p=0.9), _row(temperature=0.8, min_p=0.1)], V, GPU) == SamplerVariant(1, False)
     # any top_k row needs the threshold search, with top_p in the same row or another
-    assert choose_variant([_row(temperature=0.8, top_p=0.9), _row(temperature=0.8, top_k=5)], V, GPU) == SamplerVariant(2, False)
+    assert choose_variant([_row(temperature=0.8, top_p=0.9), _row(temperature=0.8, top_k=5)], V, GPU) == SamplerVariant(3, False)
     assert choose_variant([_row(temperature=0.8, top_k=5)], V, GPU) == SamplerVariant(2, False)
     # greedy rows need no search, whatever their top_k / top_p; top_k >= V is off
     assert choose_variant([_row(temperature=0, top_p=0.5, top_k=3, logprobs=0), _row(temperature=1, top_k=V)], V, GPU) \
         == SamplerVariant(0, True)
-    assert choose_variant([_row(temperature=0.8, presence_penalty=0.5)], V, GPU) == SamplerVariant(2, True, True)
+    assert choose_variant([_row(temperature=0.8, presence_penalty=0.5)], V, GPU) == SamplerVariant(3, True, True)
     assert choose_variant([_row(temperature=0.8, allowed_token_ids=[3])], V, GPU) == SamplerVariant(0, False, False, True)
-    assert choose_variant([_row(temperature=0.8)], V, CPU) == SamplerVariant(2, True)
+    assert choose_variant([_row(temperature=0.8)], V, CPU) == SamplerVariant(3, True)
 
 
 def test_rows_pack_and_unpack():
@@ -68,7 +70,7 @@ def test_rows_pack_and_unpack():
                  repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={4: 2.5, 8: -1.0}),
             _row(seed=7, temperature=1.2, min_tokens=3, allowed_token_ids=[1, 40, 99], out=(11,))]
     p = plan(rows, 4, V, L, GPU)
-    assert p.variant == SamplerVariant(2, True, True, True) and p.want_lp and p.rows.dtype == np.int32
+    assert p.variant == SamplerVariant(3, True, True, True) and p.want_lp and p.rows.dtype == np.int32
     lay = RowLayout(4, V, L, p.variant)
     sb, ex, mask = lay.unpack(jnp.asarray(p.rows))
     np.testing.assert_array_equal(np.asarray(sb.temperature), np.float32([0.7, 1.2, 0, 0]))
@@ -120,7 +122,7 @@ def test_exact_variants_end_to_end_match_the_branchy_sampler(ckpt_dir, monkeypat
     monkeypatch.setattr(programs, "sample_variants", lambda impl: [])
     rng = np.random.default_rng(4)
     prompts = [{"prompt_token_ids": rng.integers(3, 250, int(rng.integers(2, 30))).tolist()} for _ in range(12)]
-    # greedy rows next to top_k rows and top_p rows, min_p, logprobs: one variant, (search 2, logprobs)
+    # greedy rows next to top_k rows and top_p rows, min_p, logprobs: one variant, (search 3, logprobs)
     params = [SamplingParams(max_tokens=6, ignore_eos=True, seed=i, temperature=[0.0, 0.8, 1.3][i % 3],
                              top_k=[0, 5][i % 2], top_p=[0.8, 1.0][i % 2], min_p=float(rng.choice([0.0, 0.05])),
                              logprobs=2) for i in range(12)]

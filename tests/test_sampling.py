@@ -442,7 +442,7 @@ def test_greedy_rows_and_logprobs_without_branches(row):
 def _variant_for(sb, Vl, want_lp=False):
     """The smallest variant that covers the batch (what the host picks)."""
     k, p = np.asarray(sb.top_k) < Vl, np.asarray(sb.top_p) < 1.0
-    return SamplerVariant(search=2 if k.any() else 1 if p.any() else 0, logprobs=want_lp)
+    return SamplerVariant(search=(2 if k.any() else 0) | (1 if p.any() else 0), logprobs=want_lp)
 
 
 @pytest.mark.parametrize("kind", ["none", "top_k_only", "top_p_only", "one_each", "both"])
@@ -465,7 +465,7 @@ def test_smallest_variant_draws_the_largest_variants_ids(kind):
         p[p >= 1.0] = 0.9
     sb = dataclasses.replace(sb, top_k=jnp.asarray(k), top_p=jnp.asarray(p))
     v = _variant_for(sb, Vl)
-    assert v.search == {"none": 0, "top_p_only": 1}.get(kind, 2)
+    assert v.search == {"none": 0, "top_p_only": 1, "top_k_only": 2}.get(kind, 3)
     small, lp = _jit_sample(IMPLS["gpu"], v)(logits, sb, None)
     big, _ = _sample(logits, sb, None)
     assert lp is None
@@ -478,8 +478,8 @@ def test_variant_must_match_the_inputs(row):
                         jnp.zeros((1, 2)))
     with pytest.raises(ValueError, match=r"needs extras=False and mask=False; got extras=True"):
         sample(jnp.asarray(row[None]), _sb(1), ex, variant=SamplerVariant())
-    with pytest.raises(ValueError, match="search must be 0, 1 or 2, got 3"):
-        SamplerVariant(search=3)
+    with pytest.raises(ValueError, match="search must be 0, 1, 2 or 3, got 4"):
+        SamplerVariant(search=4)
     with pytest.raises(ValueError, match="radix_bits must be 1, 2 or 4, got 3"):
         SamplerImpl(radix_bits=3)
 

@@ -96,7 +96,7 @@ def test_fingerprint_changes_exactly_when_the_lowered_module_does(ckpt_dir):
     ]
     from jvllm.sampling import SamplerVariant
 
-    keys = [("step", (0, 8, False)), ("greedy", 2), ("sample", (2, SamplerVariant(2, True, extras=True))),
+    keys = [("step", (0, 8, False)), ("greedy", 2), ("sample", (2, SamplerVariant(3, True, extras=True))),
             ("sample", (2, SamplerVariant(1, False, mask=True)))]
     for name, key in keys:
         fps = [r.programs.fingerprint(name, key) for r in variants]

@@ -164,9 +164,9 @@ def main(argv=None):
                 s, (tok_old, _) = timed(f, logits, batch(old, a.R, a.V, case), None, reps=a.reps)
                 row[f"old_branchless_{bl}_ms"] = 1e3 * s
         for name, impl in impls.items():
-            v = SamplerVariant(2 if k else 1 if p else 0, logprobs=False)
+            v = SamplerVariant((2 if k else 0) | (1 if p else 0), logprobs=False)
             if impl.branchy:
-                v = SamplerVariant(2, True)
+                v = SamplerVariant(3, True)
             f = jax.jit(functools.partial(new.sample, variant=v, impl=impl))
             s, (tok_new, _) = timed(f, logits, batch(new, a.R, a.V, case), None, reps=a.reps)
             row[f"new_{name}_ms"] = 1e3 * s

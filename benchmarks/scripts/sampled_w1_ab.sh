@@ -4,7 +4,8 @@
 # (2) W1 (256 seqs, buckets 256,2048, a fixed 50 GB KV pool) sampled at temperature 0.8 + top_p 0.95
 # on both builds and greedy on this one, through ab_builds.sh, REPS rounds (the first on empty
 # compile caches, later ones warm), a round started only while END (default 430) seconds have not
-# passed. Files: $OUT/sampler_speed{,_r8}.json, {before,after}_w1_top_p[_repN].json,
+# passed. Files (one $OUT/$TAG.tgz: the device returns at most 8 files): sampler_speed{,_r8}.json,
+# {before,after}_w1_top_p[_repN].json,
 # after_w1_greedy[_repN].json (+ logs). BEFORE (default .before) is a `git archive` of the old commit
 # carried with the call; BEFORE_COMMIT / AFTER_COMMIT name the builds in the JSONs.
 set -u
@@ -28,3 +29,4 @@ for i in $(seq 1 ${REPS:-2}); do
   LIMIT=${LIMIT:-200} STAGES=w1 ORDER=after TAG=_greedy$sfx W1ARGS="$KV" bash "$S/ab_builds.sh"
 done
 echo "[total $(el)s]"
+cd "$OUT" && tar czf /tmp/call.tgz --exclude='pip*.log' * && rm -rf "${OUT:?}"/* && mv /tmp/call.tgz "$OUT/${TAG:-sampled_w1_ab}.tgz"; ls -la "$OUT"

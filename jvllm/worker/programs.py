@@ -194,13 +194,13 @@ def sample_variants(impl) -> list[SamplerVariant]:
     other): where programs are exact (GPUs) every search level with and without logprobs, and the
     largest with extras; elsewhere the largest with and without extras."""
     if impl.branchy:
-        return [SamplerVariant(2, True, ex) for ex in (False, True)]
-    return [SamplerVariant(s, lp) for s in (1, 0, 2) for lp in (False, True)] + [SamplerVariant(2, True, True)]
+        return [SamplerVariant(3, True, ex) for ex in (False, True)]
+    return [SamplerVariant(s, lp) for s in (1, 0, 3, 2) for lp in (False, True)] + [SamplerVariant(3, True, True)]
 
 
 def largest_sample_key(ctx, R: int):
     """The sampler program with the most work at R (its temporary memory bounds the others')."""
-    return (R, SamplerVariant(2, True, True))
+    return (R, SamplerVariant(3, True, True))
 
 
 def _greedy_signature(ctx, R) -> Signature:

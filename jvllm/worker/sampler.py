@@ -139,8 +139,8 @@ def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = F
         extras |= _penalized(sp) or bool(sp.logit_bias) or sp.min_tokens > 0
         mask |= _mask_row(s) != 0
     if impl.branchy or extras or full:  # extras batches (scatters over [R, V] already) take the largest
-        return SamplerVariant(2, True, extras, mask)
-    return SamplerVariant(2 if k else 1 if p else 0, lp, extras, mask)
+        return SamplerVariant(3, True, extras, mask)
+    return SamplerVariant((2 if k else 0) | (1 if p else 0), lp, extras, mask)
 
 
 def plan(scheduled, R: int, vocab_size: int, max_model_len: int, impl: SamplerImpl,
