@@ -11,7 +11,9 @@ Truncation without a sort. top_k: the kept tokens are those whose value is >= a 
 threshold, found exactly by a radix search over the order-preserving uint32 key of the values
 (`_radix_search`: `radix_bits` bits per pass over [R, V], each pass one variadic reduction of
 2**radix_bits - 1 candidate counts, so 32 / radix_bits passes). Tokens that tie with the
-threshold value are all kept (a full sort keeps only as many of them as it needs). top_p (over
+threshold value are all kept (a full sort keeps only as many of them as it needs). When every
+top_k row has k <= `SamplerImpl.narrow_top_k` (the usual 20-50) the same threshold comes from
+group maxima and one small top_k instead (`_top_k_floor`, no pass per bit). top_p (over
 what min_p and top_k kept): token j is in the nucleus iff the mass strictly above it,
 sum(p where x > x_j), is below top_p (the best token always is). The draw is the Gumbel-max
 token of the nucleus, argmax over it of x + g, found without locating the nucleus' edge: take the
@@ -80,18 +82,23 @@ class SamplerVariant:
     search: which truncations run, as bits: 1 = some row uses top_p (the rejection rounds), 2 =
     some row uses top_k (its threshold search); 0 = neither (a Gumbel-max over what min_p keeps),
     3 = both (the largest). logprobs: the logprob outputs. extras: penalties / logit
-    bias / min_tokens. mask: a `VocabMask` input."""
+    bias / min_tokens. mask: a `VocabMask` input. wide_top_k: top_k by the radix search, for any k
+    (the largest); else by the group select, for rows with top_k <= `SamplerImpl.narrow_top_k`
+    only (normalized to False where search has no top_k)."""
     search: int = 3
     logprobs: bool = True
     extras: bool = False
     mask: bool = False
+    wide_top_k: bool = True
 
     def __post_init__(self):
         if self.search not in (0, 1, 2, 3):
             raise ValueError(f"SamplerVariant.search must be 0, 1, 2 or 3, got {self.search!r}")
+        if not self.search & 2:
+            object.__setattr__(self, "wide_top_k", False)
 
     def __repr__(self) -> str:
-        parts = [f"search={self.search}"] + [n for n in ("logprobs", "extras", "mask") if getattr(self, n)]
+        parts = [f"search={self.search}"] + [n for n in ("logprobs", "extras", "mask", "wide_top_k") if getattr(self, n)]
         return f"SamplerVariant({','.join(parts)})"
 
 
@@ -109,17 +116,24 @@ class SamplerImpl:
     them unrolled (a while loop's trip test would be a device-to-host round trip per pass).
     rejection_rounds: top-p rounds run as XLA reductions over every row before the rows left go to
     the per-row Pallas tail (GPUs only; branchy platforms loop in XLA until every row is done).
-    pallas_interpret: the tail kernel in interpret mode (None: unless the default backend is a GPU)."""
+    pallas_interpret: the tail kernel in interpret mode (None: unless the default backend is a GPU).
+    narrow_top_k / top_k_group: the group select serves top_k <= narrow_top_k, in groups of
+    top_k_group tokens (`_top_k_floor`)."""
     radix_bits: int = 4
     branchy: bool = False
     fixed_order_sums: bool = False
     looped_passes: bool = False
     rejection_rounds: int = 1
     pallas_interpret: bool | None = None
+    narrow_top_k: int = 64
+    top_k_group: int = 64
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):
             raise ValueError(f"SamplerImpl.radix_bits must be 1, 2 or 4, got {self.radix_bits!r}")
+        if self.narrow_top_k < 1 or self.top_k_group < 1:
+            raise ValueError(f"SamplerImpl.narrow_top_k and top_k_group must be >= 1, got {self.narrow_top_k!r}, "
+                             f"{self.top_k_group!r}")
         if self.rejection_rounds < 0:
             raise ValueError(f"SamplerImpl.rejection_rounds must be >= 0, got {self.rejection_rounds!r}")
 
@@ -211,6 +225,21 @@ def _radix_search(u, w, target, bits: int, fixed_order: bool = False, looped: bo
     return t
 
 
+def _top_k_floor(x, k, kmax: int, G: int):
+    """Per row, the k-th largest value of x [R, V] (with multiplicity; -inf past the finite ones),
+    for 1 <= k <= kmax, without a pass per bit: the row's maxima per group of G tokens, the kmax
+    groups with the largest maxima, then the k-th largest of their tokens. Exact: every token
+    above the k-th largest group maximum m lies in one of those groups (fewer than k groups have
+    a maximum above m), and they hold at least k tokens >= m (their maxima)."""
+    R, V = x.shape
+    n = -(-V // G)
+    groups = jnp.pad(x, ((0, 0), (0, n * G - V)), constant_values=-jnp.inf).reshape(R, n, G)
+    _, best = jax.lax.top_k(jnp.max(groups, axis=-1), min(kmax, n))
+    cand = jnp.take_along_axis(groups, best[:, :, None], axis=1).reshape(R, -1)
+    top, _ = jax.lax.top_k(cand, min(kmax, cand.shape[1]))
+    return jnp.take_along_axis(top, jnp.clip(k, 1, top.shape[1])[:, None] - 1, axis=-1)[:, 0]
+
+
 def _maybe(impl: SamplerImpl, pred, fn, other):
     """fn() where it is needed: under a cond when the platform allows (`other()` otherwise), else always."""
     return jax.lax.cond(pred, fn, other) if impl.branchy else fn()
@@ -256,7 +285,11 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
     x = jnp.where(drop, -jnp.inf, x)
     e = jnp.where(drop, 0.0, e)
     use_k, use_p = (sb.top_k < V) & ~greedy, (sb.top_p < 1.0) & ~greedy
-    if v.search & 2:  # top_k rows count tokens: the threshold key, then drop what lies below it
+    if v.search & 2 and not v.wide_top_k:  # every top_k row has k <= impl.narrow_top_k
+        keep = ~use_k[:, None] | (x >= _top_k_floor(x, sb.top_k, impl.narrow_top_k, impl.top_k_group)[:, None])
+        x = jnp.where(keep, x, -jnp.inf)
+        e = jnp.where(keep, e, 0.0)
+    elif v.search & 2:  # top_k rows count tokens: the threshold key, then drop what lies below it
         u = _ukey(x)
 
         def top_k():

@@ -35,7 +35,7 @@ def test_every_chosen_unmasked_variant_is_compiled_at_warm_up(impl):
     rng = np.random.default_rng(0)
     warm = set(sample_variants(impl))
     for _ in range(300):
-        rows = [_row(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 0, 5, V + 5])),
+        rows = [_row(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 0, 5, 80, V + 5])),
                      top_p=float(rng.choice([1.0, 1.0, 0.9])), min_p=float(rng.choice([0.0, 0.1])),
                      logprobs=[None, None, 2][rng.integers(3)], repetition_penalty=float(rng.choice([1.0] * 5 + [1.2])),
                      min_tokens=int(rng.choice([0] * 5 + [2])))
@@ -47,14 +47,19 @@ def test_every_chosen_unmasked_variant_is_compiled_at_warm_up(impl):
         for p in ps:
             need |= (2 if 0 < p.top_k < V else 0) | (1 if p.top_p < 1 else 0)
         assert v.search & need == need and (v.logprobs or not any(r.req.params.logprobs for r in rows))
+        assert v.wide_top_k or not any(impl.narrow_top_k < p.top_k < V for p in ps)
 
 
 def test_smallest_variants_on_gpu():
     assert choose_variant([_row(temperature=0.8)], V, GPU) == SamplerVariant(0, False)
     assert choose_variant([_row(temperature=0.8, top_p=0.9), _row(temperature=0.8, min_p=0.1)], V, GPU) == SamplerVariant(1, False)
     # any top_k row needs the threshold search, with top_p in the same row or another
-    assert choose_variant([_row(temperature=0.8, top_p=0.9), _row(temperature=0.8, top_k=5)], V, GPU) == SamplerVariant(3, False)
-    assert choose_variant([_row(temperature=0.8, top_k=5)], V, GPU) == SamplerVariant(2, False)
+    assert choose_variant([_row(temperature=0.8, top_p=0.9), _row(temperature=0.8, top_k=5)], V, GPU) \
+        == SamplerVariant(3, False, wide_top_k=False)
+    assert choose_variant([_row(temperature=0.8, top_k=5)], V, GPU) == SamplerVariant(2, False, wide_top_k=False)
+    # a top_k past the group select's (GPU.narrow_top_k) takes the largest variant's radix search
+    assert choose_variant([_row(temperature=0.8, top_k=GPU.narrow_top_k + 1)], V, GPU) == SamplerVariant(3, True)
+    assert choose_variant([_row(temperature=0.8, top_k=GPU.narrow_top_k)], V, GPU) == SamplerVariant(2, False, wide_top_k=False)
     # greedy rows need no search, whatever their top_k / top_p; top_k >= V is off
     assert choose_variant([_row(temperature=0, top_p=0.5, top_k=3, logprobs=0), _row(temperature=1, top_k=V)], V, GPU) \
         == SamplerVariant(0, True)

@@ -377,6 +377,42 @@ def test_wide_truncation_matches_full_sort(case):
     assert ranks.max() >= 1024  # the draws reach beyond the 1024 best tokens
 
 
+def test_top_k_floor_is_the_kth_largest():
+    """_top_k_floor against a full sort: ties across groups, -inf tails, fewer finite values than
+    k, a vocabulary that is no multiple of the group, fewer groups than kmax."""
+    from jvllm.sampling import _top_k_floor
+
+    rng = np.random.default_rng(9)
+    for R, Vl, kmax, G in [(16, 1000, 64, 64), (16, 1000, 8, 16), (8, 300, 64, 64), (8, 37, 5, 4)]:
+        x = np.round(rng.normal(0, 2, (R, Vl)), 1).astype(np.float32)  # many ties
+        x[0, 3:] = -np.inf  # 3 finite values
+        x[1] = 1.5
+        x[2, ::2] = -np.inf
+        k = rng.integers(1, kmax + 1, R)
+        got = np.asarray(jax.jit(_top_k_floor, static_argnums=(2, 3))(jnp.asarray(x), jnp.asarray(k), kmax, G))
+        want = -np.sort(-x, axis=1)[np.arange(R), k - 1]
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("impl", ["gpu", "cpu"])
+def test_narrow_top_k_variant_matches_full_sort(impl):
+    """top_k <= narrow_top_k by the group select (GPU programs) draws the full sort's tokens, with
+    top_p in some rows, min_p and greedy rows beside, and the radix search's tokens where values
+    tie (both keep every token tied with the threshold; a sort keeps k); branchy platforms take
+    the radix search."""
+    R, Vl = 256, 3000
+    rng = np.random.default_rng(13)
+    logits, sb = _mixed_batch(R, Vl, 17)
+    k = rng.choice([1, 2, 5, 20, 50, 64, Vl], R).astype(np.int32)
+    sb = dataclasses.replace(sb, top_k=jnp.asarray(k), temperature=jnp.where(jnp.arange(R) % 17 == 0, 0.0, sb.temperature))
+    narrow = _jit_sample(IMPLS[impl], SamplerVariant(3, False, wide_top_k=False) if impl == "gpu" else None)
+    tok, _ = narrow(logits, sb, None)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(_sorted_oracle(logits, sb)[0]))
+    tied = jnp.round(logits * 4) / 4
+    wide, _ = _jit_sample(IMPLS[impl], SamplerVariant(3, False))(tied, sb, None)
+    np.testing.assert_array_equal(np.asarray(narrow(tied, sb, None)[0]), np.asarray(wide))
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_radix_search_finds_the_largest_threshold(bits):
     """_radix_search against a brute force over every distinct key of the row (and one above)."""

@@ -5,12 +5,12 @@ two draw the same ids. Prints one JSON object (and writes it with --out).
     python benchmarks/probes/sampler_speed.py --R 256 --V 128256 --reps 3 [--base e64adcb | --old-file f.py]
 
 Cases: greedy (argmax, the reference cost), temperature 0.8 alone, + top_p 0.95, + top_k 50,
-+ min_p 0.05, + top_k 50 and top_p 0.95. Logits: N(0, --scale) per token (a random-weight model's
++ min_p 0.05, + top_k 50 and top_p 0.95, + top_k 1000 (past the group select: the radix search). Logits: N(0, --scale) per token (a random-weight model's
 flat rows by default; --scale 4 gives peaked rows). The old sampler runs as each platform ran it
 (`branchless`: True on GPUs, False elsewhere) and both ways with --both-old; the new one in its
 smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of gpu
 (radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), gpu_r0 / gpu_r2 (top-p: no XLA round
-before the Pallas tail / two), cpu (radix 1, conds), tpu (radix 4, conds). Times are medians of --reps calls after one untimed call (compile), each ending with
+before the Pallas tail / two), gpu_g32 / gpu_g128 (top_k <= 64: groups of 32 / 128 tokens), cpu (radix 1, conds), tpu (radix 4, conds). Times are medians of --reps calls after one untimed call (compile), each ending with
 block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
 passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
 programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax). A build whose
@@ -35,9 +35,11 @@ CASES = {
     "top_k": dict(temperature=0.8, top_k=50),
     "min_p": dict(temperature=0.8, min_p=0.05),
     "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.95),
+    "top_k_1000": dict(temperature=0.8, top_k=1000),
 }
 IMPLS = {"gpu": dict(radix_bits=4), "gpu2": dict(radix_bits=2), "gpu1": dict(radix_bits=1),
          "gpu_r0": dict(rejection_rounds=0), "gpu_r2": dict(rejection_rounds=2),
+         "gpu_g32": dict(top_k_group=32), "gpu_g128": dict(top_k_group=128),
          "cpu": dict(radix_bits=1, branchy=True), "tpu": dict(radix_bits=4, branchy=True)}
 
 
@@ -164,7 +166,8 @@ def main(argv=None):
                 s, (tok_old, _) = timed(f, logits, batch(old, a.R, a.V, case), None, reps=a.reps)
                 row[f"old_branchless_{bl}_ms"] = 1e3 * s
         for name, impl in impls.items():
-            v = SamplerVariant((2 if k else 0) | (1 if p else 0), logprobs=False)
+            v = SamplerVariant((2 if k else 0) | (1 if p else 0), logprobs=False,
+                               wide_top_k=case.get("top_k", a.V) > impl.narrow_top_k)
             if impl.branchy:
                 v = SamplerVariant(3, True)
             f = jax.jit(functools.partial(new.sample, variant=v, impl=impl))

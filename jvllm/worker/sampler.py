@@ -130,17 +130,20 @@ def _mask_row(s) -> int:
 def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = False) -> SamplerVariant:
     """The variant that serves `scheduled`: the smallest that covers its rows, or with
     `impl.branchy`, extras or `full` (batch-invariant mode) the largest for its inputs (extras, mask)."""
-    k = p = lp = extras = mask = False
+    k = p = wide = lp = extras = mask = False
     for s in scheduled:
         sp = s.req.params
         if not sp.greedy:
             k, p = k or 0 < sp.top_k < vocab_size, p or sp.top_p < 1.0
+            wide |= impl.narrow_top_k < sp.top_k < vocab_size
         lp |= sp.needs_logprobs
         extras |= _penalized(sp) or bool(sp.logit_bias) or sp.min_tokens > 0
         mask |= _mask_row(s) != 0
     if impl.branchy or extras or full:  # extras batches (scatters over [R, V] already) take the largest
         return SamplerVariant(3, True, extras, mask)
-    return SamplerVariant((2 if k else 0) | (1 if p else 0), lp, extras, mask)
+    if wide:  # a top_k past the group select's: the radix search, in the largest variant
+        return SamplerVariant(3, True, extras, mask)
+    return SamplerVariant((2 if k else 0) | (1 if p else 0), lp, extras, mask, wide_top_k=False)
 
 
 def plan(scheduled, R: int, vocab_size: int, max_model_len: int, impl: SamplerImpl,
