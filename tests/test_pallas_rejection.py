@@ -55,6 +55,14 @@ def test_bad_shapes():
     r = jnp.zeros((2,))
     with pytest.raises(ValueError, match=r"g \(2, 4\)"):
         finish(x, jnp.zeros((2, 4)), r, r, r, r.astype(jnp.int32))
-    with pytest.raises(ValueError, match=r"2\*\*31"):
-        big, row = jax.ShapeDtypeStruct((2**16, 2**15), jnp.float32), jax.ShapeDtypeStruct((2**16,), jnp.float32)
-        jax.eval_shape(finish, big, big, row, row, row, jax.ShapeDtypeStruct((2**16,), jnp.int32))
+
+
+def test_rows_past_the_int32_offsets_take_more_launches():
+    """R * V >= 2**31 (Triton's int32 offsets): the rows are split over launches of at most
+    (2**31 - 1) // V rows each (traced for the cuda platform)."""
+    R, V = 2**16 + 3, 2**15
+    big, row = jax.ShapeDtypeStruct((R, V), jnp.float32), jax.ShapeDtypeStruct((R,), jnp.float32)
+    args = (big, big, row, row, row, jax.ShapeDtypeStruct((R,), jnp.int32))
+    assert jax.eval_shape(finish, *args).shape == (R,)
+    text = jax.jit(lambda *a: finish(*a, interpret=False)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2

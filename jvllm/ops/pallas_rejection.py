@@ -12,7 +12,8 @@ Per row with tok >= 0: tok, untouched (the program exits at once). Per row with 
 until one is accepted (`jvllm.sampling` gives why this draws the Gumbel-max token of the top-p
 set). Each round reads the row twice in BLOCK-wide steps. A row without any x > low (impossible
 for inputs the sampler builds: its best token is always accepted) returns the first index.
-Hazards (Triton): int32 offsets, so R * V stays below 2**31; rounds are sequential per row, so a
+Hazards (Triton): int32 offsets, so each launch takes at most (2**31 - 1) // V rows (more rows: one
+launch per such slice); rounds are sequential per row, so a
 narrow nucleus over a flat row takes several (each rejection drops every token at or below the
 rejected one, so their count grows like a binary search's, not like the vocabulary).
 """
@@ -77,7 +78,8 @@ def _kernel(x_ref, g_ref, mx_ref, target_ref, low_ref, tok_ref, o_ref, *, V: int
 
 def finish(x, g, mx, target, low, tok, *, interpret: bool | None = None):
     """The token of every row (module docstring); `interpret` None = interpret unless the default
-    backend is a GPU. ValueError on shapes that do not match."""
+    backend is a GPU. ValueError on shapes that do not match. Rows past the int32 offset limit go
+    to further launches of the same kernel."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -85,8 +87,10 @@ def finish(x, g, mx, target, low, tok, *, interpret: bool | None = None):
     if g.shape != (R, V) or any(a.shape != (R,) for a in (mx, target, low, tok)):
         raise ValueError(f"finish: x and g must be [R, V] and the row values [R]; got x {x.shape}, g {g.shape}, "
                          f"mx {mx.shape}, target {target.shape}, low {low.shape}, tok {tok.shape}")
-    if R * V >= 2**31:
-        raise ValueError(f"finish: R * V = {R * V} must stay below 2**31 (Triton's int32 offsets)")
+    step = (2**31 - 1) // V
+    if R > step:
+        return jnp.concatenate([finish(x[i:i + step], g[i:i + step], mx[i:i + step], target[i:i + step],
+                                       low[i:i + step], tok[i:i + step], interpret=interpret) for i in range(0, R, step)])
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     f32 = jnp.float32
