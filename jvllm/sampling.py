@@ -126,7 +126,7 @@ class SamplerImpl:
     rejection_rounds: int = 1
     pallas_interpret: bool | None = None
     narrow_top_k: int = 64
-    top_k_group: int = 64
+    top_k_group: int = 32
 
     def __post_init__(self):
         if self.radix_bits not in (1, 2, 4):

@@ -15,7 +15,7 @@ OLD=${BEFORE:-.before}/jvllm/sampling.py
 PROBE_ARGS=${PROBE_ARGS:-"--reps 7 --impls gpu_r0,gpu_r2 --cases greedy,top_p,top_k,min_p,top_k_top_p"}
 probe() {  # probe <suffix> <args...>
   local sfx=$1; shift
-  PYTHONPATH=$PWD timeout 200 python benchmarks/probes/sampler_speed.py "$@" --old-file "$OLD" \
+  JVLLM_GIT_COMMIT=${AFTER_COMMIT:-unknown} PYTHONPATH=$PWD timeout 200 python benchmarks/probes/sampler_speed.py "$@" --old-file "$OLD" \
     --out "$OUT/sampler_speed$sfx.json" > "$OUT/sampler_speed$sfx.log" 2>&1
   echo "[$(el)s] probe$sfx rc=$?"; grep -E '^\{"case"' "$OUT/sampler_speed$sfx.log" | cut -c1-400
 }
