@@ -63,7 +63,9 @@ def test_smallest_variants_on_gpu():
     # greedy rows need no search, whatever their top_k / top_p; top_k >= V is off
     assert choose_variant([_row(temperature=0, top_p=0.5, top_k=3, logprobs=0), _row(temperature=1, top_k=V)], V, GPU) \
         == SamplerVariant(0, True)
-    assert choose_variant([_row(temperature=0.8, presence_penalty=0.5)], V, GPU) == SamplerVariant(3, True, True)
+    assert choose_variant([_row(temperature=0.8, presence_penalty=0.5)], V, GPU) == SamplerVariant(3, True, True, wide_top_k=False)
+    assert choose_variant([_row(temperature=0.8, presence_penalty=0.5, top_k=GPU.narrow_top_k + 1)], V, GPU) \
+        == SamplerVariant(3, True, True)
     assert choose_variant([_row(temperature=0.8, allowed_token_ids=[3])], V, GPU) == SamplerVariant(0, False, False, True)
     assert choose_variant([_row(temperature=0.8)], V, CPU) == SamplerVariant(3, True)
 
@@ -75,7 +77,7 @@ def test_rows_pack_and_unpack():
                  repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={4: 2.5, 8: -1.0}),
             _row(seed=7, temperature=1.2, min_tokens=3, allowed_token_ids=[1, 40, 99], out=(11,))]
     p = plan(rows, 4, V, L, GPU)
-    assert p.variant == SamplerVariant(3, True, True, True) and p.want_lp and p.rows.dtype == np.int32
+    assert p.variant == SamplerVariant(3, True, True, True, wide_top_k=False) and p.want_lp and p.rows.dtype == np.int32
     lay = RowLayout(4, V, L, p.variant)
     sb, ex, mask = lay.unpack(jnp.asarray(p.rows))
     np.testing.assert_array_equal(np.asarray(sb.temperature), np.float32([0.7, 1.2, 0, 0]))

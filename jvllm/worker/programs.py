@@ -191,13 +191,13 @@ def _sample_signature(ctx, key) -> Signature:
 
 def sample_variants(impl) -> list[SamplerVariant]:
     """The unmasked variants a runner compiles before serving (`sampler.choose_variant` picks no
-    other): where programs are exact (GPUs) every search level with and without logprobs (top_k
-    by the group select), and the largest (top_k by the radix search) with and without extras;
-    elsewhere the largest with and without extras."""
+    other): where programs are exact (GPUs) every search level with and without logprobs and the
+    largest with extras (top_k by the group select), and the largest (top_k by the radix search)
+    with and without extras; elsewhere the largest with and without extras."""
     if impl.branchy:
         return [SamplerVariant(3, True, ex) for ex in (False, True)]
     narrow = [SamplerVariant(s, lp, wide_top_k=False) for s in (1, 0, 3, 2) for lp in (False, True)]
-    return narrow + [SamplerVariant(3, True, ex) for ex in (False, True)]
+    return narrow + [SamplerVariant(3, True, True, wide_top_k=False)] + [SamplerVariant(3, True, ex) for ex in (False, True)]
 
 
 def largest_sample_key(ctx, R: int):

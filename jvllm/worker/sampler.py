@@ -128,8 +128,9 @@ def _mask_row(s) -> int:
 
 
 def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = False) -> SamplerVariant:
-    """The variant that serves `scheduled`: the smallest that covers its rows, or with
-    `impl.branchy`, extras or `full` (batch-invariant mode) the largest for its inputs (extras, mask)."""
+    """The variant that serves `scheduled`: the smallest that covers its rows; with `impl.branchy`
+    or `full` (batch-invariant mode) the largest for its inputs (extras, mask); with extras every
+    search, top_k by the group select unless a row's top_k is past it."""
     k = p = wide = lp = extras = mask = False
     for s in scheduled:
         sp = s.req.params
@@ -139,8 +140,10 @@ def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = F
         lp |= sp.needs_logprobs
         extras |= _penalized(sp) or bool(sp.logit_bias) or sp.min_tokens > 0
         mask |= _mask_row(s) != 0
-    if impl.branchy or extras or full:  # extras batches (scatters over [R, V] already) take the largest
+    if impl.branchy or full:
         return SamplerVariant(3, True, extras, mask)
+    if extras:  # extras batches (scatters over [R, V] already) take every search, top_k as narrow as they can
+        return SamplerVariant(3, True, extras, mask, wide_top_k=wide)
     if wide:  # a top_k past the group select's: the radix search, in the largest variant
         return SamplerVariant(3, True, extras, mask)
     return SamplerVariant((2 if k else 0) | (1 if p else 0), lp, extras, mask, wide_top_k=False)
