@@ -268,8 +268,9 @@ def _top_p_draw(x, e, g, mx, target, use_p, impl: SamplerImpl):
         state = round_(state)
     from jvllm.ops.pallas_rejection import finish
 
-    low, tok, done = state
-    return finish(x, g, mx, target, low, jnp.where(done, tok, -1), interpret=impl.pallas_interpret)
+    low, tok, done = state  # rows without top_p take their first candidate (also with no XLA round)
+    return finish(x, g, mx, jnp.where(use_p, target, jnp.inf), low, jnp.where(done, tok, -1),
+                  interpret=impl.pallas_interpret)
 
 
 def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
