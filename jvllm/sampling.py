@@ -286,20 +286,18 @@ def _draw(x, sb: SamplingBatch, v: SamplerVariant, impl: SamplerImpl):
     x = jnp.where(drop, -jnp.inf, x)
     e = jnp.where(drop, 0.0, e)
     use_k, use_p = (sb.top_k < V) & ~greedy, (sb.top_p < 1.0) & ~greedy
-    if v.search & 2 and not v.wide_top_k:  # every top_k row has k <= impl.narrow_top_k
-        keep = ~use_k[:, None] | (x >= _top_k_floor(x, sb.top_k, impl.narrow_top_k, impl.top_k_group)[:, None])
-        x = jnp.where(keep, x, -jnp.inf)
-        e = jnp.where(keep, e, 0.0)
-    elif v.search & 2:  # top_k rows count tokens: the threshold key, then drop what lies below it
-        u = _ukey(x)
+    if v.search & 2:
+        if not v.wide_top_k:  # every top_k row has k <= impl.narrow_top_k
+            keep = ~use_k[:, None] | (x >= _top_k_floor(x, sb.top_k, impl.narrow_top_k, impl.top_k_group)[:, None])
+        else:  # top_k rows count tokens: the threshold key, then drop what lies below it
+            u = _ukey(x)
 
-        def top_k():
-            found = _radix_search(u, jnp.ones_like(e), sb.top_k.astype(jnp.float32), impl.radix_bits,
-                                  impl.fixed_order_sums, impl.looped_passes)
-            return jnp.where(use_k, found, 0)
+            def top_k():
+                found = _radix_search(u, jnp.ones_like(e), sb.top_k.astype(jnp.float32), impl.radix_bits,
+                                      impl.fixed_order_sums, impl.looped_passes)
+                return jnp.where(use_k, found, 0)
 
-        t = _maybe(impl, jnp.any(use_k), top_k, lambda: jnp.zeros((R,), jnp.uint32))
-        keep = u >= t[:, None]
+            keep = u >= _maybe(impl, jnp.any(use_k), top_k, lambda: jnp.zeros((R,), jnp.uint32))[:, None]
         x = jnp.where(keep, x, -jnp.inf)
         e = jnp.where(keep, e, 0.0)
     g = jnp.where(greedy[:, None], 0.0, _gumbel(sb, V))

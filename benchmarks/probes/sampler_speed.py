@@ -5,13 +5,15 @@ two draw the same ids. Prints one JSON object (and writes it with --out).
     python benchmarks/probes/sampler_speed.py --R 256 --V 128256 --reps 3 [--base e64adcb | --old-file f.py]
 
 Cases: greedy (argmax, the reference cost), temperature 0.8 alone, + top_p 0.95, + top_k 50,
-+ min_p 0.05, + top_k 50 and top_p 0.95, + top_k 1000 (past the group select: the radix search). Logits: N(0, --scale) per token (a random-weight model's
-flat rows by default; --scale 4 gives peaked rows). The old sampler runs as each platform ran it
++ min_p 0.05, + top_k 50 and top_p 0.95, + top_k 1000 (past the group select: the radix search).
+Logits: N(0, --scale) per token (a random-weight model's flat rows by default; --scale 4 gives
+peaked rows). The old sampler runs as each platform ran it
 (`branchless`: True on GPUs, False elsewhere) and both ways with --both-old; the new one in its
 smallest variant for the case with this platform's `SamplerImpl`, and with --impls any of gpu
 (radix 4, no conds), gpu2 / gpu1 (radix 2 / 1, no conds), gpu_r0 / gpu_r2 (top-p: no XLA round
-before the Pallas tail / two), gpu_g32 / gpu_g128 (top_k <= 64: groups of 32 / 128 tokens), cpu (radix 1, conds), tpu (radix 4, conds). Times are medians of --reps calls after one untimed call (compile), each ending with
-block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
+before the Pallas tail / two), gpu_g32 / gpu_g128 (top_k <= 64: groups of 32 / 128 tokens), cpu
+(radix 1, conds), tpu (radix 4, conds). Times are medians of --reps calls after one untimed call
+(compile), each ending with block_until_ready. On a GPU: `--impls gpu2,gpu1` says whether fewer candidate sums per pass (more
 passes) would be faster there. `--parts` also times the pieces of a top_p draw as separate
 programs (pre-pass, one threshold search per radix width, Gumbel noise + argmax). A build whose
 sampler has `SamplerImpl` runs as its platform's impl; --both-old applies to older builds only.

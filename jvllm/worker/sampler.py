@@ -142,10 +142,8 @@ def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = F
         mask |= _mask_row(s) != 0
     if impl.branchy or full:
         return SamplerVariant(3, True, extras, mask)
-    if extras:  # extras batches (scatters over [R, V] already) take every search, top_k as narrow as they can
-        return SamplerVariant(3, True, extras, mask, wide_top_k=wide)
-    if wide:  # a top_k past the group select's: the radix search, in the largest variant
-        return SamplerVariant(3, True, extras, mask)
+    if extras or wide:  # extras batches (scatters over [R, V] already) and a top_k past the group
+        return SamplerVariant(3, True, extras, mask, wide_top_k=wide)  # select's: every search
     return SamplerVariant((2 if k else 0) | (1 if p else 0), lp, extras, mask, wide_top_k=False)
 
 
