@@ -83,6 +83,27 @@ async def one_request(client, url, model, prompt, max_tokens, t_start, delay, he
                 tokens=ntok if ntok is not None else len(chunks), prompt_len=len(prompt))
 
 
+def thread_cpu(pid: int) -> dict:
+    """{tid: CPU seconds} of a process's threads (Linux /proc); {} elsewhere or once it is gone."""
+    out, base = {}, f"/proc/{pid}/task"
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for tid in os.listdir(base) if os.path.isdir(base) else []:
+        try:
+            s = open(f"{base}/{tid}/stat").read()
+        except OSError:
+            continue
+        f = s[s.rindex(")") + 2:].split()
+        out[int(tid)] = (int(f[11]) + int(f[12])) / tick
+    return out
+
+
+def cpu_delta(a: dict, b: dict, main_tid: int, top: int = 6) -> list:
+    """The `top` threads by CPU seconds between two thread_cpu snapshots (main: the process's first
+    thread, which runs the server's event loop)."""
+    rows = sorted(((b[t] - a.get(t, 0.0), t) for t in b), reverse=True)[:top]
+    return [dict(tid=t, main=t == main_tid, cpu_s=round(d, 3)) for d, t in rows]
+
+
 def pct(xs, q):
     import numpy as np
 
@@ -233,8 +254,11 @@ def main(argv=None):
         rows = []
         for tok in a.request_rates.split(","):
             rate = float(tok)
+            srv0, cli0 = thread_cpu(proc.pid) if proc is not None else {}, time.process_time()
             res, dur = asyncio.run(run_rate(base, model, prompts, outs, rate, a.seed, headers, a.max_concurrency))
-            row = dict(request_rate=tok.strip(), **summarize(res, dur))
+            row = dict(request_rate=tok.strip(), **summarize(res, dur), client_cpu_s=round(time.process_time() - cli0, 3))
+            if proc is not None:  # where the server's CPU went: event loop (main), engine thread, XLA's
+                row["server_threads_cpu_s"] = cpu_delta(srv0, thread_cpu(proc.pid), proc.pid)
             rows.append(row)
             print(f"rate {row['request_rate']:>5}: {row['completed']}/{len(res)} ok, "
                   f"{row['request_throughput']:.2f} req/s, {row['output_throughput']:.1f} tok/s, "
