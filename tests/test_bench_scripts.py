@@ -175,3 +175,21 @@ def test_index_describe_reads_commit_device_and_fallbacks(tmp_path):
         assert "h200x2_probe.json" in str(e)
     else:
         raise AssertionError("a JSON list was accepted")
+
+
+def test_serve_replay_dry_run(tmp_path):
+    """probes/serve_replay.py on a tiny random model: both modes finish every request and report
+    the engine's steps and the busiest threads."""
+    out = tmp_path / "replay.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "serve_replay.py"), "random:tiny",
+                        "--num-prompts", "6", "--input-len", "8", "32", "--output-len", "4", "8",
+                        "--request-rates", "50,inf", "--max-model-len", "128", "--dtype", "float32",
+                        "--output-json", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["mode"], r["request_rate"]) for r in runs] == [("engine", "50"), ("engine", "inf"),
+                                                             ("async", "50"), ("async", "inf")]
+    for r in runs:
+        assert r["completed"] == 6 and r["failed"] == 0 and r["engine"]["num_steps"] > 0
+        assert r["total_output_tokens"] >= 6 * 4 and r["threads"]
