@@ -4,7 +4,7 @@
 # GIL switch interval (SWITCH_INTERVAL, set by a sitecustomize on its PYTHONPATH), and the same
 # workload replayed without HTTP (probes/serve_replay.py: the engine alone, and the server's
 # AsyncEngine with asyncio consumers). Every stage shares one compile cache, so only the first
-# start compiles. STAGES (default "server replay server_args server_si"), RATES, N, MODEL,
+# start compiles. STAGES (default "replay server server_args server_si"), RATES, N, MODEL,
 # AFTER_COMMIT; server_args runs the server with SERVE_ARGS2 (default a 512-token step budget).
 # Writes $OUT/s1_diag.tgz (the JSONs and logs).
 set -u
@@ -13,7 +13,7 @@ MODEL=${MODEL:-random:llama3-8b}; RATES=${RATES:-4,8,16,inf}; N=${N:-64}
 SI=${SWITCH_INTERVAL:-0.0005}
 export JVLLM_GIT_COMMIT=${AFTER_COMMIT:-unknown}
 D=$OUT/s1_diag; mkdir -p "$D"
-for st in ${STAGES:-server replay server_args server_si}; do
+for st in ${STAGES:-replay server server_args server_si}; do
   lim=$(left ${LIMIT:-300}); [ "$lim" -lt 60 ] && { echo "[$(el)s] no time left for $st"; continue; }
   echo "[$(el)s] $st (limit ${lim}s)"
   case $st in
