@@ -33,31 +33,57 @@ def stats_delta(a: dict, b: dict) -> dict:
     return {k: round(b.get(k, 0) - a.get(k, 0), 4) for k in STAT_KEYS if k in b}
 
 
-def replay_engine(eng, prompts, outs, times, params_for):
+def replay_engine(eng, prompts, outs, times, params_for, steps=None):
+    """`steps`, a list: gets (wall seconds, rows with tokens, rows with their first token, requests
+    added just before) per step."""
     t0 = time.perf_counter()
     res = [dict(ok=False, error=None, start=t0 + d, end=None, chunks=[], tokens=0, prompt_len=len(p))
            for p, d in zip(prompts, times)]
     order, nxt = sorted(range(len(prompts)), key=lambda i: times[i]), 0
     while nxt < len(order) or eng.has_unfinished_requests():
         now = time.perf_counter()
+        added = 0
         while nxt < len(order) and t0 + times[order[nxt]] <= now:
             i = order[nxt]
             eng.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params_for(outs[i]))
-            nxt += 1
+            nxt, added = nxt + 1, added + 1
         if not eng.has_unfinished_requests():
             time.sleep(max(0.0, t0 + times[order[nxt]] - time.perf_counter()))
             continue
+        ts = time.perf_counter()
         step_out = eng.step()
         t = time.perf_counter()
+        rows = firsts = 0
         for o in step_out:
             r = res[int(o.request_id[1:])]
             k = len(o.outputs[0].token_ids) if o.outputs else 0
+            rows += bool(k)
+            firsts += bool(k and not r["chunks"])
             if k:
                 r["chunks"].append(t)
                 r["tokens"] += k
             if o.finished:
                 r["end"], r["ok"] = t, bool(r["chunks"])
+        if steps is not None:
+            steps.append((t - ts, rows, firsts, added))
     return res, time.perf_counter() - t0
+
+
+def step_summary(steps: list) -> dict:
+    """Step wall times (ms) overall and for steady steps (no request added before, none got its
+    first token: decode-only, as far as the caller can tell), with the rows they served."""
+    import numpy as np
+
+    def pcts(rows):
+        if not rows:
+            return None
+        dt = np.array([r[0] for r in rows]) * 1e3
+        return dict(n=len(rows), ms_p10=round(float(np.percentile(dt, 10)), 3), ms_p50=round(float(np.percentile(dt, 50)), 3),
+                    ms_p90=round(float(np.percentile(dt, 90)), 3), ms_mean=round(float(dt.mean()), 3),
+                    rows_mean=round(float(np.mean([r[1] for r in rows])), 2))
+
+    return dict(all=pcts(steps), steady=pcts([r for r in steps if not r[2] and not r[3]]),
+                with_first_tokens=pcts([r for r in steps if r[2]]))
 
 
 async def replay_async(aeng, prompts, outs, times, params_for):
@@ -94,6 +120,8 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run")
+    ap.add_argument("--cprofile-rate", default=None, help="after the runs, the engine mode at this rate under cProfile: "
+                    "the top functions (host time, inflated by the profiler) into the JSON")
     ap.add_argument("--output-json", default="serve_replay.json")
     a = ap.parse_args(argv)
     if a.switch_interval is not None:
@@ -122,8 +150,9 @@ def main(argv=None):
         for rate_s in a.request_rates.split(","):
             times = serve_bench.arrival_times(len(prompts), float(rate_s), a.seed)
             s0, c0 = dict(eng.get_stats()), serve_bench.thread_cpu(os.getpid())
+            steps = []
             if mode == "engine":
-                res, dur = replay_engine(eng, prompts, outs, times, params_for)
+                res, dur = replay_engine(eng, prompts, outs, times, params_for, steps)
             elif mode == "async":
                 async def go():
                     aeng = AsyncEngine(eng)
@@ -138,10 +167,27 @@ def main(argv=None):
             c1 = serve_bench.thread_cpu(os.getpid())
             row = dict(mode=mode, request_rate=rate_s, **serve_bench.summarize(res, dur),
                        engine=stats_delta(s0, eng.get_stats()), threads=serve_bench.cpu_delta(c0, c1, os.getpid()))
+            if steps:
+                row["steps"] = step_summary(steps)
             results["runs"].append(row)
             print(f"{mode:6s} rate {rate_s:>4s}: TTFT p50/p99 {row['ttft_ms_p50']:.1f}/{row['ttft_ms_p99']:.1f} ms, "
                   f"TPOT p50/p99 {row['tpot_ms_p50']:.2f}/{row['tpot_ms_p99']:.2f} ms, ITL p50/p99 "
-                  f"{row['itl_ms_p50']:.2f}/{row['itl_ms_p99']:.2f} ms, {row['engine']}, {row['threads']}", flush=True)
+                  f"{row['itl_ms_p50']:.2f}/{row['itl_ms_p99']:.2f} ms, {row['engine']}, steps {row.get('steps')}, "
+                  f"threads {row['threads'][:3]}", flush=True)
+    if a.cprofile_rate is not None:
+        import cProfile
+        import pstats
+
+        times = serve_bench.arrival_times(len(prompts), float(a.cprofile_rate), a.seed)
+        prof = cProfile.Profile()
+        prof.enable()
+        replay_engine(eng, prompts, outs, times, params_for)
+        prof.disable()
+        st = pstats.Stats(prof)
+        rows = [dict(function=f"{os.path.basename(fn)}:{line}({name})", calls=nc, tottime_s=round(tt, 4),
+                     cumtime_s=round(ct, 4)) for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items()]
+        results["cprofile"] = dict(rate=a.cprofile_rate, top_tottime=sorted(rows, key=lambda r: -r["tottime_s"])[:30],
+                                   top_cumtime=sorted(rows, key=lambda r: -r["cumtime_s"])[:40])
     try:
         import jax
         results["versions"] = dict(jax=jax.__version__, python=sys.version.split()[0])

@@ -2,7 +2,7 @@
 # Issue 25 item 3, where S1's time per output token goes (one call, one build): S1 through the
 # server (serve_bench.py, with the server's per-thread CPU seconds), the same server under a short
 # GIL switch interval (SWITCH_INTERVAL, set by a sitecustomize on its PYTHONPATH), and the same
-# workload replayed without HTTP (probes/serve_replay.py: the engine alone, and the server's
+# workload replayed without HTTP (probes/serve_replay.py: the engine alone, MODES=engine,async adds the server's
 # AsyncEngine with asyncio consumers). Every stage shares one compile cache, so only the first
 # start compiles. STAGES (default "replay server server_args server_si"), RATES, N, MODEL,
 # AFTER_COMMIT; server_args runs the server with SERVE_ARGS2 (default a 512-token step budget).
@@ -35,7 +35,7 @@ for st in ${STAGES:-replay server server_args server_si}; do
       echo "rc=$?"; grep -E "^(server|rate)" "$D/server_args.log" ;;
     replay)
       timeout "$lim" python benchmarks/probes/serve_replay.py "$MODEL" --num-prompts "$N" --request-rates "$RATES" \
-        --modes ${MODES:-engine,async} --output-json "$D/replay.json" > "$D/replay.log" 2>&1
+        --modes ${MODES:-engine} --cprofile-rate ${CPROFILE_RATE:-8} --output-json "$D/replay.json" > "$D/replay.log" 2>&1
       echo "rc=$?"; grep -E "^(engine|async) " "$D/replay.log" | cut -c1-400 ;;
   esac
 done
