@@ -7,7 +7,9 @@
 #   "before after" with BEFORE), MODEL, LIMIT (seconds per build, default 280: server start,
 #   warm-up and every rate; two builds fit one 600 s call only with a warm compile cache or a
 #   smaller N), BEFORE_COMMIT / AFTER_COMMIT, SERVE_ARGS (extra `jvllm serve` flags), S1_ARGS
-#   (extra serve_bench.py flags, e.g. "--input-len 8 32 --output-len 4 16" for a CPU dry run).
+#   (extra serve_bench.py flags, e.g. "--input-len 8 32 --output-len 4 16" for a CPU dry run),
+#   SHARED_CACHE=1 (one compile cache for both builds: when their programs are the same, the
+#   second start finds XLA's executables in jax's persistent cache and only lowers).
 # Writes $OUT/<build>_s1.json (+ .log, server log, PNG) and $OUT/s1_summary.json: per build and rate
 # TTFT / TPOT p50 and p99 (ms), output tok/s, failures, compiles after warm-up, and the targets
 # (TTFT p99 at 8 req/s <= 100 ms, TPOT p99 <= 10 ms) as booleans.
@@ -25,12 +27,12 @@ for b in $BUILDS; do
   [ -d /tmp/site_$b ] || install "$src" /tmp/site_$b
 done
 for b in $BUILDS; do
-  left=$(( 590 - $(el) )); lim=${LIMIT:-280}; [ $left -lt $lim ] && lim=$left
+  left=$(( ${END_S:-590} - $(el) )); lim=${LIMIT:-280}; [ $left -lt $lim ] && lim=$left
   [ $lim -lt 90 ] && { echo "[$(el)s] no time left for $b"; continue; }
   commit=${AFTER_COMMIT:-unknown}; [ "$b" = before ] && commit=${BEFORE_COMMIT:-unknown}
   echo "[$(el)s] $b S1 rates ${RATES:-4,8,16,inf}"
   mkdir -p "$OUT/s1_$b"
-  (cd /tmp && JVLLM_GIT_COMMIT=$commit PYTHONPATH=/tmp/site_$b${PYTHONPATH:+:$PYTHONPATH} JVLLM_CACHE_DIR=/tmp/cache_$b \
+  (cd /tmp && JVLLM_GIT_COMMIT=$commit PYTHONPATH=/tmp/site_$b${PYTHONPATH:+:$PYTHONPATH} JVLLM_CACHE_DIR=/tmp/cache_${SHARED_CACHE:+shared}${SHARED_CACHE:-$b} \
     timeout $lim python "$SB" "$MODEL" --num-prompts ${N:-64} --request-rates ${RATES:-4,8,16,inf} ${S1_ARGS:-} \
       --serve-args="--max-model-len ${MAXLEN:-4096} --dtype ${DTYPE:-bfloat16} ${SERVE_ARGS:-}" \
       --output-json "$OUT/s1_$b/${b}_s1.json" > "$OUT/${b}_s1.log" 2>&1)
