@@ -65,10 +65,13 @@ def llama_ref(ckpt_dir):
     return path, prompts, [hf_greedy(ref, p, N_NEW) for p in prompts]
 
 
-@pytest.mark.parametrize("case", ["preemption", "chunked_prefill", "prefix_cache", "no_prefix_cache"])
-def test_engine_modes_match_transformers(llama_ref, case):
+@pytest.mark.parametrize("case", ["preemption", "chunked_prefill", "bucket_cuts", "prefix_cache", "no_prefix_cache"])
+def test_engine_modes_match_transformers(llama_ref, case, monkeypatch):
     path, prompts, expected = llama_ref
     kw = {}
+    if case == "bucket_cuts":  # every program costs its tokens: prefill chunks cut at bucket edges
+        monkeypatch.setattr("jvllm.engine.llm_engine.FLAT_TOKENS", 0)
+        kw = dict(max_num_batched_tokens=64, token_buckets=(8, 16, 32, 64), max_num_seqs=4)
     if case == "preemption":  # 12 usable blocks of 8 tokens: 8 requests of up to 70 tokens cannot all run
         kw = dict(num_gpu_blocks_override=13, block_size=8, max_model_len=96)
     elif case == "chunked_prefill":
@@ -89,6 +92,7 @@ def test_engine_modes_match_transformers(llama_ref, case):
     assert stats["num_free_blocks"] == stats["num_blocks"] - 1  # no leaks
     if case == "preemption":
         assert stats["num_preemptions"] > 0
+    assert (stats["num_bucket_cuts"] > 0) == (case == "bucket_cuts")
     if case == "prefix_cache":
         assert stats["prefix_cache_hit_rate"] > 0.3
     if case == "no_prefix_cache":

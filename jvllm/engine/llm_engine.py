@@ -15,6 +15,7 @@ import itertools
 import time
 
 from jvllm.config import CacheConfig, SchedulerConfig, pow2_buckets
+from jvllm.engine.bucket_fit import FLAT_TOKENS, BucketFit
 from jvllm.engine.engine_config import EngineConfig, check_options, check_speculation
 from jvllm.engine.input_processor import InputProcessor
 from jvllm.engine.loop import StepHandle, make_loop
@@ -52,8 +53,6 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         # with pipeline stages the budget is per micro-batch (SchedulerConfig), so the runner's
         # micro-batches are the scheduler's and each one fits the largest bucket
         n_mb = (config.num_microbatches or self.num_stages) if self.num_stages > 1 else 1
-        self.sched_config = SchedulerConfig(max_num_batched_tokens=mnbt, max_num_seqs=mns, max_model_len=max_model_len,
-                                            num_microbatches=n_mb)
         # CPUs get a 1-token bucket too: one prompt's decode steps (and their sampler) as 1-row
         # programs, matrix-vector products on XLA:CPU, ran much faster there than in the 8-row
         # bucket (benchmarks/README.md has the figure; the cause inside XLA:CPU is not profiled)
@@ -61,6 +60,8 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         buckets = tuple(sorted(set(config.token_buckets or default)))
         if buckets[-1] < mnbt:
             buckets = buckets + (mnbt,)
+        self.sched_config = SchedulerConfig(max_num_batched_tokens=mnbt, max_num_seqs=mns, max_model_len=max_model_len,
+                                            num_microbatches=n_mb)
         bs = config.block_size
         self.cache_config = CacheConfig(block_size=bs, num_blocks=config.num_gpu_blocks_override,
                                         gpu_memory_utilization=config.gpu_memory_utilization,
@@ -86,7 +87,7 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         t = time.perf_counter()
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.init_parts["block_pool_s"] = time.perf_counter() - t
-        self.scheduler = Scheduler(self.sched_config, self.kv_manager)
+        self.scheduler = Scheduler(self.sched_config, self.kv_manager, BucketFit(buckets, FLAT_TOKENS))
         if spec_cfg is not None:
             self.speculator = self._build_speculator(spec_cfg, draft)
         # the first programs load (and the rest starts compiling) while the tokenizer may still be building
@@ -326,6 +327,7 @@ class LLMEngine(StepCollect, WeightsAndSleep):
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=pool.usage(), num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
             prefix_cache_hit_rate=self.kv_manager.hit_rate(), num_preemptions=self.scheduler.num_preemptions,
+            num_bucket_cuts=self.scheduler.num_bucket_cuts,
             compiles_after_warmup=self.worker.compile_count() - base if base is not None else 0,
             deferred_compiles=deferred, warmup_pending=base is None,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),

@@ -24,6 +24,7 @@ import dataclasses
 import time
 
 from jvllm.config import SchedulerConfig
+from jvllm.engine.bucket_fit import BucketFit
 from jvllm.engine.request import Request, Status
 from jvllm.memory.block_pool import KVCacheManager
 
@@ -53,12 +54,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, fit: BucketFit | None = None):
+        """`fit`: the runner's token buckets; with it a step's last prefill chunk is cut at a
+        bucket edge where that pads less (engine/bucket_fit.py); None: chunks fill the budget."""
         self.cfg = cfg
         self.kv = kv
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.fit = fit
+        self.num_bucket_cuts = 0  # prefill chunks `fit` shortened
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request):
@@ -189,8 +194,30 @@ class Scheduler:
             if n_hit < full_prompt(req):
                 in_flight_groups.add(req.group_id)
             budget[g] -= n
+        if self.fit is not None:
+            self._fit_last_chunks(scheduled, members)
         used = sum(s.num_tokens for s in scheduled)
         return SchedulerOutput(scheduled, preempted, used, only)
+
+    def _fit_last_chunks(self, scheduled: list[ScheduledRequest], members: list[int]):
+        """Per micro-batch, cut its last prefill chunk at a token-bucket edge where BucketFit says
+        that pads less. Only shortens a chunk: the blocks already allocated for the longer one
+        stay with the request, which needs them for the rest of its prompt."""
+        used = collections.Counter()
+        last: dict[int, int] = {}
+        for k, s in enumerate(scheduled):
+            g = s.req.microbatch
+            used[g] += s.num_tokens
+            if s.num_tokens > 1 and not s.spec_token_ids:
+                last[g] = k
+        for g, k in last.items():
+            s = scheduled[k]
+            req = s.req
+            left_after = req.num_tokens + req.num_pending - (s.start + s.num_tokens)
+            n = self.fit.chunk(used[g] - s.num_tokens, s.num_tokens, left_after, max(0, members[g] - 1))
+            if n != s.num_tokens:
+                scheduled[k] = self._entry(req, n, s.start)
+                self.num_bucket_cuts += 1
 
     def update_after_step(self, out: SchedulerOutput):
         """Advance computed counts and register newly full blocks in the prefix cache. Draft tokens
