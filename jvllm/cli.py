@@ -65,6 +65,8 @@ def add_engine_args(p: argparse.ArgumentParser, warmup: str | None = None):
     p.add_argument("--skip-tokenizer-init", action="store_true", default=None, help="token ids in and out only")
     p.add_argument("--token-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="comma-separated token-count buckets compiled at start-up")
+    p.add_argument("--fit-chunks-to-buckets", action=argparse.BooleanOptionalAction, default=False,
+                   help="cut a step's last prefill chunk at a token-bucket edge where that pads less")
     p.add_argument("--compilation-cache-dir", default=None, help="persistent XLA cache ('off' to disable)")
     p.add_argument("--attention-backend", default="auto",
                    help="auto (GPU: ragged, else xla) | ragged | ragged_split (split-K for every decode step; ragged splits small decode batches only) | pallas (JAX decode kernel + ragged) | pallas_decode | xla")
@@ -119,7 +121,7 @@ def engine_kwargs(a) -> dict:
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
                 generation_config=a.generation_config,
                 skip_tokenizer_init=a.skip_tokenizer_init, token_buckets=a.token_buckets,
-                compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile,
+                fit_chunks_to_buckets=a.fit_chunks_to_buckets, compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile,
                 batch_invariant=a.batch_invariant, speculative_config=a.speculative_config, **kw)
 
 

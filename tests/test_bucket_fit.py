@@ -97,3 +97,14 @@ def test_flat_tokens_keep_small_steps_whole():
     assert flat.chunk(40, 260, 0, 40) == 216       # 256 + 128 < 512 + 128
     with pytest.raises(ValueError, match="flat_tokens"):
         BucketFit((8,), -1)
+
+
+def test_cli_flag_reaches_the_engine_config():
+    import argparse
+
+    from jvllm.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--fit-chunks-to-buckets"]))["fit_chunks_to_buckets"] is True
+    assert engine_kwargs(p.parse_args([]))["fit_chunks_to_buckets"] is False

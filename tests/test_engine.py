@@ -71,7 +71,7 @@ def test_engine_modes_match_transformers(llama_ref, case, monkeypatch):
     kw = {}
     if case == "bucket_cuts":  # every program costs its tokens: prefill chunks cut at bucket edges
         monkeypatch.setattr("jvllm.engine.llm_engine.FLAT_TOKENS", 0)
-        kw = dict(max_num_batched_tokens=64, token_buckets=(8, 16, 32, 64), max_num_seqs=4)
+        kw = dict(max_num_batched_tokens=64, token_buckets=(8, 16, 32, 64), max_num_seqs=4, fit_chunks_to_buckets=True)
     if case == "preemption":  # 12 usable blocks of 8 tokens: 8 requests of up to 70 tokens cannot all run
         kw = dict(num_gpu_blocks_override=13, block_size=8, max_model_len=96)
     elif case == "chunked_prefill":

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import serve_bench  # noqa: E402
 
 
-STAT_KEYS = ("num_steps", "host_seconds", "device_wait_seconds", "overlap_host_seconds")
+STAT_KEYS = ("num_steps", "host_seconds", "device_wait_seconds", "overlap_host_seconds", "num_bucket_cuts")
 
 
 def stats_delta(a: dict, b: dict) -> dict:
@@ -120,6 +120,7 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run")
+    ap.add_argument("--fit-chunks-to-buckets", action="store_true", help="the engine option of that name")
     ap.add_argument("--cprofile-rate", default=None, help="after the runs, the engine mode at this rate under cProfile: "
                     "the top functions (host time, inflated by the profiler) into the JSON")
     ap.add_argument("--output-json", default="serve_replay.json")
@@ -131,7 +132,8 @@ def main(argv=None):
     from jvllm.sampling_params import RequestOutputKind, SamplingParams
     from jvllm.server.async_engine import AsyncEngine
 
-    eng = LLMEngine(EngineConfig(model=a.model, max_model_len=a.max_model_len, dtype=a.dtype))
+    eng = LLMEngine(EngineConfig(model=a.model, max_model_len=a.max_model_len, dtype=a.dtype,
+                                 fit_chunks_to_buckets=a.fit_chunks_to_buckets))
     vocab = eng.model_config.vocab_size if hasattr(eng, "model_config") else 32000
     prompts, outs = serve_bench.build_workload(a.num_prompts, tuple(a.input_len), tuple(a.output_len), vocab, a.seed)
 

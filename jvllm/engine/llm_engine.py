@@ -87,7 +87,8 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         t = time.perf_counter()
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.init_parts["block_pool_s"] = time.perf_counter() - t
-        self.scheduler = Scheduler(self.sched_config, self.kv_manager, BucketFit(buckets, FLAT_TOKENS))
+        fit = BucketFit(buckets, FLAT_TOKENS) if config.fit_chunks_to_buckets else None
+        self.scheduler = Scheduler(self.sched_config, self.kv_manager, fit)
         if spec_cfg is not None:
             self.speculator = self._build_speculator(spec_cfg, draft)
         # the first programs load (and the rest starts compiling) while the tokenizer may still be building
