@@ -3,8 +3,13 @@
 Workload (seeded, identical at every rate):
     rng = numpy.random.default_rng(seed)            # seed 0 = the S1 figure
     lens = rng.integers(in_min, in_max + 1, N)       # 64..1024 by default
-    prompts = [rng.integers(100, 128000, l) clipped to vocab_size - 1, for l in lens]
+    prompts = [rng.integers(100, min(128000, vocab_size), l) for l in lens]
     out_lens = rng.integers(out_min, out_max + 1, N) # 32..512 by default, ignore_eos, greedy
+    the k-th rate (k = 1, 2, ...) replaces the prompts' token ids with ones of the same lengths
+    from numpy.random.default_rng([seed, k]), so no rate finds the prompts of an earlier one in
+    the server's prefix cache (the S1 JSONs before session 24 sent the same prompts at every rate:
+    from the second rate on, their full blocks were cache hits); the warm-up request uses a prompt
+    of its own
 Arrivals: exponential inter-arrival gaps at each --request-rates value (req/s; "inf" = all at
 t=0), from numpy.random.default_rng(seed + 1). Requests are streamed /v1/completions calls with
 token-id prompts and stream_options.include_usage.
@@ -33,13 +38,21 @@ import sys
 import time
 
 
-def build_workload(n: int, in_len: tuple[int, int], out_len: tuple[int, int], vocab: int, seed: int = 0):
+def build_workload(n: int, in_len: tuple[int, int], out_len: tuple[int, int], vocab: int, seed: int = 0,
+                   variant: int = 0):
+    """(prompts, output lengths). `variant` k > 0: the same lengths, other token ids (one set per
+    rate, so that no rate hits an earlier one's prompts in the prefix cache)."""
     import numpy as np
 
+    hi = min(128000, vocab)  # ids drawn over the vocabulary (clipping them made most of a small one's the same)
+    lo = min(100, hi - 1)
     rng = np.random.default_rng(seed)
     lens = rng.integers(in_len[0], in_len[1] + 1, n)
-    prompts = [np.minimum(rng.integers(100, 128000, int(n_in)), vocab - 1).tolist() for n_in in lens]
+    prompts = [rng.integers(lo, hi, int(n_in)).tolist() for n_in in lens]
     outs = rng.integers(out_len[0], out_len[1] + 1, n).tolist()
+    if variant:
+        tok = np.random.default_rng([seed, variant])
+        prompts = [tok.integers(lo, hi, int(n_in)).tolist() for n_in in lens]
     return prompts, outs
 
 
@@ -252,8 +265,9 @@ def main(argv=None):
                   f"{startup['process_start_to_first_request_done_s']:.1f}s after launch", flush=True)
         c0 = compiles(sync, base)
         rows = []
-        for tok in a.request_rates.split(","):
+        for k, tok in enumerate(a.request_rates.split(","), 1):
             rate = float(tok)
+            prompts = build_workload(a.num_prompts, tuple(a.input_len), tuple(a.output_len), vocab, a.seed, k)[0]
             srv0, cli0 = thread_cpu(proc.pid) if proc is not None else {}, time.process_time()
             res, dur = asyncio.run(run_rate(base, model, prompts, outs, rate, a.seed, headers, a.max_concurrency))
             row = dict(request_rate=tok.strip(), **summarize(res, dur), client_cpu_s=round(time.process_time() - cli0, 3))

@@ -193,3 +193,20 @@ def test_serve_replay_dry_run(tmp_path):
     for r in runs:
         assert r["completed"] == 6 and r["failed"] == 0 and r["engine"]["num_steps"] > 0
         assert r["total_output_tokens"] >= 6 * 4 and r["threads"]
+
+
+def test_serve_bench_rates_get_prompts_of_their_own():
+    """S1's rates share lengths and arrivals but not token ids, so no rate finds an earlier rate's
+    prompts in the prefix cache."""
+    sys.path.insert(0, BENCH)
+    try:
+        import serve_bench
+    finally:
+        sys.path.remove(BENCH)
+    base = serve_bench.build_workload(8, (16, 64), (4, 8), 1000, seed=0)
+    assert base == serve_bench.build_workload(8, (16, 64), (4, 8), 1000, seed=0)
+    one, two = (serve_bench.build_workload(8, (16, 64), (4, 8), 1000, seed=0, variant=k) for k in (1, 2))
+    for w in (one, two):
+        assert w[1] == base[1] and [len(p) for p in w[0]] == [len(p) for p in base[0]]
+    firsts = {tuple(p[:8]) for w in (base, one, two) for p in w[0]}
+    assert len(firsts) == 24  # every prompt of every variant starts differently

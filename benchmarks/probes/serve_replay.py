@@ -1,7 +1,8 @@
 """S1's workload replayed without HTTP, to split serving latency between the engine, the server's
 engine thread and the HTTP layer (issue 25 item 3).
 
-Modes (each at every --request-rates value, same seeded workload and arrivals as serve_bench.py):
+Modes (each at every --request-rates value, the seeded workload and arrivals of serve_bench.py,
+every run with prompts of its own, as serve_bench's rates have, so none hits the prefix cache):
   engine  one thread: add the requests whose arrival time has passed, `LLMEngine.step()`, stamp
           every request that got tokens; the floor any server on this engine can reach
   async   the server's AsyncEngine (engine thread + asyncio consumers, as `jvllm serve` runs it),
@@ -148,8 +149,12 @@ def main(argv=None):
         time.sleep(0.5)
     results = dict(benchmark="serve_replay", model=a.model, config=vars(a), warmup_wait_s=time.perf_counter() - t_w,
                    runs=[])
+    variant = 0
     for mode in a.modes.split(","):
         for rate_s in a.request_rates.split(","):
+            variant += 1
+            prompts = serve_bench.build_workload(a.num_prompts, tuple(a.input_len), tuple(a.output_len), vocab, a.seed,
+                                                 variant)[0]
             times = serve_bench.arrival_times(len(prompts), float(rate_s), a.seed)
             s0, c0 = dict(eng.get_stats()), serve_bench.thread_cpu(os.getpid())
             steps = []
@@ -180,6 +185,8 @@ def main(argv=None):
         import cProfile
         import pstats
 
+        prompts = serve_bench.build_workload(a.num_prompts, tuple(a.input_len), tuple(a.output_len), vocab, a.seed,
+                                             variant + 1)[0]
         times = serve_bench.arrival_times(len(prompts), float(a.cprofile_rate), a.seed)
         prof = cProfile.Profile()
         prof.enable()
