@@ -5,7 +5,8 @@
 # workload replayed without HTTP (probes/serve_replay.py: the engine alone, MODES=engine,async adds the server's
 # AsyncEngine with asyncio consumers). Every stage shares one compile cache, so only the first
 # start compiles. STAGES (default "replay server server_args server_si"), RATES, N, MODEL,
-# AFTER_COMMIT; server_args runs the server with SERVE_ARGS2 (default a 512-token step budget).
+# AFTER_COMMIT, SERVE_ARGS (every server's extra flags); server_args runs the server with SERVE_ARGS2
+# too (default a 512-token step budget; "--fit-chunks-to-buckets" makes it that option's A/B).
 # Writes $OUT/s1_diag.tgz (the JSONs and logs).
 set -u
 source "$(dirname "$0")/device_env.sh"
@@ -19,18 +20,18 @@ for st in ${STAGES:-replay server server_args server_si}; do
   case $st in
     server)
       timeout "$lim" python benchmarks/serve_bench.py "$MODEL" --num-prompts "$N" --request-rates "$RATES" \
-        --serve-args="--max-model-len 4096 --dtype bfloat16" --output-json "$D/server.json" > "$D/server.log" 2>&1
+        --serve-args="--max-model-len 4096 --dtype bfloat16 ${SERVE_ARGS:-}" --output-json "$D/server.json" > "$D/server.log" 2>&1
       echo "rc=$?"; cp "$D/serve_bench_server.log" "$D/server_server.log" 2>/dev/null; grep -E "^(server|rate)" "$D/server.log" ;;
     server_si)
       mkdir -p /tmp/si_site
       printf 'import os, sys\nsys.setswitchinterval(float(os.environ.get("JVLLM_SWITCH_INTERVAL", "0.005")))\n' > /tmp/si_site/sitecustomize.py
       JVLLM_SWITCH_INTERVAL=$SI PYTHONPATH=/tmp/si_site${PYTHONPATH:+:$PYTHONPATH} timeout "$lim" python benchmarks/serve_bench.py \
-        "$MODEL" --num-prompts "$N" --request-rates "$RATES" --serve-args="--max-model-len 4096 --dtype bfloat16" \
+        "$MODEL" --num-prompts "$N" --request-rates "$RATES" --serve-args="--max-model-len 4096 --dtype bfloat16 ${SERVE_ARGS:-}" \
         --output-json "$D/server_si.json" > "$D/server_si.log" 2>&1
       echo "rc=$?"; grep -E "^(server|rate)" "$D/server_si.log" ;;
     server_args)
       timeout "$lim" python benchmarks/serve_bench.py "$MODEL" --num-prompts "$N" --request-rates "$RATES" \
-        --serve-args="--max-model-len 4096 --dtype bfloat16 ${SERVE_ARGS2:---max-num-batched-tokens 512}" \
+        --serve-args="--max-model-len 4096 --dtype bfloat16 ${SERVE_ARGS:-} ${SERVE_ARGS2:---max-num-batched-tokens 512}" \
         --output-json "$D/server_args.json" > "$D/server_args.log" 2>&1
       echo "rc=$?"; grep -E "^(server|rate)" "$D/server_args.log" ;;
     replay)
