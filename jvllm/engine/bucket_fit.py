@@ -2,18 +2,19 @@
 runner's buckets).
 
 A step runs the program of the smallest token bucket that holds its tokens, so a step of 40
-decodes and a new 584-token prompt (624 tokens) runs the 1024-token program: 400 padded tokens,
-about the cost of the 584 real ones on a GPU where prefill is compute-bound. Cutting the chunk at
-the 512 edge leaves 112 tokens for the next step (40 decodes + 112 = 152: the 256 program instead
-of the 64 one), 512 + 256 = 768 tokens of programs against 1024 + 64 = 1,088.
+decodes and a new 584-token prompt (624 tokens) runs the 1024-token program: 400 padded tokens
+computed for nothing where prefill is compute-bound. Cutting the chunk at the 512 edge leaves 112
+tokens for the next step (40 decodes + 112 = 152: the 256 program instead of the 64 one, which
+costs the flat 128 below): 512 + 256 = 768 program tokens against 1024 + 128 = 1,152.
 
 `BucketFit.chunk` makes that comparison for one prefill chunk: this step's program plus what the
 tokens left over (the rest of the prompt, and the running requests' decodes) cost in the steps
 after it. A program's cost is its tokens, but never below `flat_tokens`: under that a step reads
-the weights in the time its matmuls would take anyway (an 8B on an H200: about 4.5 ms for a
-decode step, about 28 us a token for a 2,048-token prefill, so about 160 tokens), and cutting
-there would only delay the prompt's first token. It only ever shortens a chunk, so the budget,
-`max_num_seqs` and KV rules stay the scheduler's; a chunk is cut to at least one token.
+the weights in the time its matmuls would take anyway (FLAT_TOKENS's estimate for an 8B on an
+H200: benchmarks/README.md, S1), and cutting there would only delay the prompt's first token. It
+only ever shortens a chunk, so the budget, `max_num_seqs` and KV rules stay the scheduler's; a
+chunk is cut to at least one token. Hazard: the cost is in program tokens, not measured time; the
+engine option (`fit_chunks_to_buckets`) is off until a GPU serving run decides it.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import bisect
 import dataclasses
 
 
-FLAT_TOKENS = 128  # the engine's default `flat_tokens` (the figure above, rounded to a bucket)
+FLAT_TOKENS = 128  # the engine's `flat_tokens`: a decode step's time in prefill tokens, rounded to a bucket
 
 
 @dataclasses.dataclass(frozen=True)
