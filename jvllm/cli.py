@@ -121,7 +121,8 @@ def engine_kwargs(a) -> dict:
                 max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.enable_prefix_caching, seed=a.seed,
                 generation_config=a.generation_config,
                 skip_tokenizer_init=a.skip_tokenizer_init, token_buckets=a.token_buckets,
-                fit_chunks_to_buckets=a.fit_chunks_to_buckets, compilation_cache_dir=a.compilation_cache_dir, background_compile=a.background_compile,
+                fit_chunks_to_buckets=a.fit_chunks_to_buckets, compilation_cache_dir=a.compilation_cache_dir,
+                background_compile=a.background_compile,
                 batch_invariant=a.batch_invariant, speculative_config=a.speculative_config, **kw)
 
 

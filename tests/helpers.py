@@ -321,3 +321,16 @@ def logits_only_llm(model: str, **kw):
         return LLM(model, **kw)
     finally:
         ModelRunner.warmup_keys = orig
+
+
+def fake_step(sched):
+    """One scheduler step with fake sampling (every sampled token is 7): schedule, advance the
+    computed counts, append the sampled tokens, finish what is done. Returns the SchedulerOutput."""
+    out = sched.schedule()
+    sched.update_after_step(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.req.append_token(7, None, None)
+            if s.req.is_finished:
+                sched.finish(s.req, s.req.status)
+    return out

@@ -8,6 +8,7 @@ from jvllm.engine.request import Request, Status
 from jvllm.engine.scheduler import Scheduler
 from jvllm.memory.block_pool import BlockPool, FreeQueue, KVCacheManager, hash_block
 from jvllm.sampling_params import SamplingParams
+from tests.helpers import fake_step
 
 
 def req(rid, ids, **kw):
@@ -86,16 +87,10 @@ def _drive(sched, kv, steps=100):
     """Run the scheduler with fake sampling (token = 7) until everything finishes."""
     order = []
     for _ in range(steps):
-        out = sched.schedule()
+        out = fake_step(sched)
         if out.empty:
             break
         order.append([(s.req.request_id, s.num_tokens) for s in out.scheduled])
-        sched.update_after_step(out)
-        for s in out.scheduled:
-            if s.samples:
-                s.req.append_token(7, None, None)
-                if s.req.is_finished:
-                    sched.finish(s.req, s.req.status)
     return order
 
 

@@ -7,6 +7,7 @@ from jvllm.engine.request import Request
 from jvllm.engine.scheduler import Scheduler
 from jvllm.memory.block_pool import KVCacheManager
 from jvllm.sampling_params import SamplingParams
+from tests.helpers import fake_step
 
 GPU = BucketFit(pow2_buckets(8, 2048))
 
@@ -49,17 +50,6 @@ def _req(rid, n, max_tokens=4):  # distinct tokens per request: no prefix-cache 
     return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0)
 
 
-def _step(sched):
-    out = sched.schedule()
-    sched.update_after_step(out)
-    for s in out.scheduled:
-        if s.samples:
-            s.req.append_token(7, None, None)
-            if s.req.is_finished:
-                sched.finish(s.req, s.req.status)
-    return out
-
-
 @pytest.mark.parametrize("fit", [None, BucketFit(pow2_buckets(8, 512), 128)])
 def test_scheduler_cuts_the_last_prefill_chunk(fit):
     kv = KVCacheManager(num_blocks=256, block_size=16)
@@ -67,26 +57,26 @@ def test_scheduler_cuts_the_last_prefill_chunk(fit):
     decoders = [_req(f"d{i}", 8, max_tokens=50) for i in range(10)]
     for r in decoders:
         sched.add(r)
-    _step(sched)  # 80 prompt tokens: every decoder sampled its first token
+    fake_step(sched)  # 80 prompt tokens: every decoder sampled its first token
     # 10 decodes + 100 = 110 tokens: the 128 program; cut at 64 the next step's 56 tokens cost
     # the flat 128 anyway: no gain, no cut
     sched.add(_req("p", 100))
-    out = _step(sched)
+    out = fake_step(sched)
     assert {s.req.request_id: s.num_tokens for s in out.scheduled}["p"] == 100 and out.num_tokens == 110
     # 11 decodes + 300 = 311: the 512 program; cut at 256, the 55 left and 11 decodes run next
     # (the flat 128 either way): 256 + 128 < 512 + 128
     sched.add(_req("q", 300))
-    out = _step(sched)
+    out = fake_step(sched)
     q = [s for s in out.scheduled if s.req.request_id == "q"][0]
     if fit is None:
         assert q.num_tokens == 300 and q.samples
     else:
         assert q.num_tokens == 245 and out.num_tokens == 256 and not q.samples
-        out = _step(sched)
+        out = fake_step(sched)
         q = [s for s in out.scheduled if s.req.request_id == "q"][0]
         assert q.num_tokens == 55 and q.samples and out.num_tokens == 66
     while sched.has_unfinished():
-        _step(sched)
+        fake_step(sched)
     assert all(len(r.output_token_ids) == 50 for r in decoders) and not kv.tables
 
 

@@ -58,10 +58,9 @@ class BucketFit:
         `left_after`: the request's tokens still to compute after these `n`; `next_rows`: the
         tokens the next step holds anyway (the running requests' decodes)."""
         total = used + n
-        hi = self.bucket(total)
-        i = bisect.bisect_left(self.buckets, total)  # buckets[i - 1] < total
-        if i == 0 or total > self.buckets[-1] or total == hi:
-            return n
+        i = bisect.bisect_left(self.buckets, total)  # buckets[i - 1] < total <= buckets[i]
+        if i == 0 or i == len(self.buckets) or self.buckets[i] == total:
+            return n  # no edge below, past the largest bucket, or a bucket exactly
         lo = self.buckets[i - 1]
         if lo <= used:  # the step is past that edge before this chunk
             return n
