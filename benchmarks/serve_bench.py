@@ -12,7 +12,10 @@ Workload (seeded, identical at every rate):
     of its own
 Arrivals: exponential inter-arrival gaps at each --request-rates value (req/s; "inf" = all at
 t=0), from numpy.random.default_rng(seed + 1). Requests are streamed /v1/completions calls with
-token-id prompts and stream_options.include_usage.
+token-id prompts and stream_options.include_usage. Before the first rate the script waits for the
+server's background warm-up (`jvllm:warmup_pending` 0): `jvllm serve` answers /health while it
+still compiles the programs a first request does not need, and a rate measured then would time
+those compiles (the S1 runs before session 25 were of builds that compiled everything first).
 
 Figures per rate: TTFT, TPOT ((e2e - ttft) / (tokens - 1)) and ITL (gaps between content chunks)
 at p50 / p99 (ms), request and output-token throughput, failures, and the server's
@@ -138,14 +141,32 @@ def summarize(results, duration: float) -> dict:
                 errors=sorted({r["error"] for r in results if r["error"]})[:5])
 
 
-def compiles(client_sync, base) -> float | None:
+def gauge(client_sync, base, name: str) -> float | None:
+    """One `jvllm:` gauge from /metrics; None when the server has no such gauge (another server,
+    an older build) or /metrics does not answer."""
     try:
         for line in client_sync.get(base + "/metrics").text.splitlines():
-            if line.startswith("jvllm:compiles_after_warmup{"):
+            if line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
     except Exception:
         return None
     return None
+
+
+def compiles(client_sync, base) -> float | None:
+    return gauge(client_sync, base, "jvllm:compiles_after_warmup")
+
+
+def wait_warm(client_sync, base, timeout: float) -> float:
+    """Wait until the server's background warm-up has compiled every program (`jvllm:warmup_pending`
+    0, or no such gauge: a server that compiles before it is healthy); requests measured before
+    that would wait for compiles and share the CPU with them. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    while gauge(client_sync, base, "jvllm:warmup_pending"):
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"the server's warm-up still compiled after {timeout:.0f}s (--warmup-timeout)")
+        time.sleep(0.5)
+    return time.perf_counter() - t0
 
 
 async def run_rate(base, model, prompts, outs, rate, seed, headers, max_conc):
@@ -229,6 +250,8 @@ def main(argv=None):
     ap.add_argument("--request-rates", default="1,2,4,8,inf", help="comma-separated req/s; inf = burst")
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-timeout", type=float, default=600.0,
+                    help="seconds to wait for the server's background warm-up before the first rate")
     ap.add_argument("--output-json", default="benchmarks/results/serve_bench.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: next to the JSON)")
     a = ap.parse_args(argv)
@@ -261,8 +284,12 @@ def main(argv=None):
         asyncio.run(run_rate(base, model, prompts[:1], [4], math.inf, a.seed, headers, None))  # warm-up
         if proc is not None:
             startup["process_start_to_first_request_done_s"] = time.perf_counter() - t_launch
+        startup["warmup_wait_s"] = wait_warm(sync, base, a.warmup_timeout)
+        if proc is not None:
+            startup["process_start_to_warm_s"] = time.perf_counter() - t_launch
             print(f"server: healthy {startup['process_start_to_health_s']:.1f}s, first request done "
-                  f"{startup['process_start_to_first_request_done_s']:.1f}s after launch", flush=True)
+                  f"{startup['process_start_to_first_request_done_s']:.1f}s, warm-up done "
+                  f"{startup['process_start_to_warm_s']:.1f}s after launch", flush=True)
         c0 = compiles(sync, base)
         rows = []
         for k, tok in enumerate(a.request_rates.split(","), 1):

@@ -573,7 +573,7 @@ def test_metrics_format(server):
     assert m["jvllm:prompt_tokens_total"] > 0 and m["jvllm:generation_tokens_total"] > 0
     assert m["jvllm:time_to_first_token_seconds_count"] > 0 and m["jvllm:e2e_request_latency_seconds_count"] > 0
     assert 0 <= m["jvllm:kv_cache_usage_perc"] <= 1 and 0 <= m["jvllm:prefix_cache_hit_rate"] <= 1
-    assert m["jvllm:engine_alive"] == 1
+    assert m["jvllm:engine_alive"] == 1 and m["jvllm:warmup_pending"] in (0, 1)
     # vLLM's names, same values, labelled with model_name
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
@@ -639,6 +639,7 @@ def test_serve_bench(server, tmp_path):
             assert r[k] is not None and r[k] > 0, k
     assert res["versions"]["server"]["version"] and res["device"]
     assert res["compiles_after_warmup"]["after"] == res["compiles_after_warmup"]["before"]
+    assert res["server_startup"]["warmup_wait_s"] >= 0
     try:
         import matplotlib  # noqa: F401
 

@@ -81,6 +81,11 @@ class FakeEngine:
                     num_blocks=9, num_free_blocks=8, prefix_cache_hit_rate=0.0, num_preemptions=0,
                     compiles_after_warmup=0, num_prompt_tokens=0, num_generation_tokens=0, num_requests=0)
 
+    warm = True  # False: a background warm-up still compiling (the `jvllm:warmup_pending` gauge)
+
+    def warmup_done(self):
+        return self.warm
+
 
 def sse(resp) -> list:
     return [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
@@ -123,6 +128,33 @@ def test_dead_engine_fails_in_flight_and_health_503():
         r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert "jvllm:engine_alive{model_name=\"fake\"} 0.0" in c.get("/metrics").text
+
+
+def test_warmup_pending_gauge_is_live_and_serve_bench_waits_for_it():
+    """An engine still compiling in the background serves (health 200) with the gauge at 1; the gauge
+    drops to 0 without another engine step (the idle engine thread refreshes no snapshot), and
+    serve_bench's wait_warm returns only then."""
+    import os
+    import sys
+    import threading
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        import serve_bench
+    finally:
+        sys.path.pop(0)
+    eng = FakeEngine()
+    eng.warm = False
+    with TestClient(build_app(eng, "fake")) as c:
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": [1], "max_tokens": 2}).status_code == 200
+        assert serve_bench.gauge(c, "", "jvllm:warmup_pending") == 1.0
+        with pytest.raises(TimeoutError, match="warm-up"):
+            serve_bench.wait_warm(c, "", timeout=0.2)
+        threading.Timer(0.6, lambda: setattr(eng, "warm", True)).start()
+        assert serve_bench.wait_warm(c, "", timeout=30) >= 0.3
+        assert serve_bench.gauge(c, "", "jvllm:warmup_pending") == 0.0
+        assert serve_bench.gauge(c, "", "jvllm:no_such_gauge") is None
 
 
 def test_admission_is_released():

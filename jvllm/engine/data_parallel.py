@@ -90,8 +90,12 @@ class DataParallelEngine:
         self._warm = True
         return secs
 
+    def warmup_done(self) -> bool:
+        """Whether every replica's background warm-up has ended (any thread may ask)."""
+        return all(e.warmup_done() for e in self.replicas)
+
     def get_stats(self) -> dict:
-        if not self._warm and all(e.warmup_done() for e in self.replicas):
+        if not self._warm and self.warmup_done():
             self.wait_for_warmup()
         per = [e.get_stats() for e in self.replicas]
         out = {}

@@ -162,6 +162,12 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.dead is None and (self._thread is None or self._thread.is_alive() or self._stop)
 
+    @property
+    def warmup_pending(self) -> bool:
+        """True while the engine's background warm-up still compiles (read live, not from the
+        `stats` snapshot, which an idle engine thread does not refresh)."""
+        return not self.engine.warmup_done()
+
     # ------------------------------------------------------------------ requests (loop thread)
     async def submit(self, items: list[tuple[str, object, object]]) -> Submission:
         """Admit and queue [(request_id, prompt, SamplingParams)] all-or-nothing. Raises

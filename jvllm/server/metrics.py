@@ -4,7 +4,8 @@ one, so several apps in one process, e.g. tests, do not collide).
 Names follow vLLM's with the `jvllm:` prefix:
   gauges    jvllm:num_requests_running, jvllm:num_requests_waiting, jvllm:num_requests_admitted,
             jvllm:kv_cache_usage_perc (0..1), jvllm:kv_cache_free_blocks, jvllm:kv_cache_total_blocks,
-            jvllm:prefix_cache_hit_rate (0..1), jvllm:compiles_after_warmup, jvllm:engine_alive
+            jvllm:prefix_cache_hit_rate (0..1), jvllm:compiles_after_warmup, jvllm:engine_alive,
+            jvllm:warmup_pending
   counters  jvllm:prompt_tokens_total, jvllm:generation_tokens_total, jvllm:num_preemptions_total,
             jvllm:prefix_cache_queries_total, jvllm:prefix_cache_hits_total (prompt tokens looked up /
             found in the prefix cache, counted once per request when its first output arrives),
@@ -80,6 +81,8 @@ class _EngineCollector:
         yield gauge("jvllm:compiles_after_warmup", "XLA compilations since warm-up (should stay 0).",
                     s.get("compiles_after_warmup", 0))
         yield gauge("jvllm:engine_alive", "1 while the engine loop runs.", 1 if self.aengine.alive else 0)
+        yield gauge("jvllm:warmup_pending", "1 while the background warm-up still compiles programs (requests "
+                    "served meanwhile may wait for a compile).", 1 if self.aengine.warmup_pending else 0)
         yield counter("jvllm:prompt_tokens", "Prompt tokens computed (prefill).", s.get("num_prompt_tokens", 0))
         yield counter("jvllm:generation_tokens", "Tokens generated.", s.get("num_generation_tokens", 0))
         yield counter("jvllm:num_preemptions", "Sequences preempted.", s.get("num_preemptions", 0))
