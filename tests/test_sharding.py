@@ -27,6 +27,7 @@ def _llm(path, **kw):
 def _run(path, prompts=PROMPTS, **kw):
     llm = _llm(path, **kw)
     llm.llm_engine.wait_for_warmup()  # compiles count from the end of the background warm-up
+    assert llm.llm_engine.warmup_done()  # what the server's jvllm:warmup_pending reads (dp: every replica)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SP, use_tqdm=False)
         stats = llm.get_stats()
