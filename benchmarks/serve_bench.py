@@ -13,9 +13,9 @@ Workload (seeded, identical at every rate):
 Arrivals: exponential inter-arrival gaps at each --request-rates value (req/s; "inf" = all at
 t=0), from numpy.random.default_rng(seed + 1). Requests are streamed /v1/completions calls with
 token-id prompts and stream_options.include_usage. Before the first rate the script waits for the
-server's background warm-up (`jvllm:warmup_pending` 0): `jvllm serve` answers /health while it
-still compiles the programs a first request does not need, and a rate measured then would time
-those compiles (the S1 runs before session 25 were of builds that compiled everything first).
+server's background warm-up (`jvllm:warmup_pending` 0): `jvllm serve --background-compile` (the
+default from the core redesign to session 25) answers /health while it still compiles the programs
+a first request does not need, and a rate measured then would time those compiles.
 
 Figures per rate: TTFT, TPOT ((e2e - ttft) / (tokens - 1)) and ITL (gaps between content chunks)
 at p50 / p99 (ms), request and output-token throughput, failures, and the server's

@@ -38,9 +38,10 @@ def _group_size(s: str):
         raise argparse.ArgumentTypeError(f"expected auto, channel or an integer, got {s!r}") from None
 
 
-def add_engine_args(p: argparse.ArgumentParser, warmup: str | None = None):
+def add_engine_args(p: argparse.ArgumentParser, warmup: str | None = None, background_compile: bool = True):
     """Every LLM(...) engine option as a flag (shared by generate, chat, serve, bench). `warmup`:
-    this command's own default for --warmup ($JVLLM_WARMUP still wins); None: EngineConfig's."""
+    this command's own default for --warmup ($JVLLM_WARMUP still wins); None: EngineConfig's.
+    `background_compile`: this command's default for --background-compile."""
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantized projection weights: fp8 | int8 (default: none, or the checkpoint's own)")
@@ -73,9 +74,10 @@ def add_engine_args(p: argparse.ArgumentParser, warmup: str | None = None):
     p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="dispatch step N+1 before reading step N (None: on in a single process; data-parallel replicas step synchronously)")
     p.add_argument("--query-tile", type=int, default=None, help="tokens per attention query tile of mixed steps")
-    p.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=background_compile,
                    help="compile what a first request needs at start-up and the other programs in a background "
-                        "thread (--no-background-compile: every program before serving)")
+                        "thread (--no-background-compile: every program before serving; default here: "
+                        + ("on)" if background_compile else "off)"))
     p.add_argument("--warmup", choices=("all", "first"),
                    default=(os.environ.get("JVLLM_WARMUP") or warmup) if warmup else argparse.SUPPRESS,
                    help="programs compiled at start-up: all, or first (only what a first request needs, the rest "

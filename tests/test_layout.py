@@ -227,6 +227,14 @@ def test_background_compile_flag_reaches_the_engine_config():
     add_engine_args(p)
     assert engine_kwargs(p.parse_args([]))["background_compile"] is True
     assert engine_kwargs(p.parse_args(["--no-background-compile"]))["background_compile"] is False
+    # `jvllm serve` compiles everything before /health answers (vLLM's readiness); generate does not
+    from jvllm.cli import build_parser
+
+    ap = build_parser()
+    serve = ap.parse_args(["serve", "smollm2"])
+    assert engine_kwargs(serve)["background_compile"] is False
+    assert engine_kwargs(ap.parse_args(["serve", "smollm2", "--background-compile"]))["background_compile"] is True
+    assert engine_kwargs(ap.parse_args(["generate", "hi"]))["background_compile"] is True
 
 
 def test_cpu_default_buckets_begin_with_one_token(ckpt_dir):

@@ -82,7 +82,10 @@ def register(sub):
                    help="allow tool_choice 'auto' (needs --tool-call-parser)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--disable-access-log", action="store_true")
-    add_engine_args(p)
+    # vLLM's readiness: /health answers once every program is compiled, so a load balancer or a
+    # benchmark never meets a request that waits for a compile (--background-compile: a first
+    # request sooner, the other batch sizes compiling beside it, jvllm:warmup_pending 1 meanwhile)
+    add_engine_args(p, background_compile=False)
     p.set_defaults(func=cmd_serve)
     return p
 
