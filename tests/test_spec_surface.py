@@ -40,7 +40,7 @@ def test_metrics_lines():
     st = SpecStats(3)
     st.record(3, 2)
     st.record(3, 3)
-    eng = types.SimpleNamespace(stats=dict(st.as_dict()), num_admitted=0, alive=True)
+    eng = types.SimpleNamespace(stats=dict(st.as_dict()), num_admitted=0, alive=True, warmup_pending=False)
     m = ServerMetrics("tiny")
     m.attach_engine(eng)
     fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
@@ -55,7 +55,7 @@ def test_metrics_lines():
     assert val["vllm:spec_decode_num_accepted_tokens_total"] == 5  # vLLM's names too
     # an engine without speculation has no such lines
     plain = ServerMetrics("tiny")
-    plain.attach_engine(types.SimpleNamespace(stats={}, num_admitted=0, alive=True))
+    plain.attach_engine(types.SimpleNamespace(stats={}, num_admitted=0, alive=True, warmup_pending=False))
     assert b"spec_decode" not in plain.render()
 
 

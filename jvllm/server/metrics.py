@@ -152,6 +152,8 @@ class ServerMetrics:
                                 lab + ["reason"], registry=r)
 
     def attach_engine(self, aengine):
+        """`aengine`: the server's AsyncEngine, or anything with its `stats` (dict), `num_admitted`,
+        `alive` and `warmup_pending`, read at every scrape."""
         engine = _EngineCollector(aengine, self.model_name)
         self.registry.register(engine)
         self.registry.register(_VllmNames([engine, *self._sources]))
