@@ -1,6 +1,6 @@
 """S1, the serving benchmark (see shared BENCHMARKS.md): the OpenAI server under Poisson arrivals.
 
-Workload (seeded, identical at every rate):
+Workload (seeded; the same lengths and arrivals at every rate, token ids of its own per rate):
     rng = numpy.random.default_rng(seed)            # seed 0 = the S1 figure
     lens = rng.integers(in_min, in_max + 1, N)       # 64..1024 by default
     prompts = [rng.integers(100, min(128000, vocab_size), l) for l in lens]

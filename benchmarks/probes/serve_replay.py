@@ -145,8 +145,7 @@ def main(argv=None):
     while eng.has_unfinished_requests():
         eng.step()
     t_w = time.perf_counter()
-    while eng.get_stats().get("warmup_pending"):
-        time.sleep(0.5)
+    eng.wait_for_warmup()
     results = dict(benchmark="serve_replay", model=a.model, config=vars(a), warmup_wait_s=time.perf_counter() - t_w,
                    runs=[])
     variant = 0
