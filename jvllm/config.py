@@ -8,6 +8,7 @@ here too; each validates itself in `__post_init__` and raises `ValueError` namin
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from jvllm.quantization.config import QuantConfig
@@ -372,6 +373,16 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
         b *= 2
     out.append(hi)
     return tuple(out)
+
+
+def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
+    """The smallest of the ascending `buckets` that holds `n` tokens (a step's program); ValueError
+    past the largest. Jax-free: the scheduler (engine/bucket_fit.py) and the worker's input layout
+    share it."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} tokens exceed the largest token bucket {buckets[-1]}")
+    return buckets[i]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -15,6 +15,8 @@ GPU = BucketFit(pow2_buckets(8, 2048))
 def test_bucket_and_cost():
     assert [GPU.bucket(t) for t in (0, 1, 8, 9, 624, 1024, 2048)] == [0, 8, 8, 16, 1024, 1024, 2048]
     assert GPU.cost(2048 + 100) == 2048 + 128 and GPU.cost(0) == 0
+    with pytest.raises(ValueError, match="2049 tokens exceed the largest token bucket 2048"):
+        GPU.bucket(2049)  # the lookup the worker's InputLayout shares (config.smallest_bucket)
     with pytest.raises(ValueError, match="ascending"):
         BucketFit((16, 8))
     with pytest.raises(ValueError, match="positive"):

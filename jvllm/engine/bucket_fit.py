@@ -21,6 +21,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from jvllm.config import smallest_bucket
+
 
 FLAT_TOKENS = 128  # the engine's `flat_tokens`: a decode step's time in prefill tokens, rounded to a bucket
 
@@ -39,10 +41,7 @@ class BucketFit:
 
     def bucket(self, tokens: int) -> int:
         """The program tokens a step of `tokens` real tokens runs (0 for none)."""
-        if tokens <= 0:
-            return 0
-        i = bisect.bisect_left(self.buckets, tokens)
-        return self.buckets[i] if i < len(self.buckets) else self.buckets[-1]
+        return smallest_bucket(self.buckets, tokens) if tokens > 0 else 0
 
     def step_cost(self, tokens: int) -> int:
         """One step of `tokens` real tokens: its program's tokens, at least `flat_tokens` (0: none)."""

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from jvllm.config import cdiv
+from jvllm.config import cdiv, smallest_bucket
 from jvllm.ops.attention import AttentionMetadata, build_metadata
 
 
@@ -40,10 +40,7 @@ class InputLayout:
         object.__setattr__(self, "token_buckets", tuple(sorted(self.token_buckets)))
 
     def bucket(self, n_tokens: int) -> int:
-        for b in self.token_buckets:
-            if b >= n_tokens:
-                return b
-        raise ValueError(f"{n_tokens} tokens exceed the largest token bucket {self.token_buckets[-1]}")
+        return smallest_bucket(self.token_buckets, n_tokens)
 
     def seq_bucket(self, t_bucket: int) -> int:
         return min(t_bucket, self.max_num_seqs)
