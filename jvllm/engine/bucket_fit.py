@@ -14,7 +14,8 @@ the weights in the time its matmuls would take anyway (FLAT_TOKENS's estimate fo
 H200: benchmarks/README.md, S1), and cutting there would only delay the prompt's first token. It
 only ever shortens a chunk, so the budget, `max_num_seqs` and KV rules stay the scheduler's; a
 chunk is cut to at least one token. Hazard: the cost is in program tokens, not measured time; the
-engine option (`fit_chunks_to_buckets`) is off until a GPU serving run decides it.
+engine option (`fit_chunks_to_buckets`) is off by default: a cut prompt gets its first token a
+step later, and one GPU serving A/B did not settle the trade (benchmarks/README.md, S1).
 """
 from __future__ import annotations
 

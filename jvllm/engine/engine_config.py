@@ -46,7 +46,8 @@ class EngineConfig:
     skip_tokenizer_init: bool | None = None  # None: auto (True when the checkpoint has no tokenizer)
     token_buckets: tuple[int, ...] | None = None
     # cut a step's last prefill chunk at a token-bucket edge where that pads less (engine/bucket_fit.py);
-    # off until a GPU serving run measures it (benchmarks/README.md, S1)
+    # off by default: it lowers TPOT but delays first tokens, and one GPU A/B did not settle it
+    # (benchmarks/README.md, S1)
     fit_chunks_to_buckets: bool = False
     query_tile: int | None = None  # tokens per attention query tile of mixed steps (None: 16 on accelerators, 8 on CPU)
     kv_chunk_blocks: int | None = None  # KV blocks per attention chunk (None: 16 on accelerators, 4 on CPU)
