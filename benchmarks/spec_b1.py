@@ -62,15 +62,16 @@ def run_batch(llm, prompts: list[list[int]], output_len: int, rid: str) -> dict:
         seqs.append(eng.groups[f"{rid}-{i}"].seqs[0])
     s0 = eng.get_stats()
     t0 = n0 = None
-    steps0 = 0
+    st0 = s0
     while eng.has_unfinished_requests():
         eng.step()
         if t0 is None and all(s.num_output_tokens >= 1 for s in seqs):
-            t0, n0, steps0 = time.perf_counter(), sum(s.num_output_tokens for s in seqs), eng.get_stats()["num_steps"]
+            t0, n0, st0 = time.perf_counter(), sum(s.num_output_tokens for s in seqs), eng.get_stats()
     dt = time.perf_counter() - t0
     s1 = eng.get_stats()
     n = sum(s.num_output_tokens for s in seqs) - n0
-    return dict(decode_tok_s=n / dt, decode_s=dt, decode_tokens=n, decode_steps=s1["num_steps"] - steps0,
+    return dict(decode_tok_s=n / dt, decode_s=dt, decode_tokens=n, decode_steps=s1["num_steps"] - st0["num_steps"],
+                **({"ahead_steps": s1["num_ahead_steps"] - st0["num_ahead_steps"]} if "num_ahead_steps" in s1 else {}),
                 outputs=[list(s.output_token_ids) for s in seqs], **_spec_delta(s0, s1))
 
 

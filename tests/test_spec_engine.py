@@ -172,32 +172,39 @@ def test_bench_latency_reports_acceptance(ngram):
     assert it["decode_tok_s"] == pytest.approx((it["output_tokens"] - 1) / it["decode_s"])
 
 
-def test_async_steps_without_possible_drafts_dispatch_ahead(target, base):
-    """Speculation on (no disable_by_batch_size) with the async loop: a step after which no row can
-    get an n-gram draft (whatever token is in flight) is dispatched ahead of the step before it;
-    steps with drafts run synchronously; outputs equal the plain engine's. A distinct-token prompt
-    with prompt_lookup_min 2 cannot match after its prefill, so its first decode step runs ahead."""
+def test_async_steps_after_plain_steps_dispatch_ahead_with_guessed_drafts(target, base):
+    """Speculation on (no disable_by_batch_size) with the async loop: the step after a plain step
+    is dispatched ahead of it, its rows drafted past their pending token with that token guessed
+    (`propose_after_pending`); the step after a speculating step runs synchronously. Outputs equal
+    the plain engine's, and drafts placed after a pending token are accepted (the input layout puts
+    the pending token first). A distinct-token prompt with prompt_lookup_min 2 cannot match after
+    its prefill, so its decode steps run ahead without drafts."""
     want = _ids(base)
     llm = LLM(target, speculative_config=dict(NGRAM, prompt_lookup_min=2), async_scheduling=True, **KW)
     try:
         e = llm.llm_engine
-        ahead, ahead_with_drafts = [], []
+        seen = []  # (prev drafted, ahead step dispatched, its drafts after a pending token)
         orig = e.dispatch_ahead
 
         def spy(prev, only=None):
+            prev_drafted = any(s.spec_token_ids for s in prev.sched.scheduled)
             h = orig(prev, only=only)
-            ahead.append(h is not None)
-            if h is not None and any(s.spec_token_ids for s in h.sched.scheduled):
-                ahead_with_drafts.append(h)
+            guessed = h is not None and any(s.spec_token_ids and s.req.num_pending for s in h.sched.scheduled)
+            seen.append((prev_drafted, h is not None, guessed))
             return h
 
         e.dispatch_ahead = spy
         assert _ids(llm, PROMPTS[2:]) == want[2:]
-        assert any(ahead), "no step was dispatched ahead although no row could speculate"
+        assert any(d for _, d, _ in seen), "no step was dispatched ahead although no row could speculate"
+        a0 = _spec(llm)["spec_num_accepted_tokens"]
+        seen.clear()
+        st0 = e.get_stats()
         assert _ids(llm) == want
-        st = _spec(llm)
-        assert st["spec_num_drafts"] > 0 and not ahead_with_drafts
-        assert any(ahead) and not all(ahead)  # both paths taken in one batched run
+        st = e.get_stats()
+        assert st["spec_num_accepted_tokens"] > a0
+        assert not any(pd and d for pd, d, _ in seen)  # never ahead of a speculating step
+        assert any(g for _, _, g in seen), "no step ahead of a plain one got guessed drafts"
+        assert 0 < st["num_ahead_steps"] - st0["num_ahead_steps"] < st["num_steps"] - st0["num_steps"]
     finally:
         llm.shutdown()
 

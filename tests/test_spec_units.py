@@ -64,6 +64,24 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
         NgramProposer(2, 3, 2)
 
 
+def test_ngram_propose_after_pending_guesses_the_pending_token():
+    """Drafts for the positions after a token still in flight: the known tokens' longest suffix of
+    lo - 1 .. hi - 1 tokens is looked up, the token after its latest occurrence is the guess for the
+    pending one, and the drafts are what followed the guess there."""
+    p = NgramProposer(k=3, lookup_min=2, lookup_max=3)
+    # suffix [1, 2] last seen at 0: guess 3, drafts 4 9 1
+    assert p.propose_after_pending([1, 2, 3, 4, 9, 1, 2], 3) == [4, 9, 1]
+    assert p.propose_after_pending([1, 2, 3, 4, 9, 1, 2], 2) == [4, 9]      # the budget caps the drafts
+    assert p.propose_after_pending([1, 2, 3, 4, 9, 1, 2], 0) == []
+    # with the guess right, the drafts are the continuation propose finds once it is known
+    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert p.propose_after_pending([1, 2, 3, 4, 5], 3) == []                # no suffix recurs
+    assert p.propose_after_pending([7, 1, 8, 1], 3) == [1]                  # guess 8, then the one known token
+    assert p.propose_after_pending([7, 1, 8], 3) == []                      # the guess has nothing after it
+    one = NgramProposer(k=2, lookup_min=1, lookup_max=1)                    # lo = hi = 1: a 1-token suffix still
+    assert one.propose_after_pending([5, 6, 7, 5], 2) == [7, 5]
+
+
 class _Req:  # what may_propose_after_pending reads (held weakly by the proposer)
     def __init__(self, toks):
         self.all_token_ids = list(toks)

@@ -6,6 +6,9 @@
 #   STAGES (default "greedy"): any of
 #     greedy   `jvllm bench all` (W1, B1, P1) on random:llama3-8b bf16        -> {before,after}_greedy.json
 #     sampled  the same through the general sampler (temperature 0.8, top_p 0.95) -> {before,after}_sampled.json
+#     spec     `benchmarks/spec_b1.py` (this tree's script, each build's package): B1 plain against
+#              n-gram on the known-acceptance workloads, small step shapes (4 seqs, buckets 8,512),
+#              and SPECARGS (e.g. "--workloads oproj,robust --corrupt-every 6") -> {before,after}_spec$TAG.json
 #     startup  `jvllm bench latency --cold-start` (process start to first token, empty and warm cache;
 #              a short B1 after it), each build in ORDER                      -> {before,after}_startup.json
 #     b1       `jvllm bench latency` (B1) with small step shapes (4 seqs, buckets 8,512) and B1ARGS
@@ -44,6 +47,14 @@ for stage in ${STAGES:-greedy}; do
     w1) for b in ${ORDER:-before after}; do
           run $b w1${TAG:-} throughput $COMMON --no-xla-report --max-num-batched-tokens 2048 --max-num-seqs 256 \
             --token-buckets 256,2048 ${W1ARGS:-}; done ;;
+    spec) for b in ${ORDER:-before after}; do
+            echo "[$(el)s] $b spec${TAG:-}"
+            commit=${AFTER_COMMIT:-unknown}; [ "$b" = before ] && commit=${BEFORE_COMMIT:-unknown}
+            (cd /tmp && JVLLM_GIT_COMMIT=$commit PYTHONPATH=/tmp/site_$b JVLLM_CACHE_DIR=/tmp/cache_$b timeout ${LIMIT:-280} \
+              python "$OLDPWD/benchmarks/spec_b1.py" --model $MODEL --dtype ${DTYPE:-bfloat16} --max-model-len ${MAXLEN:-4096} \
+                --max-num-seqs 4 --max-num-batched-tokens 512 --token-buckets 8,512 ${SPECARGS:-} \
+                --output-json "$OUT/${b}_spec${TAG:-}.json" > "$OUT/${b}_spec${TAG:-}.log" 2>&1)
+            echo "rc=$?"; grep -E "^\[" "$OUT/${b}_spec${TAG:-}.log" | cut -c1-220; done ;;
     startup) for b in ${ORDER:-before after}; do
                run $b startup latency $COMMON --no-xla-report --cold-start --output-len 16 --num-iters 1 \
                  --num-iters-warmup 0; done ;;

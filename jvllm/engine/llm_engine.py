@@ -124,9 +124,12 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         # host_seconds: scheduling, input building, dispatch and post-processing (the device idles
         # through these unless a step is already queued); device_wait_seconds: blocked on results;
         # overlap_host_seconds: the part of host_seconds spent reading a step and building the next
-        # step's sampling inputs while that step's forward was already enqueued (num_late_steps)
+        # step's sampling inputs while that step's forward was already enqueued (num_late_steps);
+        # num_ahead_steps: steps dispatched while the step before them was in flight (the rest of
+        # num_steps waited for the host: synchronous steps, with speculation the drafting ones)
         self.stats = dict(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0, num_requests=0,
-                          host_seconds=0.0, device_wait_seconds=0.0, overlap_host_seconds=0.0, num_late_steps=0)
+                          host_seconds=0.0, device_wait_seconds=0.0, overlap_host_seconds=0.0, num_late_steps=0,
+                          num_ahead_steps=0)
         self.init_seconds = time.perf_counter() - t0
 
     def _build_speculator(self, cfg, draft):
@@ -222,13 +225,13 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         kept tokens (a grammar advanced by `prev`'s) while the forward runs.
         Requests whose pending token is their last (max_tokens, max_model_len) are left out; one
         that stops on EOS / a stop string costs one wasted row, discarded when its results come.
-        Never preempts (the step ends where blocks run out)."""
-        if self.speculator is not None:  # speculating steps run synchronously (drafts, acceptance on the host)
+        Never preempts (the step ends where blocks run out). With speculative decoding: None after
+        a speculating `prev`; otherwise rows may get drafts past their pending token
+        (`Speculator.propose_ahead`)."""
+        if self.speculator is not None:  # after a speculating step: wait (its accepted counts set positions)
             if any(s.spec_token_ids for s in prev.sched.scheduled) or \
-                    self.speculator.may_propose_after(self.scheduler, prev.sched.scheduled):
+                    not self.speculator.propose_ahead(self.scheduler, prev.sched.scheduled):
                 return None
-            for r in self.scheduler.running:  # this step runs plain (a row left out last step keeps none)
-                r.spec_token_ids = []
         last, late = set(), False
         for s in prev.sched.scheduled:
             r = s.req
@@ -241,6 +244,9 @@ class LLMEngine(StepCollect, WeightsAndSleep):
             n_out = r.num_output_tokens + r.num_pending
             if n_out >= r.max_tokens or n_out >= r.length_cap:
                 last.add(r)
+        if late and self.speculator is not None:  # a late step's rows run plain (drafts are verified
+            for r in self.scheduler.running:     # after a whole step, never after a late sampler)
+                r.spec_token_ids = []
         # counts as if `prev` were done (step_collect repeats this; it is idempotent)
         self.scheduler.update_after_step(prev.sched)
         sched = self.scheduler.schedule(skip=frozenset(last), allow_preempt=False, only=only)

@@ -85,6 +85,7 @@ class AsyncLoop(SyncLoop):
             t0 = time.perf_counter()
             self._inflight = e.dispatch_ahead(prev)
             e.stats["host_seconds"] += time.perf_counter() - t0
+            e.stats["num_ahead_steps"] += self._inflight is not None
         return _read_then_sample(e, prev, self._inflight)
 
     def drain(self) -> list:
@@ -128,6 +129,7 @@ class PipelinedLoop(SyncLoop):
             nxt = e.dispatch_ahead(prev, only=prev.sched.microbatch)
             if nxt is not None:
                 q.append(nxt)
+                e.stats["num_ahead_steps"] += 1
             e.stats["host_seconds"] += time.perf_counter() - t0
         return outs + _read_then_sample(e, prev, nxt)
 

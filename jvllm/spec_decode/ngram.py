@@ -5,9 +5,14 @@ earlier in its tokens (prompt + output), propose the up to k tokens that followe
 earlier occurrence. No match: no proposal (the request runs as a plain row). Deterministic: the
 proposal depends only on the token ids, so a preempted request resumes with the same drafts.
 
-`may_propose_after_pending` answers, before a step in flight is read, whether `propose` could
-return drafts once that step's token (id still on the device) is appended: the async loop
-dispatches the next step ahead only when no row could (`Speculator.may_propose_after`).
+A step dispatched ahead of the step in flight (async scheduling) does not know the token that step
+samples (its id stays on the device):
+- `may_propose_after_pending` says whether `propose` could return drafts once that token x is known
+  (for some x; exact);
+- `propose_after_pending` proposes without x: it guesses x as the token that followed the most
+  recent earlier occurrence of the known tokens' longest suffix of n - 1 tokens (the n-gram ending
+  at x less x), and returns what followed x there. A wrong guess only costs acceptance: the target
+  verifies every draft, so outputs never depend on the drafts.
 """
 from __future__ import annotations
 
@@ -26,20 +31,18 @@ class NgramProposer:
 
     def propose(self, token_ids, max_tokens: int) -> list[int]:
         """Up to min(k, max_tokens) draft tokens continuing `token_ids`, or [] when no n-gram matches."""
+        return _lookup(token_ids, min(self.k, max_tokens), self.lo, self.hi)
+
+    def propose_after_pending(self, token_ids, max_tokens: int) -> list[int]:
+        """Up to min(k, max_tokens) drafts for the positions after one pending token x that follows
+        `token_ids`, x guessed (see the module docstring); [] when no suffix of the known tokens
+        recurs with two known tokens after it. For x equal to the guess these continue the same
+        earlier occurrence `propose(token_ids + [x])` may pick; they can differ from its (a more
+        recent occurrence of a shorter n-gram, or a longer n-gram elsewhere)."""
         k = min(self.k, max_tokens)
-        toks = np.asarray(token_ids, np.int64)
-        L = len(toks)
-        if k <= 0 or L < self.lo + 1:
+        if k <= 0:
             return []
-        for n in range(min(self.hi, L - 1), self.lo - 1, -1):
-            pat = toks[L - n:]
-            # windows starting at 0 .. L-n-1: every earlier occurrence (each has a next token)
-            win = np.lib.stride_tricks.sliding_window_view(toks[:L - 1], n)
-            hits = np.flatnonzero((win == pat).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return [int(t) for t in toks[start:start + k]]
-        return []
+        return _lookup(token_ids, k + 1, max(1, self.lo - 1), max(1, self.hi - 1))[1:]
 
     def may_propose_after_pending(self, req) -> bool:
         """Whether `propose(req.all_token_ids + [x], m)` (m >= 1) can be non-empty for SOME token x
@@ -67,3 +70,21 @@ class NgramProposer:
             seen.add(tuple(toks[i:i + g]))
         st[0] = max(st[0], end)
         return tuple(toks[-g:]) in seen
+
+
+def _lookup(token_ids, k: int, lo: int, hi: int) -> list[int]:
+    """The up to k tokens after the most recent earlier occurrence of the longest suffix of
+    `token_ids` of lo..hi tokens; [] when none recurs (or k <= 0)."""
+    toks = np.asarray(token_ids, np.int64)
+    L = len(toks)
+    if k <= 0 or L < lo + 1:
+        return []
+    for n in range(min(hi, L - 1), lo - 1, -1):
+        pat = toks[L - n:]
+        # windows starting at 0 .. L-n-1: every earlier occurrence (each has a next token)
+        win = np.lib.stride_tricks.sliding_window_view(toks[:L - 1], n)
+        hits = np.flatnonzero((win == pat).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return [int(t) for t in toks[start:start + k]]
+    return []

@@ -1,22 +1,23 @@
 """The engine's side of speculative decoding (host only, no jax): which requests speculate, their
 proposals before a step, and the accepted tokens after it.
 
-A running request speculates in a step when it is decoding (exactly one token not computed, none
-pending), the batch is at most `disable_by_batch_size` (running + waiting), and its sampling needs
+A running request speculates in a step when it is decoding (exactly one token not computed: its
+last, or the one pending in the step in flight), the batch is at most `disable_by_batch_size` (running + waiting), and its sampling needs
 nothing per verified position that the verifier does not apply: requests with penalties, logit
 bias, min_tokens, allowed_token_ids / bad_words, logits processors, structured outputs (a grammar:
 its mask would have to hold at every verified position; such requests run as plain rows, never
 an error), hidden-state capture or steering run as plain rows in the same batch. Drafts are capped
 so the request cannot pass max_tokens or max_model_len.
 
-Speculating steps run on the synchronous path: the next step's drafts and the accepted count of
-each row must be on the host before it can be scheduled. Every other step stays on the async path:
-the engine's `dispatch_ahead` asks `may_propose_after(scheduler, prev)` and dispatches ahead when no
-row could speculate in the step after `prev` (speculation inactive above disable_by_batch_size, or
-no n-gram can match whatever token `prev` samples). For n-gram this is exact up to the pending
-token: a step dispatched ahead is one the synchronous path would have run without drafts too; a
-True may still find no draft once the token is read (that step then runs synchronously, plain).
-A draft model always proposes, so with one a candidate row always means the synchronous path.
+A step after a speculating one runs on the synchronous path: its rows' accepted counts (so their
+positions) must be on the host before it can be scheduled. A step after a plain one is dispatched
+ahead of it (`propose_ahead`, called by the engine's `dispatch_ahead`): each row that could
+speculate then has one pending token (sampled by the step in flight, its id on the device), and the
+n-gram proposer drafts the positions after it with that token guessed (`propose_after_pending`),
+only for rows where a match is possible at all (`may_propose_after_pending`, exact and
+incremental, so rows that cannot match cost no lookup). The verifier makes a wrong guess cost
+acceptance only. A draft model needs the pending token itself: with one, a step whose rows could
+speculate waits for the step before it.
 """
 from __future__ import annotations
 
@@ -47,29 +48,38 @@ class Speculator:
         n_out = req.num_output_tokens + pending
         return max(0, min(self.cfg.k, req.max_tokens - n_out - 1, req.length_cap - n_out - 1))
 
-    def may_propose_after(self, scheduler, prev_scheduled) -> bool:
-        """Whether `propose`, run once the step `prev_scheduled` (in flight, no drafts in it) has
-        been read, could give any running request drafts; False: the step after it can be
-        dispatched ahead without losing a draft. A request is a candidate then when it is decoding
-        after `prev` (computed = its tokens + pending - 1), speculable and with budget left; with
-        its token in flight the proposer says whether a match is possible at all
-        (`may_propose_after_pending`), without one it proposes for real. Hazard: `active` is
-        judged now, before `prev`'s finished requests leave (speculation may start a step late)."""
+    def propose_ahead(self, scheduler, prev_scheduled) -> bool:
+        """Set every running request's `spec_token_ids` for a step dispatched ahead of the plain
+        step `prev_scheduled` (in flight). A candidate decodes after `prev` (computed = its tokens +
+        pending - 1), is speculable and has budget left; with its token in flight it gets
+        `propose_after_pending` drafts where `may_propose_after_pending` allows a match, without
+        one `propose`'s (its tokens are all known). Returns False, with every draft cleared, when
+        the step should wait for `prev` instead: a candidate and a proposer that cannot draft past
+        a pending token (a draft model). Hazard: `active` is judged now, before `prev`'s finished
+        requests leave (speculation may start a step late)."""
+        for r in scheduler.running:
+            r.spec_token_ids = []
         if not self.active(scheduler):
-            return False
+            return True
+        p = self.proposer
+        guess = getattr(p, "propose_after_pending", None)
         after = {id(s.req): s.start + s.num_tokens for s in prev_scheduled}
-        exact = getattr(self.proposer, "may_propose_after_pending", None)
         for r in scheduler.running:
             pend = r.num_pending
             if after.get(id(r), r.num_computed_tokens) != r.num_tokens + pend - 1 or not speculable(r):
                 continue
-            if self.budget(r, pend) <= 0:
+            b = self.budget(r, pend)
+            if b <= 0:
                 continue
-            if exact is None or pend > 1:  # a draft model always proposes
-                return True
-            if exact(r) if pend else bool(self.proposer.propose(r.all_token_ids, self.budget(r))):
-                return True
-        return False
+            if guess is None or pend > 1:
+                for q in scheduler.running:
+                    q.spec_token_ids = []
+                return False
+            if not pend:
+                r.spec_token_ids = p.propose(r.all_token_ids, b)
+            elif p.may_propose_after_pending(r):
+                r.spec_token_ids = guess(r.all_token_ids, b)
+        return True
 
     def candidates(self, scheduler) -> list:
         return [r for r in scheduler.running

@@ -116,17 +116,17 @@ class InputLayout:
         pend_at, pend_row = [], []
         for s in scheduled:
             n, start = s.num_tokens, s.start
-            known = s.req.all_token_ids[start:start + n]
-            spec = getattr(s, "spec_token_ids", None)
-            if spec:  # speculative decoding: the drafts follow the request's real tokens
-                known = known + spec
+            spec = getattr(s, "spec_token_ids", None) or []
+            n_real = n - len(spec)  # speculative decoding: the drafts follow the request's real tokens
+            known = s.req.all_token_ids[start:start + n_real]
             toks += known
-            if len(known) < n:  # the one pending token (async scheduling)
-                if len(known) != n - 1 or prev_rows is None or s.req.request_id not in prev_rows:
-                    raise RuntimeError(f"request {s.req.request_id}: {n - len(known)} input tokens are not known")
+            if len(known) < n_real:  # the one pending token (async scheduling), before any drafts
+                if len(known) != n_real - 1 or prev_rows is None or s.req.request_id not in prev_rows:
+                    raise RuntimeError(f"request {s.req.request_id}: {n_real - len(known)} input tokens are not known")
                 pend_at.append(len(toks))
                 pend_row.append(prev_rows[s.req.request_id])
                 toks.append(0)
+            toks += spec
             ids += s.block_ids
             lens.append(len(s.block_ids))
         ns = np.fromiter((s.num_tokens for s in scheduled), np.int64, len(scheduled))
