@@ -205,6 +205,13 @@ def test_async_steps_after_plain_steps_dispatch_ahead_with_guessed_drafts(target
         assert not any(pd and d for pd, d, _ in seen)  # never ahead of a speculating step
         assert any(g for _, _, g in seen), "no step ahead of a plain one got guessed drafts"
         assert 0 < st["num_ahead_steps"] - st0["num_ahead_steps"] < st["num_steps"] - st0["num_steps"]
+        # sampled rows verified past a pending token: seeded outputs reproduce
+        sp = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+        seen.clear()
+        a = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        assert any(g for _, _, g in seen)
+        b = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        assert a == b and all(len(x) == 20 for x in a)
     finally:
         llm.shutdown()
 
