@@ -2,12 +2,13 @@
 proposals before a step, and the accepted tokens after it.
 
 A running request speculates in a step when it is decoding (exactly one token not computed: its
-last, or the one pending in the step in flight), the batch is at most `disable_by_batch_size` (running + waiting), and its sampling needs
-nothing per verified position that the verifier does not apply: requests with penalties, logit
-bias, min_tokens, allowed_token_ids / bad_words, logits processors, structured outputs (a grammar:
-its mask would have to hold at every verified position; such requests run as plain rows, never
-an error), hidden-state capture or steering run as plain rows in the same batch. Drafts are capped
-so the request cannot pass max_tokens or max_model_len.
+last, or the one pending in the step in flight), the batch is at most `disable_by_batch_size`
+(running + waiting), and its sampling needs nothing per verified position that the verifier does
+not apply: requests with penalties, logit bias, min_tokens, allowed_token_ids / bad_words, logits
+processors, structured outputs (a grammar: its mask would have to hold at every verified
+position; such requests run as plain rows, never an error), hidden-state capture or steering run
+as plain rows in the same batch. Drafts are capped so the request cannot pass max_tokens or
+max_model_len.
 
 A step after a speculating one runs on the synchronous path: its rows' accepted counts (so their
 positions) must be on the host before it can be scheduled. A step after a plain one is dispatched
