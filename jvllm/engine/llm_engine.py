@@ -228,10 +228,8 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         Never preempts (the step ends where blocks run out). With speculative decoding: None after
         a speculating `prev`; otherwise rows may get drafts past their pending token
         (`Speculator.propose_ahead`)."""
-        if self.speculator is not None:  # after a speculating step: wait (its accepted counts set positions)
-            if any(s.spec_token_ids for s in prev.sched.scheduled) or \
-                    not self.speculator.propose_ahead(self.scheduler, prev.sched.scheduled):
-                return None
+        if self.speculator is not None and any(s.spec_token_ids for s in prev.sched.scheduled):
+            return None  # after a speculating step: its accepted counts set this step's positions
         last, late = set(), False
         for s in prev.sched.scheduled:
             r = s.req
@@ -244,9 +242,10 @@ class LLMEngine(StepCollect, WeightsAndSleep):
             n_out = r.num_output_tokens + r.num_pending
             if n_out >= r.max_tokens or n_out >= r.length_cap:
                 last.add(r)
-        if late and self.speculator is not None:  # a late step's rows run plain (drafts are verified
-            for r in self.scheduler.running:     # after a whole step, never after a late sampler)
-                r.spec_token_ids = []
+        # drafts are verified after a whole step, never after a late sampler: a late step runs plain
+        if self.speculator is not None and \
+                not self.speculator.propose_ahead(self.scheduler, prev.sched.scheduled, drafts=not late):
+            return None
         # counts as if `prev` were done (step_collect repeats this; it is idempotent)
         self.scheduler.update_after_step(prev.sched)
         sched = self.scheduler.schedule(skip=frozenset(last), allow_preempt=False, only=only)

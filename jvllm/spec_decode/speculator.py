@@ -26,6 +26,11 @@ from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.metrics import SpecStats
 
 
+def _clear(scheduler):
+    for r in scheduler.running:
+        r.spec_token_ids = []
+
+
 def speculable(req) -> bool:
     p = req.params
     return not (p.needs_extras or p.logits_processors or req.grammar is not None or p.return_hidden_states
@@ -49,7 +54,7 @@ class Speculator:
         n_out = req.num_output_tokens + pending
         return max(0, min(self.cfg.k, req.max_tokens - n_out - 1, req.length_cap - n_out - 1))
 
-    def propose_ahead(self, scheduler, prev_scheduled) -> bool:
+    def propose_ahead(self, scheduler, prev_scheduled, drafts: bool = True) -> bool:
         """Set every running request's `spec_token_ids` for a step dispatched ahead of the plain
         step `prev_scheduled` (in flight). A candidate decodes after `prev` (computed = its tokens +
         pending - 1), is speculable and has budget left; with its token in flight it gets
@@ -57,10 +62,9 @@ class Speculator:
         one `propose`'s (its tokens are all known). Returns False, with every draft cleared, when
         the step should wait for `prev` instead: a candidate and a proposer that cannot draft past
         a pending token (a draft model). Hazard: `active` is judged now, before `prev`'s finished
-        requests leave (speculation may start a step late)."""
-        for r in scheduler.running:
-            r.spec_token_ids = []
-        if not self.active(scheduler):
+        requests leave (speculation may start a step late). `drafts=False`: every row runs plain."""
+        _clear(scheduler)
+        if not drafts or not self.active(scheduler):
             return True
         p = self.proposer
         guess = getattr(p, "propose_after_pending", None)
@@ -73,8 +77,7 @@ class Speculator:
             if b <= 0:
                 continue
             if guess is None or pend > 1:
-                for q in scheduler.running:
-                    q.spec_token_ids = []
+                _clear(scheduler)
                 return False
             if not pend:
                 r.spec_token_ids = p.propose(r.all_token_ids, b)
@@ -91,8 +94,7 @@ class Speculator:
         """Set `spec_token_ids` of every running request for the coming step ([] for those that do
         not speculate). Returns the draft model's (probabilities, {request_id: row}) for the
         verifier, or None (n-gram: one-hot drafts)."""
-        for r in scheduler.running:
-            r.spec_token_ids = []
+        _clear(scheduler)
         if not self.active(scheduler):
             return self.proposer.idle(scheduler.running) if hasattr(self.proposer, "idle") else None
         reqs = self.candidates(scheduler)
