@@ -172,13 +172,16 @@ def test_bench_latency_reports_acceptance(ngram):
     assert it["decode_tok_s"] == pytest.approx((it["output_tokens"] - 1) / it["decode_s"])
 
 
-def test_async_steps_after_plain_steps_dispatch_ahead_with_guessed_drafts(target, base):
+def test_async_steps_dispatch_ahead_with_guessed_drafts_and_after_verify_steps(target, base):
     """Speculation on (no disable_by_batch_size) with the async loop: the step after a plain step
     is dispatched ahead of it, its rows drafted past their pending token with that token guessed
-    (`propose_after_pending`); the step after a speculating step runs synchronously. Outputs equal
-    the plain engine's, and drafts placed after a pending token are accepted (the input layout puts
-    the pending token first). A distinct-token prompt with prompt_lookup_min 2 cannot match after
-    its prefill, so its decode steps run ahead without drafts."""
+    (`propose_after_pending`); the step after a speculating step is dispatched ahead of it too, each
+    greedy verified row laid out as if no draft were accepted and moved on the device by its
+    accepted count (`pending_ids`), its entry moved when the verify step is read (`follow`), across
+    block boundaries (blocks of 4 tokens). Outputs equal the plain engine's, and drafts placed after
+    a pending token are accepted (the input layout puts the pending token first). A distinct-token
+    prompt with prompt_lookup_min 2 cannot match after its prefill, so its decode steps run ahead
+    without drafts. Sampled verified rows wait for the next step (their draw's counter)."""
     want = _ids(base)
     llm = LLM(target, speculative_config=dict(NGRAM, prompt_lookup_min=2), async_scheduling=True, **KW)
     try:
@@ -194,6 +197,17 @@ def test_async_steps_after_plain_steps_dispatch_ahead_with_guessed_drafts(target
             return h
 
         e.dispatch_ahead = spy
+        moved = []  # (accepted, start as laid out, its block changed) of each followed verified row
+        orig_acc = e.scheduler.accept_speculated
+
+        def spy_acc(s, a):
+            f = s.follow
+            st = None if f is None else f.start
+            orig_acc(s, a)
+            if f is not None:
+                moved.append((a, st, st // 4 != f.start // 4, s.req.params.greedy))
+
+        e.scheduler.accept_speculated = spy_acc
         assert _ids(llm, PROMPTS[2:]) == want[2:]
         assert any(d for _, d, _ in seen), "no step was dispatched ahead although no row could speculate"
         a0 = _spec(llm)["spec_num_accepted_tokens"]
@@ -202,9 +216,17 @@ def test_async_steps_after_plain_steps_dispatch_ahead_with_guessed_drafts(target
         assert _ids(llm) == want
         st = e.get_stats()
         assert st["spec_num_accepted_tokens"] > a0
-        assert not any(pd and d for pd, d, _ in seen)  # never ahead of a speculating step
+        assert any(pd and d for pd, d, _ in seen), "no step was dispatched ahead of a speculating one"
         assert any(g for _, _, g in seen), "no step ahead of a plain one got guessed drafts"
+        assert any(a > 0 for a, _, _, _ in moved) and any(c for _, _, c, _ in moved), moved
         assert 0 < st["num_ahead_steps"] - st0["num_ahead_steps"] < st["num_steps"] - st0["num_steps"]
+        # batch 1 (the B1 shape), and every max_tokens near a verify step's end
+        moved.clear()
+        assert [_ids(llm, [p])[0] for p in PROMPTS] == want
+        assert any(a > 0 for a, _, _, _ in moved)
+        for n in (1, 2, 3, 5, 7):
+            sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            assert _ids(llm, sp=sp) == [w[:n] for w in want], n
         # sampled rows verified past a pending token: seeded outputs reproduce
         sp = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
         seen.clear()
@@ -212,6 +234,7 @@ def test_async_steps_after_plain_steps_dispatch_ahead_with_guessed_drafts(target
         assert any(g for _, _, g in seen)
         b = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
         assert a == b and all(len(x) == 20 for x in a)
+        assert all(g for _, _, _, g in moved)  # only greedy rows followed a verify step
     finally:
         llm.shutdown()
 

@@ -310,3 +310,43 @@ def test_rejection_sampler_greedy_keeps_the_longest_matching_prefix():
         assert int(g_a[0]) == n_ok and list(np.asarray(g_tok)[0]) == list(tok[0])
     tok, a = _run_verify(logits, best[:k].astype(np.int32), 2, 0.0, 0, 1.0, 0.0, n=1)  # only 2 drafts valid
     assert a[0] == 2 and list(tok[0, :3]) == list(best[:3])
+
+
+# ---------------------------------------------------------------------------- ids handed on the device
+@pytest.mark.parametrize("query_tile, decode", [(4, False), (1, True)])
+def test_take_pending_moves_verified_rows_by_their_accepted_count(query_tile, decode):
+    """A step laid out with each pending row at its no-draft-accepted position reads, from prev_tok,
+    the ids and the accepted counts (`pending_ids.encode`): its positions and KV slots then equal the
+    metadata of the batch laid out at the moved positions, across block boundaries; rows without a
+    count (plain sampled ids, host tokens) keep theirs."""
+    import jax.numpy as jnp
+
+    from jvllm.ops.attention import build_metadata
+    from jvllm.worker.pending_ids import encode, take_pending
+
+    bs, T, R, W, nb = 4, 16, 4, 8, 64
+    rng = np.random.default_rng(0)
+    tables = rng.permutation(np.arange(1, nb))[:R * W].reshape(R, W).astype(np.int32)
+    # rows: a prefill chunk of 5 host tokens (decode steps: one token each), then pending rows
+    starts = np.array([3, 7, 10, 11]) if decode else np.array([0, 7, 10, 11])
+    ns = np.array([1, 1, 1, 1]) if decode else np.array([5, 1, 1, 1])
+    accepted = np.array([0, 2, 3, 0])      # row 1: 7 -> 9 and row 2: 10 -> 13 change blocks
+    NT = R if decode else R + -(-T // query_tile)
+    kw = dict(T=T, query_tile=query_tile, num_tiles=NT, block_size=bs, num_blocks=nb)
+    md = build_metadata(starts, ns, tables, **kw)
+    want = build_metadata(starts + accepted, ns, tables, **kw)
+    tokens = np.zeros(T, np.int32)
+    src = np.full(T, -1, np.int32)
+    first = int(ns[0])
+    src[first:first + 3] = [2, 0, 5]       # rows 1..3 take ids from prev rows 2, 0, 5
+    prev = np.zeros(8, np.int32)
+    prev[[2, 0, 5]] = [encode(np.int32(101), 2), encode(np.int32(202), 3), 303]  # row 3: a plain sampled id
+    jmd = type(md)(*(jnp.asarray(getattr(md, f)) for f in md.__dataclass_fields__))
+    ids, out = take_pending(jnp.asarray(prev), jnp.asarray(src), jnp.asarray(tokens), jmd, bs, True)
+    assert list(np.asarray(ids)[first:first + 3]) == [101, 202, 303]
+    np.testing.assert_array_equal(np.asarray(out.positions), want.positions)
+    np.testing.assert_array_equal(np.asarray(out.slot_mapping), want.slot_mapping)
+    assert want.slot_mapping[first] // bs != md.slot_mapping[first] // bs  # a moved row changed blocks
+    # unshifted programs read the ids as they are
+    ids0, out0 = take_pending(jnp.asarray(prev), jnp.asarray(src), jnp.asarray(tokens), jmd, bs, False)
+    assert out0 is jmd and int(np.asarray(ids0)[first + 2]) == 303

@@ -225,11 +225,17 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         kept tokens (a grammar advanced by `prev`'s) while the forward runs.
         Requests whose pending token is their last (max_tokens, max_model_len) are left out; one
         that stops on EOS / a stop string costs one wasted row, discarded when its results come.
-        Never preempts (the step ends where blocks run out). With speculative decoding: None after
-        a speculating `prev`; otherwise rows may get drafts past their pending token
-        (`Speculator.propose_ahead`)."""
-        if self.speculator is not None and any(s.spec_token_ids for s in prev.sched.scheduled):
-            return None  # after a speculating step: its accepted counts set this step's positions
+        Never preempts (the step ends where blocks run out). With speculative decoding, rows may
+        get drafts past their pending token (`Speculator.propose_ahead`), and after a speculating
+        `prev` (n-gram, one in-process stage: `runner.ahead_after_verify`; else None) each greedy
+        verified row runs one plain token laid out as if no draft were accepted: the device moves
+        it by the accepted count (`jvllm.worker.pending_ids`), and reading `prev` moves its entry
+        (`ScheduledRequest.follow`). Its blocks are allocated for every draft accepted. A verified
+        row that is sampled (its draw's counter would need the count), or that could reach
+        max_tokens / max_model_len with every draft accepted, waits for the next step."""
+        verified = {id(s.req): s for s in prev.sched.scheduled if s.spec_token_ids}
+        if verified and not self.runner.ahead_after_verify:
+            return None  # its accepted counts set this step's positions: wait for them
         last, late = set(), False
         for s in prev.sched.scheduled:
             r = s.req
@@ -239,18 +245,26 @@ class LLMEngine(StepCollect, WeightsAndSleep):
                 if not self.runner.executor.late_sampling:
                     return None
                 late = True
-            n_out = r.num_output_tokens + r.num_pending
-            if n_out >= r.max_tokens or n_out >= r.length_cap:
+            n_out = r.num_output_tokens + r.num_pending + len(s.spec_token_ids)  # at most, once `prev` is read
+            if n_out >= r.max_tokens or n_out >= r.length_cap or (s.spec_token_ids and not r.params.greedy):
                 last.add(r)
         # drafts are verified after a whole step, never after a late sampler: a late step runs plain
         if self.speculator is not None and \
                 not self.speculator.propose_ahead(self.scheduler, prev.sched.scheduled, drafts=not late):
             return None
-        # counts as if `prev` were done (step_collect repeats this; it is idempotent)
+        # counts as if `prev` were done (step_collect repeats this; it is idempotent); a verified
+        # row as if no draft were accepted
         self.scheduler.update_after_step(prev.sched)
+        for s in verified.values():
+            if s.req not in last and not self.scheduler.kv.allocate_slots(s.req, 1 + len(s.spec_token_ids)):
+                last.add(s.req)
         sched = self.scheduler.schedule(skip=frozenset(last), allow_preempt=False, only=only)
         if sched.empty:
             return None
+        for s in sched.scheduled:
+            v = verified.get(id(s.req))
+            if v is not None:
+                v.follow = s
         return self._launch(sched, prev.run, late=late)
 
     def launch_late(self, handle: StepHandle | None):

@@ -39,6 +39,9 @@ class ScheduledRequest:
     # speculative decoding: draft tokens appended after the request's real tokens (part of
     # num_tokens); the target verifies them and the accepted ones become the request's
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # a verified row whose next step was dispatched before it was read: that step's entry of the
+    # request, laid out as if no draft were accepted; `accept_speculated` moves its start
+    follow: ScheduledRequest | None = None
 
 
 @dataclasses.dataclass
@@ -234,7 +237,9 @@ class Scheduler:
         appended to the request): the accepted drafts' KV slots count as computed, the rejected
         drafts' are given back. Blocks that hold only rejected tokens return to the pool; only
         blocks full of accepted tokens get prefix-cache hashes (their hashes are over the real
-        token ids, appended before this call)."""
+        token ids, appended before this call). A `follow` entry (the request's row in the step
+        dispatched ahead, its token in flight) moves by the accepted count, and the block of that
+        token's slot is kept."""
         req = s.req
         d = len(s.spec_token_ids)
         if not 0 <= num_accepted <= d:
@@ -245,5 +250,7 @@ class Scheduler:
         if req.num_computed_tokens >= req.num_tokens:
             raise RuntimeError(f"request {req.request_id}: {req.num_computed_tokens} tokens computed of "
                                f"{req.num_tokens}; the token after the accepted drafts must be appended first")
-        self.kv.trim(req, req.num_computed_tokens)
+        if s.follow is not None:
+            s.follow.start += num_accepted
+        self.kv.trim(req, req.num_computed_tokens + req.num_pending)
         self.kv.cache_full_blocks(req, req.num_computed_tokens)

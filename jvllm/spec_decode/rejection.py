@@ -112,11 +112,17 @@ def verify(logits, draft, num_draft, temperature, top_k, top_p, min_p, key_data,
     return _emit(draft, accept, final)
 
 
-def verify_body(w, h, idx, draft, num_draft, sb, draft_probs, q_rows, *, logits_fn, want_lp, all_greedy=False):
+def verify_body(w, h, idx, draft, num_draft, sb, base_pad, draft_probs, q_rows, *, logits_fn, want_lp,
+                all_greedy=False):
     """The spec_verify program: hidden states h [T, hidden] of the step, idx [R, K1] the flat
     positions verified per row -> (tokens [R, K1], num_accepted [R], logprobs of the emitted
-    tokens (tok_lp, rank, top ids, top lp) each [R, K1, ...] or None). `draft_probs`
-    [max_num_seqs, K, V] with `q_rows` [R] (each row's row in it) or both None."""
+    tokens (tok_lp, rank, top ids, top lp) each [R, K1, ...] or None, next_pad). `draft_probs`
+    [max_num_seqs, K, V] with `q_rows` [R] (each row's row in it) or both None. `base_pad`
+    [max_num_seqs]: the step's sampled ids padded (zeros when no sampler ran); `next_pad` is it
+    with each verified row's entry replaced by its last emitted token and accepted count
+    (`jvllm.worker.pending_ids.encode`): the next step's prev_tok."""
+    from jvllm.worker.pending_ids import encode
+
     R, K1 = idx.shape
     z = logits_fn(w, h[idx.reshape(-1)])                               # [R*K1, V] f32
     V = z.shape[-1]
@@ -129,7 +135,9 @@ def verify_body(w, h, idx, draft, num_draft, sb, draft_probs, q_rows, *, logits_
     lp = None
     if want_lp:
         lp = tuple(x.reshape((R, K1) + x.shape[1:]) for x in logprob_outputs(z, tokens.reshape(-1)))
-    return tokens, a, lp
+    last = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
+    next_pad = base_pad.at[:R].set(jnp.where(num_draft > 0, encode(last, a), base_pad[:R]))
+    return tokens, a, lp, next_pad
 
 
 def draft_sample_body(w, h, sb, dst, j, acc_p, acc_i, *, logits_fn, all_greedy=False):

@@ -10,9 +10,11 @@ position; such requests run as plain rows, never an error), hidden-state capture
 as plain rows in the same batch. Drafts are capped so the request cannot pass max_tokens or
 max_model_len.
 
-A step after a speculating one runs on the synchronous path: its rows' accepted counts (so their
-positions) must be on the host before it can be scheduled. A step after a plain one is dispatched
-ahead of it (`propose_ahead`, called by the engine's `dispatch_ahead`): each row that could
+A step after a speculating one is dispatched ahead of it too where the runner can move a verified
+row by its accepted count on the device (n-gram on one in-process stage: `LLMEngine.dispatch_ahead`,
+`jvllm.worker.pending_ids`): each greedy verified row then runs one plain token, so it gets no
+drafts here (its tokens are not known). Otherwise that step runs on the synchronous path. A step
+after a plain one is dispatched ahead of it (`propose_ahead`, called by the engine's `dispatch_ahead`): each row that could
 speculate then has one pending token (sampled by the step in flight, its id on the device), and the
 n-gram proposer drafts the positions after it with that token guessed (`propose_after_pending`),
 only for rows where a match is possible at all (`may_propose_after_pending`, exact and

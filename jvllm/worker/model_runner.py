@@ -258,18 +258,29 @@ class ModelRunner:
             drafted = [bool(getattr(s, "spec_token_ids", None)) for s in w.sched]
             if all(drafted) and not any(s.req.needs_prompt_logprobs for s in w.sched):
                 # every row's tokens come from spec_verify: no sampler program (nor its LM-head
-                # matmul); its ids are never read, and a speculating step is never a later
-                # dispatch's `prev` (those run synchronously), so no tok_pad either
+                # matmul); its ids are never read, and its tok_pad is spec_verify's next_pad
                 self.executor.forward(w)
                 pending.append(Pending(w.group, MicrobatchResult(w.group, np.zeros(w.R, np.int32), None, None, None)))
             else:
                 pending.append(self.executor.launch(w))
             if any(drafted):
-                spec.append(self._launch_verify(w, spec_q))
+                res = pending[-1].value  # None only for stages over processes (never ahead of a verify)
+                base = res.tok_pad if res is not None and res.tok_pad is not None else self.no_prev
+                rec, next_pad = self._launch_verify(w, spec_q, base)
+                spec.append(rec)
+                if res is not None:
+                    res.tok_pad = next_pad  # the next step's prev_tok: verified rows' last token + count
         return DispatchedStep(len(scheduled), pending, spec=spec)
 
-    def _launch_verify(self, w, spec_q):
-        """Enqueue spec_verify on the step's hidden states (`w.x`: the last stage's output)."""
+    @property
+    def ahead_after_verify(self) -> bool:
+        """A step may take its input ids from a verify step in flight: its step programs read the
+        accepted counts (`programs.takes_accepted_counts`) and its executor is in-process."""
+        return programs.takes_accepted_counts(self) and self.executor.late_sampling
+
+    def _launch_verify(self, w, spec_q, base_pad):
+        """Enqueue spec_verify on the step's hidden states (`w.x`: the last stage's output); returns
+        (the record `collect` reads, next_pad)."""
         from jvllm.spec_decode.inputs import verify_inputs
 
         if self.spec is None or len(self.stages) != 1:
@@ -285,9 +296,9 @@ class ModelRunner:
             args = jax.tree_util.tree_map(lambda a: put(np.asarray(a), shard), args)
         q = (spec_q[0], args[4]) if probs else (None, None)
         greedy = not np.any(vi.sb.temperature > 0)
-        tok, acc, lp = self.programs.get("spec_verify", (w.T, k, probs, vi.want_lp, bool(greedy)))(
-            self.head_w, w.x, *args[:4], *q)
-        return [i for i, _ in w.group], vi.num_draft, tok, acc, lp
+        tok, acc, lp, next_pad = self.programs.get("spec_verify", (w.T, k, probs, vi.want_lp, bool(greedy)))(
+            self.head_w, w.x, *args[:4], base_pad, *q)
+        return ([i for i, _ in w.group], vi.num_draft, tok, acc, lp), next_pad
 
     def launch_sampling(self, handle: DispatchedStep):
         """The second half of a `late_sampling` dispatch: build each micro-batch's sampling inputs

@@ -36,7 +36,7 @@ from jvllm.compilation.registry import ProgramKind, Signature, register
 from jvllm.models.layers import LMHead
 from jvllm.ops.attention import tensor_parallel_mesh
 from jvllm.sampling import SamplerVariant, logprob_outputs, sample
-from jvllm.worker import sampler
+from jvllm.worker import pending_ids, sampler
 
 
 def _pad_tok(tok, max_num_seqs: int):
@@ -44,16 +44,17 @@ def _pad_tok(tok, max_num_seqs: int):
 
 
 def step_body(layout, graphdef, treedef, pack, first, last, attention, mesh, decode, kv_chunk_blocks,
-              params, kv, packed, x, steer=None, *, T, capture: bool = False):
+              params, kv, packed, x, steer=None, *, T, capture: bool = False, shifted: bool = False):
     """`params`: the stage's `Stage.params()` (`param_pack.ParamPack` `pack`: the model's leaves,
     its small vectors concatenated). The step_research variant (single stage) adds: `capture`, one more output, every hidden
     state [num_layers + 1, T, hidden] (`jvllm.models.hooks.HiddenTap` numbering); `steer`, a
-    (vectors [R, num_layers, hidden], row of each token [T]) input (`jvllm.models.hooks.Steer`)."""
+    (vectors [R, num_layers, hidden], row of each token [T]) input (`jvllm.models.hooks.Steer`).
+    `shifted`: prev_tok may carry verified rows' accepted counts (`pending_ids`, n-gram speculation)."""
     from jvllm.models.hooks import Chain, HiddenTap, Steer
 
     tokens, src, md = layout.unpack(packed, T, decode)
     if first:
-        x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], tokens)
+        x, md = pending_ids.take_pending(x, src, tokens, md, layout.block_size, shifted)
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, pack.unpack(params)))
     tap = HiddenTap() if capture else None
     hooks = Chain(Steer(*steer) if steer is not None else None, tap) if (tap or steer is not None) else None
@@ -102,11 +103,19 @@ def cached(ctx, k, build):
     return fn
 
 
+def takes_accepted_counts(ctx) -> bool:
+    """The step programs read verified rows' accepted counts from prev_tok (`pending_ids`): n-gram
+    speculation (`ctx.spec` = (k, False), set before warm-up) on one stage."""
+    spec = getattr(ctx, "spec", None)
+    return spec is not None and not spec[1] and len(ctx.stages) == 1
+
+
 def step_fn(ctx, s: int, decode: bool):
     st = ctx.stages[s]
     return cached(ctx, ("step", s, decode), lambda: jax.jit(functools.partial(
         step_body, ctx.layout, st.graphdef, st.treedef, st.pack, st.first, st.last, ctx.attention_modes[decode],
-        st.mesh, decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T",)))
+        st.mesh, decode, ctx.kv_chunk_blocks, shifted=takes_accepted_counts(ctx)), donate_argnums=(1,),
+        static_argnames=("T",)))
 
 
 def research_step_fn(ctx, decode: bool):
@@ -115,7 +124,8 @@ def research_step_fn(ctx, decode: bool):
     st = ctx.stages[0]
     return cached(ctx, ("step_research", decode), lambda: jax.jit(functools.partial(
         step_body, ctx.layout, st.graphdef, st.treedef, st.pack, st.first, st.last, ctx.attention_modes[decode],
-        st.mesh, decode, ctx.kv_chunk_blocks), donate_argnums=(1,), static_argnames=("T", "capture")))
+        st.mesh, decode, ctx.kv_chunk_blocks, shifted=takes_accepted_counts(ctx)), donate_argnums=(1,),
+        static_argnames=("T", "capture")))
 
 
 def logits_fn(ctx):
@@ -252,8 +262,9 @@ register(ProgramKind("prompt_lp", _prompt_lp_signature,
 # ---------------------------------------------------------------------------- speculative decoding
 def _spec_verify_signature(ctx, key) -> Signature:
     """spec_verify[T, k, draft_probs, want_lp, all greedy] (head_w, hidden[T], idx[R, k+1], draft[R, k],
-    num_draft[R], SamplingBatch[R], draft probs [max_num_seqs, k, V] | None, q_rows[R] | None) ->
-    (tokens[R, k+1], num_accepted[R], logprobs | None): `jvllm.spec_decode.rejection.verify_body`."""
+    num_draft[R], SamplingBatch[R], base_pad[max_num_seqs], draft probs [max_num_seqs, k, V] | None,
+    q_rows[R] | None) -> (tokens[R, k+1], num_accepted[R], logprobs | None, next_pad[max_num_seqs]):
+    `jvllm.spec_decode.rejection.verify_body`."""
     from jvllm.spec_decode.rejection import verify_body
 
     T, k, probs, want_lp, greedy = key
@@ -269,7 +280,8 @@ def _spec_verify_signature(ctx, key) -> Signature:
     q = _sds((ctx.max_num_seqs, k, V), jnp.float32, shard) if probs else None
     q_rows = _sds((R,), i32, shard) if probs else None
     return Signature(fn, (_like(ctx.head_w), _sds((T, ctx.cfg.hidden_size), ctx.dtype, shard),
-                          _sds((R, k + 1), i32, shard), _sds((R, k), i32, shard), _sds((R,), i32, shard), sb, q, q_rows),
+                          _sds((R, k + 1), i32, shard), _sds((R, k), i32, shard), _sds((R,), i32, shard), sb,
+                          _sds((ctx.max_num_seqs,), i32, shard), q, q_rows),
                      tuple(last.devices()))
 
 
