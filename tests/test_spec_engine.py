@@ -176,9 +176,9 @@ def test_async_steps_dispatch_ahead_with_guessed_drafts_and_after_verify_steps(t
     """Speculation on (no disable_by_batch_size) with the async loop: the step after a plain step
     is dispatched ahead of it, its rows drafted past their pending token with that token guessed
     (`propose_after_pending`); the step after a speculating step is dispatched ahead of it too, each
-    greedy verified row laid out as if no draft were accepted and moved on the device by its
-    accepted count (`pending_ids`), its entry moved when the verify step is read (`follow`), across
-    block boundaries (blocks of 4 tokens). Outputs equal the plain engine's, and drafts placed after
+    greedy verified row laid out as if no draft were accepted (with drafts guessed as if all were)
+    and moved on the device by its accepted count (`pending_ids`), its entry moved when the verify
+    step is read (`follow`), across block boundaries (blocks of 4 tokens). Outputs equal the plain engine's, and drafts placed after
     a pending token are accepted (the input layout puts the pending token first). A distinct-token
     prompt with prompt_lookup_min 2 cannot match after its prefill, so its decode steps run ahead
     without drafts. Sampled verified rows wait for the next step (their draw's counter)."""
@@ -197,15 +197,20 @@ def test_async_steps_dispatch_ahead_with_guessed_drafts_and_after_verify_steps(t
             return h
 
         e.dispatch_ahead = spy
-        moved = []  # (accepted, start as laid out, its block changed) of each followed verified row
+        moved = []  # (accepted, start as laid out, its block changed, greedy) of each followed verified row
+        follows, follow_acc = set(), []  # followed rows with guessed drafts; their accepted counts
         orig_acc = e.scheduler.accept_speculated
 
         def spy_acc(s, a):
             f = s.follow
             st = None if f is None else f.start
+            if id(s) in follows:
+                follow_acc.append(a)
             orig_acc(s, a)
             if f is not None:
                 moved.append((a, st, st // 4 != f.start // 4, s.req.params.greedy))
+                if f.spec_token_ids:
+                    follows.add(id(f))
 
         e.scheduler.accept_speculated = spy_acc
         assert _ids(llm, PROMPTS[2:]) == want[2:]
@@ -219,6 +224,7 @@ def test_async_steps_dispatch_ahead_with_guessed_drafts_and_after_verify_steps(t
         assert any(pd and d for pd, d, _ in seen), "no step was dispatched ahead of a speculating one"
         assert any(g for _, _, g in seen), "no step ahead of a plain one got guessed drafts"
         assert any(a > 0 for a, _, _, _ in moved) and any(c for _, _, c, _ in moved), moved
+        assert any(a > 0 for a in follow_acc), "no draft guessed after a verify step was accepted"
         assert 0 < st["num_ahead_steps"] - st0["num_ahead_steps"] < st["num_steps"] - st0["num_steps"]
         # batch 1 (the B1 shape), and every max_tokens near a verify step's end
         moved.clear()

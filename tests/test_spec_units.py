@@ -316,9 +316,10 @@ def test_rejection_sampler_greedy_keeps_the_longest_matching_prefix():
 @pytest.mark.parametrize("query_tile, decode", [(4, False), (1, True)])
 def test_take_pending_moves_verified_rows_by_their_accepted_count(query_tile, decode):
     """A step laid out with each pending row at its no-draft-accepted position reads, from prev_tok,
-    the ids and the accepted counts (`pending_ids.encode`): its positions and KV slots then equal the
-    metadata of the batch laid out at the moved positions, across block boundaries; rows without a
-    count (plain sampled ids, host tokens) keep theirs."""
+    the ids and the accepted counts (`pending_ids.encode`): the positions and KV slots of every
+    token of such a row (its drafts too) then equal the metadata of the batch laid out at the moved
+    positions, across block boundaries; rows without a count (plain sampled ids, host tokens) keep
+    theirs."""
     import jax.numpy as jnp
 
     from jvllm.ops.attention import build_metadata
@@ -328,25 +329,30 @@ def test_take_pending_moves_verified_rows_by_their_accepted_count(query_tile, de
     rng = np.random.default_rng(0)
     tables = rng.permutation(np.arange(1, nb))[:R * W].reshape(R, W).astype(np.int32)
     # rows: a prefill chunk of 5 host tokens (decode steps: one token each), then pending rows
-    starts = np.array([3, 7, 10, 11]) if decode else np.array([0, 7, 10, 11])
-    ns = np.array([1, 1, 1, 1]) if decode else np.array([5, 1, 1, 1])
-    accepted = np.array([0, 2, 3, 0])      # row 1: 7 -> 9 and row 2: 10 -> 13 change blocks
+    starts = np.array([3, 7, 12, 15]) if decode else np.array([0, 7, 12, 15])
+    # mixed step: a prefill chunk of 5 host tokens, then row 1's pending token with 2 drafts after it
+    ns = np.array([1, 1, 1, 1]) if decode else np.array([5, 3, 1, 1])
+    accepted = np.array([0, 2, 3, 0])      # row 1: 7 -> 9 and row 2: 12 -> 15 change blocks
     NT = R if decode else R + -(-T // query_tile)
     kw = dict(T=T, query_tile=query_tile, num_tiles=NT, block_size=bs, num_blocks=nb)
     md = build_metadata(starts, ns, tables, **kw)
     want = build_metadata(starts + accepted, ns, tables, **kw)
-    tokens = np.zeros(T, np.int32)
+    tokens = np.arange(T, dtype=np.int32) + 1000
     src = np.full(T, -1, np.int32)
     first = int(ns[0])
-    src[first:first + 3] = [2, 0, 5]       # rows 1..3 take ids from prev rows 2, 0, 5
+    at = first + np.concatenate([[0], np.cumsum(ns[1:])[:-1]])  # the first token of rows 1..3
+    src[at] = [2, 0, 5]                    # rows 1..3 take their first id from prev rows 2, 0, 5
     prev = np.zeros(8, np.int32)
     prev[[2, 0, 5]] = [encode(np.int32(101), 2), encode(np.int32(202), 3), 303]  # row 3: a plain sampled id
     jmd = type(md)(*(jnp.asarray(getattr(md, f)) for f in md.__dataclass_fields__))
     ids, out = take_pending(jnp.asarray(prev), jnp.asarray(src), jnp.asarray(tokens), jmd, bs, True)
-    assert list(np.asarray(ids)[first:first + 3]) == [101, 202, 303]
+    got = np.asarray(ids)
+    assert list(got[at]) == [101, 202, 303]
+    keep = src < 0
+    np.testing.assert_array_equal(got[keep], tokens[keep])  # host tokens (drafts too) as they are
     np.testing.assert_array_equal(np.asarray(out.positions), want.positions)
     np.testing.assert_array_equal(np.asarray(out.slot_mapping), want.slot_mapping)
     assert want.slot_mapping[first] // bs != md.slot_mapping[first] // bs  # a moved row changed blocks
     # unshifted programs read the ids as they are
     ids0, out0 = take_pending(jnp.asarray(prev), jnp.asarray(src), jnp.asarray(tokens), jmd, bs, False)
-    assert out0 is jmd and int(np.asarray(ids0)[first + 2]) == 303
+    assert out0 is jmd and int(np.asarray(ids0)[at[2]]) == 303

@@ -228,9 +228,10 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         Never preempts (the step ends where blocks run out). With speculative decoding, rows may
         get drafts past their pending token (`Speculator.propose_ahead`), and after a speculating
         `prev` (n-gram, one in-process stage: `runner.ahead_after_verify`; else None) each greedy
-        verified row runs one plain token laid out as if no draft were accepted: the device moves
-        it by the accepted count (`jvllm.worker.pending_ids`), and reading `prev` moves its entry
-        (`ScheduledRequest.follow`). Its blocks are allocated for every draft accepted. A verified
+        verified row runs its pending token (and drafts guessed as if every draft were accepted)
+        laid out as if no draft were accepted: the device moves the row by the accepted count
+        (`jvllm.worker.pending_ids`), and reading `prev` moves its entry (`ScheduledRequest.follow`).
+        Its blocks are allocated for every draft accepted. A verified
         row that is sampled (its draw's counter would need the count), or that could reach
         max_tokens / max_model_len with every draft accepted, waits for the next step."""
         verified = {id(s.req): s for s in prev.sched.scheduled if s.spec_token_ids}
@@ -250,13 +251,15 @@ class LLMEngine(StepCollect, WeightsAndSleep):
                 last.add(r)
         # drafts are verified after a whole step, never after a late sampler: a late step runs plain
         if self.speculator is not None and \
-                not self.speculator.propose_ahead(self.scheduler, prev.sched.scheduled, drafts=not late):
+                not self.speculator.propose_ahead(self.scheduler, prev.sched.scheduled, drafts=not late,
+                                                  skip=frozenset(last)):
             return None
         # counts as if `prev` were done (step_collect repeats this; it is idempotent); a verified
         # row as if no draft were accepted
         self.scheduler.update_after_step(prev.sched)
         for s in verified.values():
-            if s.req not in last and not self.scheduler.kv.allocate_slots(s.req, 1 + len(s.spec_token_ids)):
+            n = 1 + len(s.spec_token_ids) + len(s.req.spec_token_ids)  # every draft of both steps accepted
+            if s.req not in last and not self.scheduler.kv.allocate_slots(s.req, n):
                 last.add(s.req)
         sched = self.scheduler.schedule(skip=frozenset(last), allow_preempt=False, only=only)
         if sched.empty:

@@ -12,8 +12,9 @@ max_model_len.
 
 A step after a speculating one is dispatched ahead of it too where the runner can move a verified
 row by its accepted count on the device (n-gram on one in-process stage: `LLMEngine.dispatch_ahead`,
-`jvllm.worker.pending_ids`): each greedy verified row then runs one plain token, so it gets no
-drafts here (its tokens are not known). Otherwise that step runs on the synchronous path. A step
+`jvllm.worker.pending_ids`): each greedy verified row then runs its pending token with drafts
+guessed as if every draft of the verify step were accepted (a wrong guess costs acceptance only).
+Otherwise that step runs on the synchronous path. A step
 after a plain one is dispatched ahead of it (`propose_ahead`, called by the engine's `dispatch_ahead`): each row that could
 speculate then has one pending token (sampled by the step in flight, its id on the device), and the
 n-gram proposer drafts the positions after it with that token guessed (`propose_after_pending`),
@@ -56,26 +57,31 @@ class Speculator:
         n_out = req.num_output_tokens + pending
         return max(0, min(self.cfg.k, req.max_tokens - n_out - 1, req.length_cap - n_out - 1))
 
-    def propose_ahead(self, scheduler, prev_scheduled, drafts: bool = True) -> bool:
-        """Set every running request's `spec_token_ids` for a step dispatched ahead of the plain
-        step `prev_scheduled` (in flight). A candidate decodes after `prev` (computed = its tokens +
-        pending - 1), is speculable and has budget left; with its token in flight it gets
-        `propose_after_pending` drafts where `may_propose_after_pending` allows a match, without
-        one `propose`'s (its tokens are all known). Returns False, with every draft cleared, when
-        the step should wait for `prev` instead: a candidate and a proposer that cannot draft past
-        a pending token (a draft model). Hazard: `active` is judged now, before `prev`'s finished
-        requests leave (speculation may start a step late). `drafts=False`: every row runs plain."""
+    def propose_ahead(self, scheduler, prev_scheduled, drafts: bool = True, skip=frozenset()) -> bool:
+        """Set every running request's `spec_token_ids` for a step dispatched ahead of the step
+        `prev_scheduled` (in flight). A candidate decodes after `prev` (computed = its tokens +
+        pending - 1, plus the drafts it has in `prev`), is speculable and has budget left even if
+        `prev` accepts every draft; with its token in flight it gets `propose_after_pending` drafts
+        (after `prev`'s drafts, as if all were accepted: a row verified in `prev`; otherwise where
+        `may_propose_after_pending` allows a match), without one `propose`'s (its tokens are all
+        known). Returns False, with every draft cleared, when the step should wait for `prev`
+        instead: a candidate and a proposer that cannot draft past a pending token (a draft model).
+        Hazard: `active` is judged now, before `prev`'s finished requests leave (speculation may
+        start a step late). `drafts=False`: every row runs plain; `skip`: requests left out."""
         _clear(scheduler)
         if not drafts or not self.active(scheduler):
             return True
         p = self.proposer
         guess = getattr(p, "propose_after_pending", None)
-        after = {id(s.req): s.start + s.num_tokens for s in prev_scheduled}
+        prev = {id(s.req): s for s in prev_scheduled}
         for r in scheduler.running:
             pend = r.num_pending
-            if after.get(id(r), r.num_computed_tokens) != r.num_tokens + pend - 1 or not speculable(r):
+            s = prev.get(id(r))
+            d = len(s.spec_token_ids) if s is not None else 0
+            after = s.start + s.num_tokens if s is not None else r.num_computed_tokens
+            if r in skip or after != r.num_tokens + pend - 1 + d or not speculable(r):
                 continue
-            b = self.budget(r, pend)
+            b = self.budget(r, pend + d)
             if b <= 0:
                 continue
             if guess is None or pend > 1:
@@ -83,6 +89,8 @@ class Speculator:
                 return False
             if not pend:
                 r.spec_token_ids = p.propose(r.all_token_ids, b)
+            elif d:
+                r.spec_token_ids = guess(r.all_token_ids + s.spec_token_ids, b)
             elif p.may_propose_after_pending(r):
                 r.spec_token_ids = guess(r.all_token_ids, b)
         return True

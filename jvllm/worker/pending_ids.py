@@ -8,9 +8,9 @@ verify step can be dispatched before the verify step is read: the host lays such
 no draft were accepted (position p), and `take_pending` moves its position to p + a and recomputes
 its KV slot from the row's block table, which the host made long enough for a = d (every draft).
 
-Hazard: every token that takes its id from the step before must be its request's only token of the
-step (the moved position is not propagated to later tokens of the same request), and the moved
-slot's block must be in the row's block table as sent; `LLMEngine.dispatch_ahead` ensures both.
+The shift moves every token of the row (the pending token first, then drafts). Hazard: a row with a
+pending token has no tokens before it in the step, and the moved slots' blocks must be in the row's
+block table as sent; `InputLayout.prepare` and `LLMEngine.dispatch_ahead` ensure both.
 Only the first stage reads the shift: steps that use it run on one stage.
 """
 from __future__ import annotations
@@ -37,11 +37,13 @@ def take_pending(prev, src, tokens, md, block_size: int, shifted: bool):
     if not shifted:
         return jnp.where(src >= 0, got, tokens), md
     ids = jnp.where(src >= 0, got & ID_MASK, tokens)
-    shift = jnp.where(src >= 0, got >> ID_BITS, 0)
     T = tokens.shape[0]
     NT, Qt = md.tile_token_idx.shape
+    R = md.block_tables.shape[0]
     # each token's request row, from the tiles (padding tiles point at T, dropped by the slice)
     row = jnp.zeros(T + 1, jnp.int32).at[md.tile_token_idx.reshape(-1)].set(jnp.repeat(md.tile_req, Qt))[:T]
+    row_shift = jnp.zeros(R, jnp.int32).at[row].max(jnp.where(src >= 0, got >> ID_BITS, 0))
+    shift = jnp.where(md.positions >= 0, row_shift[row], 0)
     pos = md.positions + shift
     W = md.block_tables.shape[1]
     blk = md.block_tables[row, jnp.minimum(pos // block_size, W - 1)]
