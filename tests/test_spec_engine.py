@@ -220,6 +220,10 @@ def test_async_steps_dispatch_ahead_with_guessed_drafts_and_after_verify_steps(t
         st0 = e.get_stats()
         assert _ids(llm) == want
         st = e.get_stats()
+        acc = ((st["spec_num_accepted_tokens"] - st0["spec_num_accepted_tokens"])
+               / max(1, st["spec_num_draft_tokens"] - st0["spec_num_draft_tokens"]))
+        # drafts guessed on a failed guess are dropped (`spec_premise`): chaining them gave 0.14 here
+        assert acc >= 0.3, acc
         assert st["spec_num_accepted_tokens"] > a0
         assert any(pd and d for pd, d, _ in seen), "no step was dispatched ahead of a speculating one"
         assert any(g for _, _, g in seen), "no step ahead of a plain one got guessed drafts"

@@ -163,6 +163,38 @@ def test_scheduler_gives_k_plus_one_tokens_and_rolls_back_rejected_drafts():
         sc.accept_speculated(s, 2)  # 9 computed of 9 tokens: the target's token was not appended
 
 
+def test_scheduler_moves_the_step_dispatched_ahead_of_a_verified_row():
+    """A verified row whose next step went ahead of it (its entry `follow`, laid out as if no draft
+    were accepted, with drafts of its own): reading the verify step moves that entry by the accepted
+    count and keeps the blocks of all its tokens (drafts too), giving back only blocks past them."""
+    sc, kv = _sched()
+    sc.add(_req("a", list(range(10, 16))))
+    sc.update_after_step(sc.schedule())
+    req = sc.running[0]
+    req.append_token(99, None, None)                 # 7 tokens, 6 computed
+    req.spec_token_ids = [1, 2, 3, 4, 5]
+    out = sc.schedule()
+    s = out.scheduled[0]                             # positions 6..11
+    sc.update_after_step(out)                        # as the engine does before dispatching ahead
+    req.num_pending = 1
+    assert kv.allocate_slots(req, 1 + 5 + 3)         # every draft of both steps accepted: up to 15
+    assert len(kv.block_ids(req)) == 4
+    req.spec_token_ids = [7, 8, 9]
+    f = sc.schedule(allow_preempt=False).scheduled[0]
+    assert (f.start, f.num_tokens, f.spec_token_ids) == (7, 4, [7, 8, 9])
+    s.follow = f
+    req.num_pending = 1                              # the verify step read: the ahead step's token remains
+    for t in (1, 2, 5):                              # two drafts accepted, then the target's token
+        req.append_token(t, None, None)
+    sc.accept_speculated(s, 2)
+    assert req.num_computed_tokens == 9 and f.start == 9  # f's tokens sit at 9..12
+    assert len(kv.block_ids(req)) == 4               # block 3 holds f's positions 12: kept
+    from jvllm.engine.scheduler import SchedulerOutput
+
+    sc.update_after_step(SchedulerOutput([f], [], 4))
+    assert req.num_computed_tokens == 10             # f's pending token, its drafts not yet accepted
+
+
 def dataclass_replace(s, **kw):
     import dataclasses
 

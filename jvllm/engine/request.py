@@ -136,6 +136,9 @@ class Request:
         self.sent_text_len = 0  # for DELTA outputs / streaming
         self.sent_token_len = 0
         self.spec_token_ids: list[int] = []  # speculative decoding: drafts proposed for the next step
+        # what those drafts assumed of tokens not known when they were proposed: (number of tokens
+        # known then, the ids assumed after them), or None (proposed from known tokens only)
+        self.spec_premise: tuple[int, tuple[int, ...]] | None = None
         self.grammar = None  # jvllm.structured.GrammarState of a constrained request (set by InputProcessor)
 
     # ------------------------------------------------------------------ state

@@ -42,6 +42,7 @@ class ScheduledRequest:
     # a verified row whose next step was dispatched before it was read: that step's entry of the
     # request, laid out as if no draft were accepted; `accept_speculated` moves its start
     follow: ScheduledRequest | None = None
+    premise: tuple | None = None  # the drafts' `Request.spec_premise`
 
 
 @dataclasses.dataclass
@@ -103,7 +104,7 @@ class Scheduler:
         spec = spec or []
         return ScheduledRequest(req, n, start, self.kv.block_ids(req),
                                 samples=start + n == req.num_tokens + req.num_pending + len(spec),
-                                spec_token_ids=spec)
+                                spec_token_ids=spec, premise=req.spec_premise if spec else None)
 
     def schedule(self, skip: frozenset = frozenset(), allow_preempt: bool = True,
                  only: int | None = None) -> SchedulerOutput:
@@ -238,8 +239,8 @@ class Scheduler:
         drafts' are given back. Blocks that hold only rejected tokens return to the pool; only
         blocks full of accepted tokens get prefix-cache hashes (their hashes are over the real
         token ids, appended before this call). A `follow` entry (the request's row in the step
-        dispatched ahead, its token in flight) moves by the accepted count, and the block of that
-        token's slot is kept."""
+        dispatched ahead, its tokens in flight) moves by the accepted count, and the blocks of those
+        tokens' slots are kept."""
         req = s.req
         d = len(s.spec_token_ids)
         if not 0 <= num_accepted <= d:
@@ -250,7 +251,9 @@ class Scheduler:
         if req.num_computed_tokens >= req.num_tokens:
             raise RuntimeError(f"request {req.request_id}: {req.num_computed_tokens} tokens computed of "
                                f"{req.num_tokens}; the token after the accepted drafts must be appended first")
+        keep = req.num_computed_tokens
         if s.follow is not None:
             s.follow.start += num_accepted
-        self.kv.trim(req, req.num_computed_tokens + req.num_pending)
+            keep = s.follow.start + s.follow.num_tokens  # its tokens (drafts too) are being written
+        self.kv.trim(req, keep)
         self.kv.cache_full_blocks(req, req.num_computed_tokens)

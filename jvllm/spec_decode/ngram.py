@@ -39,10 +39,15 @@ class NgramProposer:
         recurs with two known tokens after it. For x equal to the guess these continue the same
         earlier occurrence `propose(token_ids + [x])` may pick; they can differ from its (a more
         recent occurrence of a shorter n-gram, or a longer n-gram elsewhere)."""
+        return self.guess_after_pending(token_ids, max_tokens)[1]
+
+    def guess_after_pending(self, token_ids, max_tokens: int) -> tuple[int | None, list[int]]:
+        """(the guessed x, `propose_after_pending`'s drafts), or (None, []) when there are none."""
         k = min(self.k, max_tokens)
         if k <= 0:
-            return []
-        return _lookup(token_ids, k + 1, max(1, self.lo - 1), max(1, self.hi - 1))[1:]
+            return None, []
+        g = _lookup(token_ids, k + 1, max(1, self.lo - 1), max(1, self.hi - 1))
+        return (g[0], g[1:]) if len(g) > 1 else (None, [])
 
     def may_propose_after_pending(self, req) -> bool:
         """Whether `propose(req.all_token_ids + [x], m)` (m >= 1) can be non-empty for SOME token x

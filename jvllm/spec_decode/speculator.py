@@ -13,8 +13,9 @@ max_model_len.
 A step after a speculating one is dispatched ahead of it too where the runner can move a verified
 row by its accepted count on the device (n-gram on one in-process stage: `LLMEngine.dispatch_ahead`,
 `jvllm.worker.pending_ids`): each greedy verified row then runs its pending token with drafts
-guessed as if every draft of the verify step were accepted (a wrong guess costs acceptance only).
-Otherwise that step runs on the synchronous path. A step
+guessed as if every draft of the verify step were accepted, unless those drafts were themselves
+guessed on tokens now known to be wrong (a wrong guess costs acceptance only; a guess on a guess
+that failed would cost it on every later step). Otherwise that step runs on the synchronous path. A step
 after a plain one is dispatched ahead of it (`propose_ahead`, called by the engine's `dispatch_ahead`): each row that could
 speculate then has one pending token (sampled by the step in flight, its id on the device), and the
 n-gram proposer drafts the positions after it with that token guessed (`propose_after_pending`),
@@ -32,6 +33,15 @@ from jvllm.spec_decode.metrics import SpecStats
 def _clear(scheduler):
     for r in scheduler.running:
         r.spec_token_ids = []
+        r.spec_premise = None
+
+
+def holds(premise, token_ids) -> bool:
+    """Whether the tokens a proposal assumed (`Request.spec_premise`) are the ones now known."""
+    if premise is None:
+        return True
+    n, assumed = premise
+    return tuple(token_ids[n:n + len(assumed)]) == assumed
 
 
 def speculable(req) -> bool:
@@ -61,18 +71,20 @@ class Speculator:
         """Set every running request's `spec_token_ids` for a step dispatched ahead of the step
         `prev_scheduled` (in flight). A candidate decodes after `prev` (computed = its tokens +
         pending - 1, plus the drafts it has in `prev`), is speculable and has budget left even if
-        `prev` accepts every draft; with its token in flight it gets `propose_after_pending` drafts
-        (after `prev`'s drafts, as if all were accepted: a row verified in `prev`; otherwise where
-        `may_propose_after_pending` allows a match), without one `propose`'s (its tokens are all
-        known). Returns False, with every draft cleared, when the step should wait for `prev`
-        instead: a candidate and a proposer that cannot draft past a pending token (a draft model).
-        Hazard: `active` is judged now, before `prev`'s finished requests leave (speculation may
-        start a step late). `drafts=False`: every row runs plain; `skip`: requests left out."""
+        `prev` accepts every draft. With its token in flight it gets `guess_after_pending` drafts
+        (the pending token guessed too; `spec_premise` records what they assume): after `prev`'s
+        drafts as if all were accepted when those were proposed on what is now known to be its
+        tokens (`holds`), else after its known tokens where `may_propose_after_pending` allows a
+        match. Without one it gets `propose`'s (its tokens are all known). Returns False, with
+        every draft cleared, when the step should wait for `prev` instead: a candidate and a
+        proposer that cannot draft past a pending token (a draft model). Hazard: `active` is judged
+        now, before `prev`'s finished requests leave (speculation may start a step late).
+        `drafts=False`: every row runs plain; `skip`: requests left out."""
         _clear(scheduler)
         if not drafts or not self.active(scheduler):
             return True
         p = self.proposer
-        guess = getattr(p, "propose_after_pending", None)
+        guess = getattr(p, "guess_after_pending", None)
         prev = {id(s.req): s for s in prev_scheduled}
         for r in scheduler.running:
             pend = r.num_pending
@@ -89,10 +101,17 @@ class Speculator:
                 return False
             if not pend:
                 r.spec_token_ids = p.propose(r.all_token_ids, b)
-            elif d:
-                r.spec_token_ids = guess(r.all_token_ids + s.spec_token_ids, b)
+                continue
+            known = r.all_token_ids
+            if d and holds(s.premise, known):
+                ctx = known + s.spec_token_ids
             elif p.may_propose_after_pending(r):
-                r.spec_token_ids = guess(r.all_token_ids, b)
+                ctx = known
+            else:
+                continue
+            x, r.spec_token_ids = guess(ctx, b)
+            if r.spec_token_ids:
+                r.spec_premise = (len(known), tuple(ctx[len(known):]) + (x,))
         return True
 
     def candidates(self, scheduler) -> list:
