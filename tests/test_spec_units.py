@@ -345,7 +345,7 @@ def test_rejection_sampler_greedy_keeps_the_longest_matching_prefix():
 
 
 # ---------------------------------------------------------------------------- ids handed on the device
-@pytest.mark.parametrize("query_tile, decode", [(4, False), (1, True)])
+@pytest.mark.parametrize("query_tile, decode", [(4, False), (1, True), (1, False)])
 def test_take_pending_moves_verified_rows_by_their_accepted_count(query_tile, decode):
     """A step laid out with each pending row at its no-draft-accepted position reads, from prev_tok,
     the ids and the accepted counts (`pending_ids.encode`): the positions and KV slots of every
@@ -377,7 +377,7 @@ def test_take_pending_moves_verified_rows_by_their_accepted_count(query_tile, de
     prev = np.zeros(8, np.int32)
     prev[[2, 0, 5]] = [encode(np.int32(101), 2), encode(np.int32(202), 3), 303]  # row 3: a plain sampled id
     jmd = type(md)(*(jnp.asarray(getattr(md, f)) for f in md.__dataclass_fields__))
-    ids, out = take_pending(jnp.asarray(prev), jnp.asarray(src), jnp.asarray(tokens), jmd, bs, True)
+    ids, out = take_pending(jnp.asarray(prev), jnp.asarray(src), jnp.asarray(tokens), jmd, bs, True, decode)
     got = np.asarray(ids)
     assert list(got[at]) == [101, 202, 303]
     keep = src < 0

@@ -29,10 +29,11 @@ def encode(tok, accepted):
     return tok | (accepted << ID_BITS)
 
 
-def take_pending(prev, src, tokens, md, block_size: int, shifted: bool):
+def take_pending(prev, src, tokens, md, block_size: int, shifted: bool, decode: bool = False):
     """Input ids [T] (`prev[src[t]]` where src[t] >= 0, else `tokens[t]`) and the attention metadata
     with the positions and slots of shifted rows moved (`shifted`: decided at construction; False
-    reads the ids only, as every step without n-gram speculation does)."""
+    reads the ids only, as every step without n-gram speculation does). `decode`: the decode-only
+    variant (one token per row, tile n = token n), which needs no scatter."""
     got = prev[jnp.maximum(src, 0)]
     if not shifted:
         return jnp.where(src >= 0, got, tokens), md
@@ -40,10 +41,15 @@ def take_pending(prev, src, tokens, md, block_size: int, shifted: bool):
     T = tokens.shape[0]
     NT, Qt = md.tile_token_idx.shape
     R = md.block_tables.shape[0]
-    # each token's request row, from the tiles (padding tiles point at T, dropped by the slice)
-    row = jnp.zeros(T + 1, jnp.int32).at[md.tile_token_idx.reshape(-1)].set(jnp.repeat(md.tile_req, Qt))[:T]
-    row_shift = jnp.zeros(R, jnp.int32).at[row].max(jnp.where(src >= 0, got >> ID_BITS, 0))
-    shift = jnp.where(md.positions >= 0, row_shift[row], 0)
+    tok_shift = jnp.where(src >= 0, got >> ID_BITS, 0)
+    if decode:
+        n = min(NT, T)
+        row = jnp.zeros(T, jnp.int32).at[:n].set(md.tile_req[:n])
+        shift = tok_shift
+    else:  # each token's request row from the tiles (padding tiles point at T, dropped by the slice)
+        row = jnp.zeros(T + 1, jnp.int32).at[md.tile_token_idx.reshape(-1)].set(jnp.repeat(md.tile_req, Qt))[:T]
+        row_shift = jnp.zeros(R, jnp.int32).at[row].max(tok_shift)
+        shift = jnp.where(md.positions >= 0, row_shift[row], 0)
     pos = md.positions + shift
     W = md.block_tables.shape[1]
     blk = md.block_tables[row, jnp.minimum(pos // block_size, W - 1)]

@@ -54,7 +54,7 @@ def step_body(layout, graphdef, treedef, pack, first, last, attention, mesh, dec
 
     tokens, src, md = layout.unpack(packed, T, decode)
     if first:
-        x, md = pending_ids.take_pending(x, src, tokens, md, layout.block_size, shifted)
+        x, md = pending_ids.take_pending(x, src, tokens, md, layout.block_size, shifted, decode)
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, pack.unpack(params)))
     tap = HiddenTap() if capture else None
     hooks = Chain(Steer(*steer) if steer is not None else None, tap) if (tap or steer is not None) else None
