@@ -126,7 +126,7 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         # overlap_host_seconds: the part of host_seconds spent reading a step and building the next
         # step's sampling inputs while that step's forward was already enqueued (num_late_steps);
         # num_ahead_steps: steps dispatched while the step before them was in flight (the rest of
-        # num_steps waited for the host: synchronous steps, with speculation the drafting ones)
+        # num_steps waited for the host: synchronous steps, with a draft model the drafting ones)
         self.stats = dict(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0, num_requests=0,
                           host_seconds=0.0, device_wait_seconds=0.0, overlap_host_seconds=0.0, num_late_steps=0,
                           num_ahead_steps=0)
@@ -287,8 +287,8 @@ class LLMEngine(StepCollect, WeightsAndSleep):
             handle.late = False
 
     def _launch(self, sched, prev_run=None, late: bool = False, spec_q=None) -> StepHandle:
-        """`spec_q`: the draft model's probabilities for the verifier (never with `late`: speculating
-        steps are dispatched synchronously)."""
+        """`spec_q`: the draft model's probabilities for the verifier (never with `late`: a draft
+        model's steps are dispatched synchronously)."""
         try:
             spec = {} if spec_q is None else dict(spec_q=spec_q)  # plain steps: the runner's plain signature
             run = (self.runner.dispatch(sched.scheduled, prev=prev_run, late_sampling=True) if late

@@ -10,19 +10,19 @@ position; such requests run as plain rows, never an error), hidden-state capture
 as plain rows in the same batch. Drafts are capped so the request cannot pass max_tokens or
 max_model_len.
 
-A step after a speculating one is dispatched ahead of it too where the runner can move a verified
-row by its accepted count on the device (n-gram on one in-process stage: `LLMEngine.dispatch_ahead`,
-`jvllm.worker.pending_ids`): each greedy verified row then runs its pending token with drafts
-guessed as if every draft of the verify step were accepted, unless those drafts were themselves
-guessed on tokens now known to be wrong (a wrong guess costs acceptance only; a guess on a guess
-that failed would cost it on every later step). Otherwise that step runs on the synchronous path. A step
-after a plain one is dispatched ahead of it (`propose_ahead`, called by the engine's `dispatch_ahead`): each row that could
-speculate then has one pending token (sampled by the step in flight, its id on the device), and the
-n-gram proposer drafts the positions after it with that token guessed (`propose_after_pending`),
-only for rows where a match is possible at all (`may_propose_after_pending`, exact and
-incremental, so rows that cannot match cost no lookup). The verifier makes a wrong guess cost
-acceptance only. A draft model needs the pending token itself: with one, a step whose rows could
-speculate waits for the step before it.
+With n-gram drafts every step can be dispatched ahead of the one in flight (`propose_ahead`, called
+by the engine's `dispatch_ahead`). After a plain step, each row that could speculate has one
+pending token (sampled by the step in flight, its id on the device), and the proposer drafts the
+positions after it with that token guessed (`guess_after_pending`), only for rows where a match is
+possible at all (`may_propose_after_pending`, exact and incremental, so rows that cannot match
+cost no lookup). After a speculating step (where the runner can move a verified row by its
+accepted count on the device: n-gram on one in-process stage, `jvllm.worker.pending_ids`), each
+greedy verified row runs its pending token with drafts guessed as if every draft of the verify step
+were accepted, unless those drafts were themselves guessed on tokens now known to be wrong
+(`spec_premise`, `holds`): a guess on a guess that failed would cost acceptance on every later
+step. The verifier makes a wrong guess cost acceptance only. Otherwise (a draft model, which needs
+the pending token itself; sampled verified rows) a step whose rows could speculate waits for the
+step before it.
 """
 from __future__ import annotations
 
