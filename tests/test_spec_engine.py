@@ -270,3 +270,29 @@ def test_all_drafted_micro_batch_launches_no_sampler(base, ngram):
         assert calls and not any(all(c) for c in calls)  # none of them launched a sampler
     finally:
         ex.launch_sample = orig
+
+
+def test_abort_while_a_verify_step_is_in_flight_returns_every_block(target):
+    """A request aborted while a step that verifies its drafts is in flight: the step dispatched
+    ahead of it allocates nothing for the finished request, and every block comes back."""
+    llm = LLM(target, speculative_config=dict(NGRAM), async_scheduling=True, **KW)
+    try:
+        e = llm.llm_engine
+        pool = e.scheduler.kv.pool
+        free0 = pool.num_free
+        rid = e.add_request("r", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+        hit = False
+        for _ in range(40):
+            e.step()
+            h = e.loop._inflight
+            if h is not None and h.sched is not None and any(s.spec_token_ids for s in h.sched.scheduled):
+                e.abort_request(rid)
+                hit = True
+                break
+        assert hit, "no verify step was in flight"
+        while e.has_unfinished_requests() or e.loop.in_flight():
+            e.step()
+        e.drain()
+        assert pool.num_free == free0
+    finally:
+        llm.shutdown()

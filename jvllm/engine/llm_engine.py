@@ -234,7 +234,8 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         Its blocks are allocated for every draft accepted. A verified
         row that is sampled (its draw's counter would need the count), or that could reach
         max_tokens / max_model_len with every draft accepted, waits for the next step."""
-        verified = {id(s.req): s for s in prev.sched.scheduled if s.spec_token_ids}
+        verified = {id(s.req): s for s in prev.sched.scheduled
+                    if s.spec_token_ids and s.req.status is Status.RUNNING}
         if verified and not self.runner.ahead_after_verify:
             return None  # its accepted counts set this step's positions: wait for them
         last, late = set(), False
