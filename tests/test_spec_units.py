@@ -64,6 +64,48 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
         NgramProposer(2, 3, 2)
 
 
+def _lookup_reference(token_ids, k, lo, hi):
+    """The lookup by definition: every window of n tokens compared, n from hi down to lo."""
+    toks = np.asarray(token_ids, np.int64)
+    L = len(toks)
+    if k <= 0 or L < lo + 1:
+        return []
+    for n in range(min(hi, L - 1), lo - 1, -1):
+        win = np.lib.stride_tricks.sliding_window_view(toks[:L - 1], n)
+        hits = np.flatnonzero((win == toks[L - n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return [int(t) for t in toks[start:start + k]]
+    return []
+
+
+def test_ngram_lookup_equals_the_windowed_definition():
+    """The candidate-position lookup returns what comparing every window returns, on random short
+    sequences over tiny vocabularies (many overlapping and nested matches)."""
+    from jvllm.spec_decode.ngram import _lookup
+
+    rng = np.random.default_rng(1)
+    for _ in range(3000):
+        toks = [int(t) for t in rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(0, 30)))]
+        lo = int(rng.integers(1, 4))
+        hi, k = int(rng.integers(lo, 6)), int(rng.integers(0, 6))
+        assert _lookup(toks, k, lo, hi) == _lookup_reference(toks, k, lo, hi), (toks, k, lo, hi)
+        assert _lookup(np.asarray(toks, np.int32), k, lo, hi) == _lookup_reference(toks, k, lo, hi)
+
+
+def test_ngram_token_array_follows_the_request():
+    """`ids(req)` is the request's tokens as an array, extended as tokens are appended (kept per
+    request), with `extra` ids after them on request."""
+    p = NgramProposer(k=3, lookup_min=1, lookup_max=2)
+    r = _Req(list(range(10)))
+    np.testing.assert_array_equal(p.ids(r), np.arange(10))
+    r.all_token_ids += list(range(100, 300))
+    np.testing.assert_array_equal(p.ids(r), list(range(10)) + list(range(100, 300)))
+    np.testing.assert_array_equal(p.ids(r, [7, 8]), list(range(10)) + list(range(100, 300)) + [7, 8])
+    assert len(p.ids(r)) == 210  # extra is not kept
+    assert p.propose(p.ids(r, [3]), 2) == [4, 5]
+
+
 def test_ngram_propose_after_pending_guesses_the_pending_token():
     """Drafts for the positions after a token still in flight: the known tokens' longest suffix of
     lo - 1 .. hi - 1 tokens is looked up, the token after its latest occurrence is the guess for the

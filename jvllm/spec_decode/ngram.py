@@ -28,6 +28,24 @@ class NgramProposer:
         self.k, self.lo, self.hi = k, lookup_min, lookup_max
         # request -> [number of windows indexed, set of (lo-1)-grams that have a known next token]
         self._index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> [buffer, length]
+
+    def ids(self, req, extra=()) -> np.ndarray:
+        """`req.all_token_ids` (then `extra`) as an int32 array, kept per request and extended by
+        the tokens appended since the last call (`all_token_ids` only grows), so a lookup does not
+        convert the whole list each step."""
+        toks = req.all_token_ids
+        st = self._ids.get(req)
+        if st is None:
+            st = self._ids[req] = [np.empty(max(64, 2 * len(toks)), np.int32), 0]
+        buf, n = st
+        if len(toks) > n:
+            if len(toks) > len(buf):
+                buf = np.resize(buf, 2 * len(toks))
+            buf[n:len(toks)] = toks[n:]
+            st[0], st[1] = buf, len(toks)
+        out = buf[:len(toks)]
+        return np.concatenate([out, np.asarray(extra, np.int32)]) if len(extra) else out
 
     def propose(self, token_ids, max_tokens: int) -> list[int]:
         """Up to min(k, max_tokens) draft tokens continuing `token_ids`, or [] when no n-gram matches."""
@@ -79,17 +97,29 @@ class NgramProposer:
 
 def _lookup(token_ids, k: int, lo: int, hi: int) -> list[int]:
     """The up to k tokens after the most recent earlier occurrence of the longest suffix of
-    `token_ids` of lo..hi tokens; [] when none recurs (or k <= 0)."""
-    toks = np.asarray(token_ids, np.int64)
+    `token_ids` (a list or an int array) of lo..hi tokens; [] when none recurs (or k <= 0). One
+    pass over the tokens finds the earlier occurrences of the last token; the longer suffixes are
+    then checked at those positions only."""
+    toks = np.asarray(token_ids)
     L = len(toks)
     if k <= 0 or L < lo + 1:
         return []
-    for n in range(min(hi, L - 1), lo - 1, -1):
-        pat = toks[L - n:]
-        # windows starting at 0 .. L-n-1: every earlier occurrence (each has a next token)
-        win = np.lib.stride_tricks.sliding_window_view(toks[:L - 1], n)
-        hits = np.flatnonzero((win == pat).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return [int(t) for t in toks[start:start + k]]
+    top = min(hi, L - 1)
+    ends = np.flatnonzero(toks[:L - 1] == toks[L - 1])  # where an earlier window may end (ascending)
+    if not len(ends):
+        return []
+    matched = np.ones(len(ends), np.int64)              # suffix tokens matched backwards from each end
+    alive = np.ones(len(ends), bool)
+    for d in range(1, top):
+        at = ends - d
+        alive &= at >= 0
+        alive[alive] = toks[at[alive]] == toks[L - 1 - d]
+        if not alive.any():
+            break
+        matched += alive
+    for n in range(top, lo - 1, -1):
+        hit = np.flatnonzero(matched >= n)
+        if len(hit):
+            j = int(ends[hit[-1]])                        # the most recent window of n tokens ends at j
+            return [int(t) for t in toks[j + 1:j + 1 + k]]
     return []

@@ -100,18 +100,17 @@ class Speculator:
                 _clear(scheduler)
                 return False
             if not pend:
-                r.spec_token_ids = p.propose(r.all_token_ids, b)
+                r.spec_token_ids = p.propose(p.ids(r), b)
                 continue
-            known = r.all_token_ids
-            if d and holds(s.premise, known):
-                ctx = known + s.spec_token_ids
+            if d and holds(s.premise, r.all_token_ids):
+                extra = s.spec_token_ids
             elif p.may_propose_after_pending(r):
-                ctx = known
+                extra = []
             else:
                 continue
-            x, r.spec_token_ids = guess(ctx, b)
+            x, r.spec_token_ids = guess(p.ids(r, extra), b)
             if r.spec_token_ids:
-                r.spec_premise = (len(known), tuple(ctx[len(known):]) + (x,))
+                r.spec_premise = (r.num_tokens, tuple(extra) + (x,))
         return True
 
     def candidates(self, scheduler) -> list:
@@ -130,7 +129,7 @@ class Speculator:
         if hasattr(self.proposer, "propose_batch"):
             return self.proposer.propose_batch(reqs, [self.budget(r) for r in reqs], scheduler.running)
         for r in reqs:
-            r.spec_token_ids = self.proposer.propose(r.all_token_ids, self.budget(r))
+            r.spec_token_ids = self.proposer.propose(self.proposer.ids(r), self.budget(r))
         return None
 
     def emitted(self, s, res) -> list[int]:
