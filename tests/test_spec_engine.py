@@ -42,6 +42,17 @@ def ngram(target):
     llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ngram_async(target):
+    """The async loop: steps dispatched ahead of verify steps (`pending_ids`)."""
+    llm = LLM(target, speculative_config=NGRAM, async_scheduling=True, **KW)
+    yield llm
+    llm.shutdown()
+
+
+BOTH = pytest.mark.parametrize("engine", ["ngram", "ngram_async"])
+
+
 def _spec(llm) -> dict:
     return {k: v for k, v in llm.llm_engine.get_stats().items() if k.startswith("spec_")}
 
@@ -57,10 +68,13 @@ def test_ngram_greedy_is_token_identical_batched(base, ngram):
     assert [_ids(ngram, [p])[0] for p in PROMPTS] == want
 
 
-def test_ngram_prefix_cached_and_mixed_rows(base, ngram):
+@BOTH
+def test_ngram_prefix_cached_and_mixed_rows(base, engine, request):
     """The same prompts again hit the prefix cache (blocks hashed from accepted tokens only); rows
-    with a presence penalty run plain in the same batches."""
+    with a presence penalty run plain in the same batches (async: their steps sampled late)."""
+    ngram = request.getfixturevalue(engine)
     want = _ids(base)
+    _ids(ngram)
     hits = ngram.llm_engine.kv_manager.pool.prefix_hits
     assert _ids(ngram) == want
     assert ngram.llm_engine.kv_manager.pool.prefix_hits > hits
@@ -70,7 +84,11 @@ def test_ngram_prefix_cached_and_mixed_rows(base, ngram):
     assert [list(o.outputs[0].token_ids) for o in ngram.generate(PROMPTS, mixed, use_tqdm=False)] == want
 
 
-def test_ngram_logprobs_max_tokens_and_stop_tokens(base, ngram):
+@BOTH
+def test_ngram_logprobs_max_tokens_and_stop_tokens(base, engine, request):
+    """Logprobs of accepted drafts; max_tokens and a stop token inside a run of accepted drafts
+    (async: the step dispatched ahead of that verify step becomes a wasted row)."""
+    ngram = request.getfixturevalue(engine)
     sp = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, logprobs=2)
     a = base.generate(PROMPTS, sp, use_tqdm=False)
     b = ngram.generate(PROMPTS, sp, use_tqdm=False)
