@@ -430,3 +430,19 @@ def test_take_pending_moves_verified_rows_by_their_accepted_count(query_tile, de
     # unshifted programs read the ids as they are
     ids0, out0 = take_pending(jnp.asarray(prev), jnp.asarray(src), jnp.asarray(tokens), jmd, bs, False)
     assert out0 is jmd and int(np.asarray(ids0)[at[2]]) == 303
+
+
+def test_accepted_counts_are_read_only_where_they_fit():
+    """n-gram on one stage with ids below 2^24: the step programs read the counts; a draft model,
+    several stages or a larger vocabulary: they do not (the step after a verify step waits)."""
+    from types import SimpleNamespace as NS
+
+    from jvllm.worker.pending_ids import MAX_VOCAB
+    from jvllm.worker.programs import takes_accepted_counts
+
+    ctx = NS(spec=(4, False), stages=[0], cfg=NS(vocab_size=262_144))
+    assert takes_accepted_counts(ctx)
+    assert not takes_accepted_counts(NS(**(ctx.__dict__ | dict(spec=(4, True)))))
+    assert not takes_accepted_counts(NS(**(ctx.__dict__ | dict(stages=[0, 1]))))
+    assert not takes_accepted_counts(NS(**(ctx.__dict__ | dict(spec=None))))
+    assert not takes_accepted_counts(NS(**(ctx.__dict__ | dict(cfg=NS(vocab_size=MAX_VOCAB + 1)))))

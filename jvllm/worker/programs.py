@@ -105,9 +105,11 @@ def cached(ctx, k, build):
 
 def takes_accepted_counts(ctx) -> bool:
     """The step programs read verified rows' accepted counts from prev_tok (`pending_ids`): n-gram
-    speculation (`ctx.spec` = (k, False), set before warm-up) on one stage."""
+    speculation (`ctx.spec` = (k, False), set before warm-up) on one stage, with token ids that
+    leave the count its bits (`pending_ids.MAX_VOCAB`; else the step after a verify step waits)."""
     spec = getattr(ctx, "spec", None)
-    return spec is not None and not spec[1] and len(ctx.stages) == 1
+    return (spec is not None and not spec[1] and len(ctx.stages) == 1
+            and ctx.cfg.vocab_size <= pending_ids.MAX_VOCAB)
 
 
 def step_fn(ctx, s: int, decode: bool):
