@@ -64,19 +64,17 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
         NgramProposer(2, 3, 2)
 
 
-def _lookup_reference(token_ids, k, lo, hi):
-    """The lookup by definition: every window of n tokens compared, n from hi down to lo."""
-    toks = np.asarray(token_ids, np.int64)
-    L = len(toks)
-    if k <= 0 or L < lo + 1:
-        return []
-    for n in range(min(hi, L - 1), lo - 1, -1):
-        win = np.lib.stride_tricks.sliding_window_view(toks[:L - 1], n)
-        hits = np.flatnonzero((win == toks[L - n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return [int(t) for t in toks[start:start + k]]
-    return []
+def _windowed_lookup():
+    """The lookup by definition (every window of n tokens compared, n from hi down to lo): the
+    windowed function of benchmarks/probes/ngram_lookup.py, the proposer before 0bdf5f9."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "probes", "ngram_lookup.py")
+    spec = importlib.util.spec_from_file_location("ngram_lookup_probe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.windowed
 
 
 def test_ngram_lookup_equals_the_windowed_definition():
@@ -84,13 +82,14 @@ def test_ngram_lookup_equals_the_windowed_definition():
     sequences over tiny vocabularies (many overlapping and nested matches)."""
     from jvllm.spec_decode.ngram import _lookup
 
+    ref = _windowed_lookup()
     rng = np.random.default_rng(1)
     for _ in range(3000):
         toks = [int(t) for t in rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(0, 30)))]
         lo = int(rng.integers(1, 4))
         hi, k = int(rng.integers(lo, 6)), int(rng.integers(0, 6))
-        assert _lookup(toks, k, lo, hi) == _lookup_reference(toks, k, lo, hi), (toks, k, lo, hi)
-        assert _lookup(np.asarray(toks, np.int32), k, lo, hi) == _lookup_reference(toks, k, lo, hi)
+        assert _lookup(toks, k, lo, hi) == ref(toks, k, lo, hi), (toks, k, lo, hi)
+        assert _lookup(np.asarray(toks, np.int32), k, lo, hi) == ref(toks, k, lo, hi)
 
 
 def test_ngram_token_array_follows_the_request():
