@@ -231,9 +231,9 @@ class LLMEngine(StepCollect, WeightsAndSleep):
         verified row runs its pending token (and drafts guessed as if every draft were accepted)
         laid out as if no draft were accepted: the device moves the row by the accepted count
         (`jvllm.worker.pending_ids`), and reading `prev` moves its entry (`ScheduledRequest.follow`).
-        Its blocks are allocated for every draft accepted. A verified
-        row that is sampled (its draw's counter would need the count), or that could reach
-        max_tokens / max_model_len with every draft accepted, waits for the next step."""
+        Its blocks are allocated for every draft accepted. A verified row that is sampled (its
+        draw's counter would need the count), or that could reach max_tokens / max_model_len with
+        every draft accepted, waits for the next step."""
         verified = {id(s.req): s for s in prev.sched.scheduled
                     if s.spec_token_ids and s.req.status is Status.RUNNING}
         if verified and not self.runner.ahead_after_verify:
