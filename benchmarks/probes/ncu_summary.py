@@ -1,0 +1,112 @@
+"""Nsight Compute's raw CSV (`ncu --csv --page raw`) of some kernels -> one JSON row per kernel
+launch with what decides a kernel's speed: its time, DRAM bytes and achieved GB/s, the
+speed-of-light shares (memory, SM), occupancy and what limits it (registers, shared memory),
+the launch (grid, block, registers, shared memory) and the top warp stall reasons (cycles per
+issued instruction spent in each). Metrics that a section did not collect are left out.
+
+    python benchmarks/probes/ncu_summary.py OUT.json LABEL=ncu_raw.csv [LABEL=...] [--device NAME]
+
+The JSON: {"device", "tool": "ncu", "versions", "runs": {LABEL: [kernel rows]}}. Used by
+`benchmarks/scripts/ncu_kernels.sh`; the CSV is ncu's, not parsed anywhere else.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+KEEP = {  # column -> short name
+    "gpu__time_duration.sum": "time_us",
+    "dram__bytes_read.sum": "dram_read",
+    "dram__bytes_write.sum": "dram_write",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "memory_sol_pct",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_sol_pct",
+    "lts__t_sector_hit_rate.pct": "l2_hit_pct",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
+    "sm__maximum_warps_per_active_cycle_pct": "theoretical_occupancy_pct",
+    "launch__grid_size": "grid",
+    "launch__block_size": "block",
+    "launch__registers_per_thread": "registers",
+    "launch__shared_mem_per_block_dynamic": "smem_dynamic",
+    "launch__shared_mem_per_block_static": "smem_static",
+    "launch__occupancy_limit_registers": "blocks_per_sm_by_registers",
+    "launch__occupancy_limit_shared_mem": "blocks_per_sm_by_smem",
+    "launch__occupancy_limit_warps": "blocks_per_sm_by_warps",
+    "launch__waves_per_multiprocessor": "waves",
+    "smsp__average_warp_latency_per_inst_issued.ratio": "cycles_per_issue",
+}
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+UNIT_SCALE = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-3, "usecond": 1,
+              "msecond": 1e3, "second": 1e6}
+
+
+def _num(s: str):
+    s = s.strip().replace(",", "")
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
+def parse(path: str) -> list[dict]:
+    """ncu's raw CSV: a header row of metric names, a row of units, then one row per kernel."""
+    with open(path, newline="") as f:
+        lines = [ln for ln in f if ln.startswith('"')]  # ncu's own log lines ("==PROF==") are not CSV
+    rows = list(csv.reader(lines))
+    if len(rows) < 2:
+        return []
+    head, units, out = rows[0], rows[1], []
+    for r in rows[2:]:
+        rec = dict(zip(head, r))
+        unit = dict(zip(head, units))
+        k = {"kernel": rec.get("Kernel Name", "")[:120], "id": rec.get("ID")}
+        for col, short in KEEP.items():
+            v = _num(rec.get(col, ""))
+            if v is None:
+                continue
+            if short == "time_us" or short.startswith("dram_r") or short.startswith("dram_w"):
+                v *= UNIT_SCALE.get(unit.get(col, ""), 1)
+            k[short] = round(v, 3)
+        if k.get("time_us") and ("dram_read" in k or "dram_write" in k):
+            k["dram_GBps"] = round((k.get("dram_read", 0) + k.get("dram_write", 0)) / (k["time_us"] * 1e3), 1)
+        stalls = {c[len(STALL_PREFIX):-len(STALL_SUFFIX)]: _num(rec[c]) for c in head
+                  if c.startswith(STALL_PREFIX) and c.endswith(STALL_SUFFIX) and _num(rec.get(c, "")) is not None
+                  and "_not_issued" not in c}
+        top = sorted(stalls.items(), key=lambda kv: -kv[1])[:6]
+        if top:
+            k["top_stalls"] = {name: round(v, 2) for name, v in top}
+        out.append(k)
+    return out
+
+
+def main(argv=None):
+    args = list(sys.argv[1:] if argv is None else argv)
+    device = None
+    if "--device" in args:
+        i = args.index("--device")
+        device = args[i + 1]
+        del args[i:i + 2]
+    if len(args) < 2 or any("=" not in a for a in args[1:]):
+        raise SystemExit(__doc__)
+    res = {"device": device, "tool": "ncu", "runs": {}}
+    try:
+        import jax
+
+        res["versions"] = {"jax": jax.__version__}
+    except ImportError:
+        pass
+    for a in args[1:]:
+        label, path = a.split("=", 1)
+        try:
+            res["runs"][label] = parse(path)
+        except OSError as e:
+            res["runs"][label] = {"error": str(e)}
+        for k in res["runs"][label] if isinstance(res["runs"][label], list) else []:
+            print(label, json.dumps(k), flush=True)
+    with open(args[0], "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
