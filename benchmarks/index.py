@@ -130,6 +130,15 @@ def _figures(d: dict) -> tuple[str, ...]:
         for row in d.get("results", []):
             out.append(f"S1 rate {row['request_rate']}: TTFT p50/p99 {row['ttft_ms_p50']:.0f}/{row['ttft_ms_p99']:.0f} ms, "
                        f"TPOT {row['tpot_ms_p50']:.1f}/{row['tpot_ms_p99']:.1f} ms, {row['request_throughput']:.1f} req/s")
+    elif d.get("tool") == "ncu":  # probes/ncu_summary.py: per kernel name, its mean time and DRAM rate
+        for label, rows in d["runs"].items():
+            by = {}
+            for k in rows if isinstance(rows, list) else []:
+                by.setdefault(k["kernel"], []).append(k)
+            for name, ks in by.items():
+                t = sum(k.get("time_us", 0) for k in ks) / len(ks)
+                bw = sum(k.get("dram_GBps", 0) for k in ks) / len(ks)
+                out.append(f"{label} {name} x{len(ks)}: {t:.1f} us, DRAM {bw:,.0f} GB/s")
     elif d.get("benchmark") == "cpu_vs_hf":
         out.append(f"jvllm {d['jvllm']['out_tok_s']:.0f} vs HF {d['hf']['out_tok_s']:.0f} out tok/s ({d['ratio']:.2f}x)")
     else:

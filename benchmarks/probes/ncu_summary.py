@@ -1,5 +1,5 @@
 """Nsight Compute's raw CSV (`ncu --csv --page raw`) of some kernels -> one JSON row per kernel
-launch with what decides a kernel's speed: its time, DRAM bytes and achieved GB/s, the
+launch with what decides a kernel's speed: its time, achieved DRAM GB/s (read and write), the
 speed-of-light shares (memory, SM), occupancy and what limits it (registers, shared memory),
 the launch (grid, block, registers, shared memory) and the top warp stall reasons (cycles per
 issued instruction spent in each). Metrics that a section did not collect are left out.
@@ -17,9 +17,8 @@ import sys
 
 KEEP = {  # column -> short name
     "gpu__time_duration.sum": "time_us",
-    "dram__bytes_read.sum": "dram_read",
-    "dram__bytes_write.sum": "dram_write",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
+    "dram__bytes.sum.per_second": "dram_GBps",
+    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct",
     "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "memory_sol_pct",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_sol_pct",
     "lts__t_sector_hit_rate.pct": "l2_hit_pct",
@@ -37,8 +36,9 @@ KEEP = {  # column -> short name
     "smsp__average_warp_latency_per_inst_issued.ratio": "cycles_per_issue",
 }
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
-UNIT_SCALE = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-3, "usecond": 1,
-              "msecond": 1e3, "second": 1e6}
+# to microseconds and GB/s (ncu 2025 writes "ns" and "byte/s"; older versions "nsecond", ...)
+UNIT_SCALE = {"ns": 1e-3, "nsecond": 1e-3, "us": 1, "usecond": 1, "ms": 1e3, "msecond": 1e3,
+              "byte/s": 1e-9, "Kbyte/s": 1e-6, "Mbyte/s": 1e-3, "Gbyte/s": 1, "Tbyte/s": 1e3}
 
 
 def _num(s: str):
@@ -65,11 +65,9 @@ def parse(path: str) -> list[dict]:
             v = _num(rec.get(col, ""))
             if v is None:
                 continue
-            if short == "time_us" or short.startswith("dram_r") or short.startswith("dram_w"):
+            if short in ("time_us", "dram_GBps"):
                 v *= UNIT_SCALE.get(unit.get(col, ""), 1)
             k[short] = round(v, 3)
-        if k.get("time_us") and ("dram_read" in k or "dram_write" in k):
-            k["dram_GBps"] = round((k.get("dram_read", 0) + k.get("dram_write", 0)) / (k["time_us"] * 1e3), 1)
         stalls = {c[len(STALL_PREFIX):-len(STALL_SUFFIX)]: _num(rec[c]) for c in head
                   if c.startswith(STALL_PREFIX) and c.endswith(STALL_SUFFIX) and _num(rec.get(c, "")) is not None
                   and "_not_issued" not in c}

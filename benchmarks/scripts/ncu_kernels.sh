@@ -16,6 +16,9 @@ source "$(dirname "$0")/device_env.sh"  # OUT, el, jvllm installed from this cop
 NCU=${NCU:-$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)}
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # kernel replay saves and restores what a kernel writes
+# XLA's GEMM autotuner times candidates with a delay kernel that timed out under ncu, and two of
+# three probes then died (segfault): under ncu XLA takes its default GEMMs, untuned
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats"
 labels=()
 prof() {  # prof <label> <kernel regex> <launch count> <probe args...>
@@ -30,7 +33,7 @@ for stage in ${STAGES:-moe walk fp8}; do
   case $stage in
     moe) prof moe "jvllm_grouped_matmul" 18 benchmarks/probes/moe_grouped_matmul.py --tokens 256,2048 --backends pallas --iters 2 \
            --out "$OUT/moe_gmm_ncu_probe.json" ;;
-    walk) prof walk "_walk|nvjet|xmma|gemm|cutlass" 60 benchmarks/probes/fixed_tile_probe.py --ms 2048 --time-ms 2048 --iters 1 \
+    walk) prof walk "jvllm_fixed_tile|nvjet|xmma|gemm|cutlass" 60 benchmarks/probes/fixed_tile_probe.py --ms 2048 --time-ms 2048 --iters 1 \
             --out "$OUT/fixed_tile_ncu_probe.json" ;;
     fp8) prof fp8 "jvllm_matmul_nk|gemv|nvjet|xmma|gemm|cutlass" 30 benchmarks/probes/fp8_decode_probe.py --tokens 1 --layers 4 \
            --iters 2 --shapes gate_up,down --cands nk:0:16:128:256:0:4:3:cvt16 --out "$OUT/fp8_ncu_probe.json" ;;
