@@ -11,20 +11,19 @@ Why: upstream XLA lowers `ragged_dot` on CUDA by expanding it to a dense product
 so a decode step would read all experts' weights; this kernel reads only the experts that own rows.
 
 Work decomposition (the megablox / tokamax "group metadata" tiling, written here for Triton): row
-tiles of `bm` rows are laid out per group (a group of s rows gets ceil(s / bm) tiles, starting at its
-first row), so no tile spans two groups' outputs and an empty group gets no tile. The tile table is
-built on the device from `group_sizes` with a static length (ceil(M / bm) + min(G, M), an upper
+tiles of `bm` rows are laid out per group (a group of s rows gets ceil(s / bm) tiles, starting at
+its first row), so no tile spans two groups' outputs and an empty group gets no tile. The tile table
+is built on the device from `group_sizes` with a static length (ceil(M / bm) + min(G, M), an upper
 bound on the tile count: a group of s > 0 rows takes fewer than s / bm + 1 tiles, and at most min(G,
 M) groups own rows); tiles past the real count do nothing, so the bound is the grid a decode step of
 few rows over many experts launches (with G in its place, a 1-token step of a top-8-of-128 layer ran
 129 row tiles for 9 possible ones). The grid is (N / bn, tile), column tiles fastest, so the
-programs that load one lhs row block run together and all but the first find it in L2 (at a
-2,048-token prefill chunk the lhs is larger than an H100's L2, and with row tiles fastest every
-column tile read it from DRAM again: Nsight Compute counted 629 MB moved for 403 MB of weights).
-Each program walks K in `bk` steps, loading a [bm, bk] block of lhs and the [bk, bn] block of its
-group's rhs, and stores only its own rows (masked). The lhs window of a tile is shifted to stay inside [0, M) (rows of
-neighbouring groups are loaded and computed, never stored), so no load or store is out of bounds,
-which keeps the interpreter (which clamps slices) and the GPU equal.
+programs that load one lhs row block run together and all but the first find it in L2 (a prefill
+chunk's lhs outgrows the L2; with row tiles fastest each column tile read it from DRAM again). Each
+program walks K in `bk` steps, loading a [bm, bk] block of lhs and the [bk, bn] block of its group's
+rhs, and stores only its own rows (masked). The lhs window of a tile is shifted to stay inside [0,
+M) (rows of neighbouring groups are loaded and computed, never stored), so no load or store is out
+of bounds, which keeps the interpreter (which clamps slices) and the GPU equal.
 
 Hazards: Triton blocks are powers of two >= 16; shapes whose K or N no such block divides fall back
 to `jax.lax.ragged_dot` (decided at trace time from static shapes, so once per compiled program).
