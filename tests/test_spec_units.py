@@ -102,6 +102,8 @@ def test_ngram_token_array_follows_the_request():
     np.testing.assert_array_equal(p.ids(r), list(range(10)) + list(range(100, 300)))
     np.testing.assert_array_equal(p.ids(r, [7, 8]), list(range(10)) + list(range(100, 300)) + [7, 8])
     assert len(p.ids(r)) == 210  # extra is not kept
+    r.all_token_ids += [50]  # overwrites the slot extra used
+    np.testing.assert_array_equal(p.ids(r), list(range(10)) + list(range(100, 300)) + [50])
     assert p.propose(p.ids(r, [3]), 2) == [4, 5]
 
 

@@ -33,19 +33,21 @@ class NgramProposer:
     def ids(self, req, extra=()) -> np.ndarray:
         """`req.all_token_ids` (then `extra`) as an int32 array, kept per request and extended by
         the tokens appended since the last call (`all_token_ids` only grows), so a lookup does not
-        convert the whole list each step."""
+        convert the whole list each step. `extra` is written past the kept tokens, not kept: the
+        returned view is valid until the next call for this request."""
         toks = req.all_token_ids
+        L, e = len(toks), len(extra)
         st = self._ids.get(req)
         if st is None:
-            st = self._ids[req] = [np.empty(max(64, 2 * len(toks)), np.int32), 0]
+            st = self._ids[req] = [np.empty(max(64, 2 * (L + e)), np.int32), 0]
         buf, n = st
-        if len(toks) > n:
-            if len(toks) > len(buf):
-                buf = np.resize(buf, 2 * len(toks))
-            buf[n:len(toks)] = toks[n:]
-            st[0], st[1] = buf, len(toks)
-        out = buf[:len(toks)]
-        return np.concatenate([out, np.asarray(extra, np.int32)]) if len(extra) else out
+        if L + e > len(buf):
+            buf = st[0] = np.resize(buf, 2 * (L + e))
+        if L > n:
+            buf[n:L] = toks[n:]
+            st[1] = L
+        buf[L:L + e] = extra
+        return buf[:L + e]
 
     def propose(self, token_ids, max_tokens: int) -> list[int]:
         """Up to min(k, max_tokens) draft tokens continuing `token_ids`, or [] when no n-gram matches."""
