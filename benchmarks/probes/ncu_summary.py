@@ -11,9 +11,9 @@ The JSON: {"device", "tool": "ncu", "versions", "runs": {LABEL: [kernel rows]}}.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import json
-import sys
 
 KEEP = {  # column -> short name
     "gpu__time_duration.sum": "time_us",
@@ -79,30 +79,26 @@ def parse(path: str) -> list[dict]:
 
 
 def main(argv=None):
-    args = list(sys.argv[1:] if argv is None else argv)
-    device = None
-    if "--device" in args:
-        i = args.index("--device")
-        device = args[i + 1]
-        del args[i:i + 2]
-    if len(args) < 2 or any("=" not in a for a in args[1:]):
-        raise SystemExit(__doc__)
-    res = {"device": device, "tool": "ncu", "runs": {}}
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("runs", nargs="+", metavar="LABEL=CSV")
+    ap.add_argument("--device")
+    a = ap.parse_args(argv)
+    if any("=" not in r for r in a.runs):
+        ap.error(f"each run is LABEL=CSV, got {a.runs}")
+    res = {"device": a.device, "tool": "ncu", "runs": {}}
     try:
         import jax
 
         res["versions"] = {"jax": jax.__version__}
     except ImportError:
         pass
-    for a in args[1:]:
-        label, path = a.split("=", 1)
-        try:
-            res["runs"][label] = parse(path)
-        except OSError as e:
-            res["runs"][label] = {"error": str(e)}
-        for k in res["runs"][label] if isinstance(res["runs"][label], list) else []:
+    for r in a.runs:
+        label, path = r.split("=", 1)
+        res["runs"][label] = parse(path)
+        for k in res["runs"][label]:
             print(label, json.dumps(k), flush=True)
-    with open(args[0], "w") as f:
+    with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
 
