@@ -95,10 +95,15 @@ def tiny_ref(tiny_prompts):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("case", ["chunked_prefill", "preemption"])
-def test_prompt_logprobs_across_modes(tiny_prompts, tiny_ref, case):
+@pytest.mark.parametrize("case", ["chunked_prefill", "preemption", "row_chunks"])
+def test_prompt_logprobs_across_modes(tiny_prompts, tiny_ref, case, monkeypatch):
     path, prompts = tiny_prompts
-    if case == "chunked_prefill":  # 16-token chunks, prefix cache on, every prompt run twice
+    if case == "row_chunks":  # the prompt-logprobs program over 16-row chunks of its 128-token step
+        from jvllm.worker import programs
+
+        monkeypatch.setattr(programs, "PROMPT_LP_CHUNK_ELEMS", 16 * 256)  # vocab 256
+        llm = _tiny(path, enable_prefix_caching=False, max_num_batched_tokens=128, token_buckets=(8, 128))
+    elif case == "chunked_prefill":  # 16-token chunks, prefix cache on, every prompt run twice
         llm = _tiny(path, max_num_batched_tokens=16, token_buckets=(8, 16))
     else:  # 12 usable blocks of 8 tokens: six prompts of 17-34 tokens generating 24 cannot all run
         llm = _tiny(path, num_gpu_blocks_override=13, block_size=8, max_model_len=96,
@@ -116,6 +121,29 @@ def test_prompt_logprobs_across_modes(tiny_prompts, tiny_ref, case):
     if case == "preemption":
         assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_blocks"] - 1
+
+
+def test_prompt_lp_row_chunks_match_one_pass():
+    """prompt_lp_body over padded row chunks gives each row what one pass over all rows gives."""
+    import jax
+    import jax.numpy as jnp
+
+    from jvllm.models.layers import LMHead
+    from jvllm.worker.programs import prompt_lp_body, prompt_lp_rows
+
+    assert prompt_lp_rows(8192, 151936) == 256 and prompt_lp_rows(512, 49152) == 512
+    assert prompt_lp_rows(100, 1000, budget=99_999) == 64 and prompt_lp_rows(5, 10**9) == 8
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    T, D, V = 50, 16, 300
+    w, h = jax.random.normal(k1, (D, V)), jax.random.normal(k2, (T, D))
+    t = jax.random.randint(k3, (T,), 0, V)
+    head = LMHead(tied=False)
+    one = prompt_lp_body(w, h, t, head=head, budget=T * V)
+    chunked = jax.jit(lambda w, h, t: prompt_lp_body(w, h, t, head=head, budget=8 * V))(w, h, t)  # 7 chunks, 6 rows padded
+    for a, b in zip(one, chunked):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    assert np.array_equal(np.asarray(one[2]), np.asarray(chunked[2])) and jnp.all(one[1] == chunked[1])
 
 
 def test_scheduler_caps_hits_to_recorded_prompt_logprobs():

@@ -14,7 +14,10 @@
                       compile on the first batch that needs one
   greedy[R]           (head_w, last_hidden[R]) -> ids, ids padded: argmax only (no lax.cond: on GPUs
                       XLA runs a cond by copying its predicate to the host and blocking on it)
-  prompt_lp[T]        (head_w, hidden[T], targets[T]) -> prompt logprobs (only when a request asks)
+  prompt_lp[T]        (head_w, hidden[T], targets[T]) -> prompt logprobs (only when a request asks),
+                      over row chunks of at most PROMPT_LP_CHUNK_ELEMS logits: a whole 8,192-token
+                      step's float32 logits of a 152k vocabulary would be 5 GB, unbounded by the KV
+                      pool's sizing (it counts the step and sampler programs)
 
 "ids padded" is [max_num_seqs]: the next step's prev_tok (one shape, so the step programs need no
 variant per request bucket). A program of a stage runs on that stage's devices; samplers and
@@ -84,8 +87,38 @@ def greedy_body(w, h, *, head, max_num_seqs):
     return tok, _pad_tok(tok, max_num_seqs)
 
 
-def prompt_lp_body(w, h, targets, *, head):
-    return logprob_outputs(head(w, h), targets, fixed_order=head.fixed_tile)  # batch-invariant mode
+PROMPT_LP_CHUNK_ELEMS = 2**26  # float32 logits of one prompt-logprobs chunk (256 MB)
+
+
+def prompt_lp_rows(T: int, V: int, budget: int = PROMPT_LP_CHUNK_ELEMS) -> int:
+    """Rows of one prompt-logprobs chunk: T when T x V fits `budget` logits, else the largest power
+    of two, at least 8, whose rows do (T is padded to a multiple of it)."""
+    if T * V <= budget:
+        return T
+    c = 8
+    while 2 * c * V <= budget:
+        c *= 2
+    return c
+
+
+def prompt_lp_body(w, h, targets, *, head, budget: int):
+    """logprob_outputs of hidden[T] through the head, `prompt_lp_rows` rows at a time (a lax.map:
+    one chunk's logits live at once). Each row's figures do not depend on the chunking (the head and
+    the log-softmax work row by row; batch-invariant mode sums in a fixed order)."""
+    T = h.shape[0]
+    V = jax.eval_shape(head, w, h[:1]).shape[-1]
+    c = prompt_lp_rows(T, V, budget)
+
+    def one(h, t):
+        return logprob_outputs(head(w, h), t, fixed_order=head.fixed_tile)  # batch-invariant mode
+
+    if c >= T:
+        return one(h, targets)
+    n = -(-T // c)
+    hp = jnp.pad(h, ((0, n * c - T), (0, 0))).reshape(n, c, h.shape[1])
+    tp = jnp.pad(targets, (0, n * c - T)).reshape(n, c)
+    outs = jax.lax.map(lambda a: one(*a), (hp, tp))
+    return tuple(o.reshape(n * c, *o.shape[2:])[:T] for o in outs)
 
 
 _cache_lock = threading.Lock()
@@ -228,7 +261,10 @@ def _greedy_signature(ctx, R) -> Signature:
 def _prompt_lp_signature(ctx, T) -> Signature:
     last = ctx.stages[-1]
     shard = last.sharding()
-    fn = cached(ctx, "prompt_lp", lambda: jax.jit(functools.partial(prompt_lp_body, head=LMHead.of(ctx.cfg))))
+    # the chunk budget as a partial keyword: the fingerprint sees it (a module global read while
+    # tracing it would not)
+    fn = cached(ctx, "prompt_lp", lambda: jax.jit(functools.partial(prompt_lp_body, head=LMHead.of(ctx.cfg),
+                                                                    budget=PROMPT_LP_CHUNK_ELEMS)))
     return Signature(fn, (_like(ctx.head_w), _sds((T, ctx.cfg.hidden_size), ctx.dtype, shard),
                                                 _sds((T,), jnp.int32, shard)), tuple(last.devices()))
 
