@@ -112,6 +112,8 @@ def test_prompt_logprobs_across_modes(tiny_prompts, tiny_ref, case, monkeypatch)
         outs = _run(llm, prompts, max_tokens=24, ignore_eos=True)
         again = _run(llm, prompts, max_tokens=2) if case == "chunked_prefill" else []
         stats = llm.get_stats()
+        if case == "row_chunks":  # the engine's program took the patched budget (16-row chunks at T=128)
+            assert llm.llm_engine.runner.jit_cache["prompt_lp"].__wrapped__.keywords["budget"] == 16 * 256
     finally:
         llm.shutdown()
     for o, ref in zip(outs, tiny_ref):

@@ -104,7 +104,9 @@ def prompt_lp_rows(T: int, V: int, budget: int = PROMPT_LP_CHUNK_ELEMS) -> int:
 def prompt_lp_body(w, h, targets, *, head, budget: int):
     """logprob_outputs of hidden[T] through the head, `prompt_lp_rows` rows at a time (a lax.map:
     one chunk's logits live at once). Each row's figures do not depend on the chunking (the head and
-    the log-softmax work row by row; batch-invariant mode sums in a fixed order)."""
+    the log-softmax work row by row; batch-invariant mode sums in a fixed order). Hazard: the map is
+    an HLO while loop, which XLA GPU runs with a host round trip a chunk; acceptable only because
+    this program runs just for steps where a request asks for prompt logprobs."""
     T = h.shape[0]
     V = jax.eval_shape(head, w, h[:1]).shape[-1]
     c = prompt_lp_rows(T, V, budget)
