@@ -3,14 +3,16 @@ CPU: close to a float64 product, and every row bit-equal whatever the number of 
 place among them (where XLA's dot is not), with and without split-K, for one weight and for a
 group of weights in one launch, and the split and walk launches bit-equal."""
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.ops.fixed_tile_matmul import (MIN_SPLIT_STEPS, ROW_TILE, TARGET_PROGRAMS, WALK_MIN_PROGRAMS, WALK_ROW_TILE, Tiles, fixed_tile_matmul,
-                                         fixed_tile_matmuls, launch_splits, row_tile, tiles)
+from jvllm.ops.fixed_tile_matmul import (MIN_SPLIT_STEPS, ROW_TILE, TARGET_PROGRAMS, WALK_LAUNCHES, WALK_MIN_PROGRAMS,
+                                         Launch, Tiles, fixed_tile_matmul, fixed_tile_matmuls, launch_shape,
+                                         launch_splits, tiles)
 
 RNG = np.random.default_rng(0)
 ROWS = 100
@@ -80,15 +82,39 @@ def test_launch_splits_from_the_number_of_programs():
     assert launch_splits(tiles(4096, 128256), 1, 1002) == 1  # S = 1 either way
 
 
-def test_row_tile_keeps_two_waves():
-    """The walk launch takes 64-row tiles only where they still give WALK_MIN_PROGRAMS programs
-    and M spans more than one 32-row tile; the split launch always keeps 32."""
-    t = tiles(4096, 4096)  # o: 32 column tiles
-    assert [row_tile(t, M, 32, 1) for M in (32, 192, 256, 448, 2048)] == [ROW_TILE, ROW_TILE, WALK_ROW_TILE,
-                                                                         WALK_ROW_TILE, WALK_ROW_TILE]
-    assert row_tile(t, 2048, 32, 8) == ROW_TILE  # a split launch
+def test_launch_shape_keeps_one_wave():
+    """A walk launch takes the first WALK_LAUNCHES shape that still gives WALK_MIN_PROGRAMS
+    programs, and only where M spans more than one ROW_TILE; a split launch keeps the tiles'."""
+    t = tiles(4096, 4096)  # o: 32 column tiles of 128
+    walk = WALK_LAUNCHES[-1]
+    shapes = [launch_shape(t, [4096], M, 1) for M in (32, 192, 2048)]
+    assert shapes[0] == shapes[1] == Launch(ROW_TILE, 128)
+    assert shapes[2].bm in {c.bm for c in WALK_LAUNCHES}
+    need = -(-WALK_MIN_PROGRAMS // (4096 // walk.bn))  # row tiles the last shape needs
+    assert launch_shape(t, [4096], need * walk.bm, 1).bm in {c.bm for c in WALK_LAUNCHES}
+    assert launch_shape(t, [4096], 2048, 8) == Launch(ROW_TILE, 128)  # a split launch
     lm = tiles(4096, 128256)
-    assert [row_tile(lm, M, 1002, 1) for M in (8, 32, 33)] == [ROW_TILE, ROW_TILE, WALK_ROW_TILE]
+    assert [launch_shape(lm, [128256], M, 1).bm for M in (8, 32)] == [ROW_TILE, ROW_TILE]
+    assert launch_shape(lm, [128256], 33, 1) == WALK_LAUNCHES[0]  # 1002 column tiles: the first shape
+    # the column cap picks a power-of-two tile of every weight, and S does not follow it
+    with mock.patch("jvllm.ops.fixed_tile_matmul.WALK_LAUNCHES", (Launch(64, 256, 8, 3),)):
+        assert launch_shape(tiles(4096, 4096, 1024, 1024), [4096, 1024, 1024], 2048, 1) == Launch(64, 256, 8, 3)
+        assert launch_shape(tiles(64, 96), [96], 2048, 1).bn == 32
+        assert tiles(4096, 4096).splits == t.splits
+
+
+def test_walk_shapes_keep_the_bits():
+    """Every walk shape (rows, column cap, warps, stages) computes the same bits as the split
+    launch: the shape picks the program, not the order of an element's sum."""
+    x = jnp.asarray(RNG.standard_normal((70, 1024)), jnp.bfloat16)
+    ws = [jnp.asarray(RNG.standard_normal((1024, n)) * 0.05, jnp.bfloat16) for n in (96, 48)]
+    ref = fixed_tile_matmuls(x, ws, launch="split", out_dtype=F32)
+    for shape in (Launch(64, 128), Launch(16, 64, 8, 4), Launch(32, 16)):
+        with mock.patch("jvllm.ops.fixed_tile_matmul.WALK_LAUNCHES", (shape,)), \
+             mock.patch("jvllm.ops.fixed_tile_matmul.WALK_MIN_PROGRAMS", 1):
+            got = fixed_tile_matmuls(x, ws, launch="walk", out_dtype=F32)
+        for g, r in zip(got, ref):
+            assert np.array_equal(np.asarray(g), np.asarray(r)), shape
 
 
 def test_split_output_dtype_is_one_rounding_of_the_float32_sum():
@@ -151,11 +177,13 @@ def test_lowers_to_triton_for_cuda(shape, transposed):
     assert f"grid_z = {tiles(K, N).splits} : i32" in text
 
 
-@pytest.mark.parametrize("M,launch,grid_x,grid_z", [(8, "auto", 1, 8), (512, "auto", 8, 1), (256, "auto", 4, 1),
-                                                    (8, "walk", 1, 1)])
-def test_group_lowers_to_triton_for_cuda(M, launch, grid_x, grid_z):
-    """q/k/v of an 8B in one launch, split (decode) and walk, through the Triton lowering: 64-row
-    tiles at 512 rows (8 x 48 programs), 32-row tiles at 256 (4 x 48 would be under two waves)."""
+@pytest.mark.parametrize("M,launch,grid_x,grid_z,warps", [(8, "auto", 1, 8, 4), (2048, "auto", 16, 1, 8),
+                                                          (512, "auto", 4, 1, 8), (256, "auto", 4, 1, 4),
+                                                          (8, "walk", 1, 1, 4)])
+def test_group_lowers_to_triton_for_cuda(M, launch, grid_x, grid_z, warps):
+    """q/k/v of an 8B in one launch, split (decode) and walk, through the Triton lowering: 128-row
+    tiles on 8 warps from 512 rows (4 x 48 programs), 64-row tiles on 4 warps at 256 (2 x 48 would
+    be under one wave)."""
     f = functools.partial(fixed_tile_matmuls, out_dtype=jnp.bfloat16, interpret=False, launch=launch)
     args = [jax.ShapeDtypeStruct((M, 4096), jnp.bfloat16)] + [jax.ShapeDtypeStruct((4096, N), jnp.bfloat16)
                                                                for N in (4096, 1024, 1024)]
@@ -163,6 +191,7 @@ def test_group_lowers_to_triton_for_cuda(M, launch, grid_x, grid_z):
     assert "__gpu$xla.gpu.triton" in text
     assert f"grid_x = {grid_x} : i32" in text
     assert "grid_y = 48 : i32" in text and f"grid_z = {grid_z} : i32" in text
+    assert f"num_warps = {warps} : i32" in text
 
 
 def test_gpu_probe_dry_run(tmp_path):

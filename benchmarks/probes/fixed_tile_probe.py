@@ -5,7 +5,7 @@ than interpret mode), with the error against XLA's float32 dot as a sanity check
 of the grouped launches (q/k/v, gate/up) against one launch per weight, and of the walk and split
 launches against XLA's bf16 dot at prefill sizes; (3) with --sweep, other launch configurations
 (row tile bm x column tile cap bn x warps x stages, patched into the module as both launches'
-row tile; the split count kept at the default's): ms per call and
+shape; the split count kept at the default's): ms per call and
 whether each gives the same bits as the default configuration (does the per-element rounding depend
 on the tile shape, i.e. may a configuration be chosen by M?). One JSON, rewritten after each group.
 
@@ -134,7 +134,7 @@ def _sweep(a, groups, time_ms, interpret, write, res):
 
     from jvllm.ops import fixed_tile_matmul as ftm
 
-    orig_bm, orig_walk, orig_col, orig_tiles = ftm.ROW_TILE, ftm.WALK_ROW_TILE, ftm._col_tile, ftm.tiles
+    orig_bm, orig_walk, orig_tiles = ftm.ROW_TILE, ftm.WALK_LAUNCHES, ftm.tiles
     sweep = res.setdefault("sweep", {})
     key = jax.random.PRNGKey(1)
     for name in a.sweep_groups.split(","):
@@ -149,16 +149,19 @@ def _sweep(a, groups, time_ms, interpret, write, res):
         rows = sweep.setdefault(name, {})
         S = orig_tiles(K, *Ns).splits  # kept: the sweep isolates the tile shape from the split count
         for cfg in ["default"] + a.sweep.split(","):
-            if cfg == "default":
-                bm, bn, warps, stages = orig_bm, 128, 4, 3
-                ftm.ROW_TILE, ftm._col_tile = orig_bm, orig_col
-            else:
+            warps = stages = None  # default: each launch's own shape
+            if cfg != "default":
                 bm, bn, warps, stages = (int(v) for v in cfg.split("x"))
-                ftm.ROW_TILE = ftm.WALK_ROW_TILE = bm  # both launches: `row_tile` picks the walk's
-                ftm._col_tile = lambda N, bn=bn: ftm._pow2_divisor(N, bn) or min(bn, 1 << (N.bit_length() - 1))
-                ftm.tiles = lambda K, *Ns, S=S: dataclasses.replace(orig_tiles(K, *Ns), splits=S)
+                # both launches: the split launch's row and column tiles, the only walk shape (the
+                # split count kept at the default's: the tiles' bn no longer decides it)
+                ftm.ROW_TILE, ftm.WALK_LAUNCHES = bm, (ftm.Launch(bm, bn, warps, stages),)
+                ftm.tiles = lambda K, *Ns, S=S, bn=bn: dataclasses.replace(
+                    orig_tiles(K, *Ns), bm=bm, bn=ftm._col_tiles(Ns, bn)[0], splits=S)
             try:
-                row = {"tiles": dataclasses.asdict(ftm.tiles(K, *Ns)), "walk_row_tile": ftm.WALK_ROW_TILE}
+                t = ftm.tiles(K, *Ns)
+                walk = ftm.launch_shape(t, Ns, 2048, 1)  # the walk's shape at a prefill chunk
+                row = {"tiles": dataclasses.asdict(t), "walk_launch_m2048": dataclasses.asdict(walk),
+                       "walk_row_tile": walk.bm}
                 for launch in a.sweep_launch.split(","):
                     fn = jax.jit(lambda x, *w, launch=launch: ftm.fixed_tile_matmuls(
                         x, w, w_transposed=tr, interpret=interpret, num_warps=warps, num_stages=stages, launch=launch))
@@ -172,7 +175,7 @@ def _sweep(a, groups, time_ms, interpret, write, res):
             except Exception as e:  # a configuration Triton refuses (registers, shared memory)
                 row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             finally:
-                ftm.ROW_TILE, ftm.WALK_ROW_TILE, ftm._col_tile, ftm.tiles = orig_bm, orig_walk, orig_col, orig_tiles
+                ftm.ROW_TILE, ftm.WALK_LAUNCHES, ftm.tiles = orig_bm, orig_walk, orig_tiles
             rows[cfg] = row
             print("sweep", name, cfg, row, flush=True)
             write()

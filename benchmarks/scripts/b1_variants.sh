@@ -22,7 +22,8 @@ parse() {  # NAME=MODEL[,K=V...] -> $name $model $envs
 common="--dtype bfloat16 --max-model-len ${MAX_LEN:-4096} --token-buckets 16,512"
 BEFORE_SITE=/tmp/b1_site_before
 case " $VARIANTS " in *BUILD=before*)
-  [ -d $BEFORE_SITE ] || python -m pip install -q --no-deps --no-build-isolation --no-compile --target $BEFORE_SITE \
+  rm -rf $BEFORE_SITE  # a warm machine keeps /tmp: the previous call's .before must not stand in
+  python -m pip install -q --no-deps --no-build-isolation --no-compile --target $BEFORE_SITE \
     "$(realpath ${BEFORE:-.before})" > "$OUT/pip_before.log" 2>&1 || { echo "pip failed for ${BEFORE:-.before}"; exit 1; } ;;
 esac
 for v in $VARIANTS; do

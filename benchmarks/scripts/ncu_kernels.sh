@@ -11,7 +11,9 @@
 #           down of the 8B, next to XLA's bf16 and fp8 dots
 # ncu runs with --clock-control none (the device README: leave the clocks alone) and kernel replay.
 # Env: NCU (default: ncu on PATH, else the newest /opt/nvidia/nsight-compute/*/ncu), STAGE_LIMIT (s, 150),
-# TREE (a folder holding another build's jvllm, e.g. a carried `git archive` in .before: the probes
+# WALK_ARGS (more probe arguments for the walk stage, e.g. a --sweep of tile configurations: give each
+# configuration its own bm x bn, since the kernel name carries those and not the warps or stages) and
+# WALK_LAUNCHES (the walk stage's --launch-count, 60), TREE (a folder holding another build's jvllm, e.g. a carried `git archive` in .before: the probes
 # import it instead of this tree's) and TAG (suffix of every output name, e.g. _before).
 set -u
 source "$(dirname "$0")/device_env.sh"  # OUT, el, jvllm installed from this copy
@@ -37,8 +39,8 @@ for stage in ${STAGES:-moe walk fp8}; do
   case $stage in
     moe) prof moe "jvllm_grouped_matmul" 18 benchmarks/probes/moe_grouped_matmul.py --tokens 256,2048 --backends pallas --iters 2 \
            --out "$OUT/moe_gmm_ncu_probe$TAG.json" ;;
-    walk) prof walk "jvllm_fixed_tile|nvjet|xmma|gemm|cutlass" 60 benchmarks/probes/fixed_tile_probe.py --ms 2048 --time-ms 2048 --iters 1 \
-            --out "$OUT/fixed_tile_ncu_probe$TAG.json" ;;
+    walk) prof walk "jvllm_fixed_tile|nvjet|xmma|gemm|cutlass" ${WALK_LAUNCHES:-60} benchmarks/probes/fixed_tile_probe.py --ms 2048 --time-ms 2048 --iters 1 \
+            ${WALK_ARGS:-} --out "$OUT/fixed_tile_ncu_probe$TAG.json" ;;
     fp8) prof fp8 "jvllm_matmul_nk|gemv|nvjet|xmma|gemm|cutlass" 30 benchmarks/probes/fp8_decode_probe.py --tokens 1 --layers 4 \
            --iters 2 --shapes gate_up,down --cands nk:0:16:128:256:0:4:3:cvt16 --out "$OUT/fp8_ncu_probe$TAG.json" ;;
   esac

@@ -29,10 +29,11 @@ Two launches compute exactly that sequence of float operations, chosen from M at
 The group's column tiles are laid end to end (weight 1's, then weight 2's, ...); a program
 branches on its column index to its weight. When no power of two >= 16 divides N_i, its last
 column tile's window is shifted left to end at N_i (columns of its neighbour are computed again,
-never stored). Rows past M are neither loaded (masked loads, zeros) nor stored: no padding. The
-walk launch covers WALK_ROW_TILE rows a program (prefill's faster tile) where M exceeds ROW_TILE
-and its row tiles times the column tiles still reach WALK_MIN_PROGRAMS, else ROW_TILE (`row_tile`):
-the row tile decides which program computes a row, not the order of any element's sum.
+never stored). Rows past M are neither loaded (masked loads, zeros) nor stored: no padding. A walk
+launch over more than ROW_TILE rows takes the first of WALK_LAUNCHES (program shapes for prefill:
+rows, column cap, warps, stages) whose programs still reach WALK_MIN_PROGRAMS, else the split
+launch's shape (`launch_shape`): the shape decides which program computes an element, not the order
+of its sum. S always comes from the default column tile (`tiles`), never from the launch's.
 
 S is the smallest power of two giving >= TARGET_PROGRAMS split-launch programs at one row tile
 (about two waves), as far as each range keeps >= MIN_SPLIT_STEPS bk steps; 1 for wide N (the LM
@@ -41,9 +42,10 @@ head). Grouping the narrow k/v projections with q is what gives them enough prog
 Hazards: K must have a power-of-two divisor >= 16 and each N_i must be >= 16 (Triton blocks),
 else a ValueError naming the shape. Triton addresses with int32 offsets: S * M * N_i (and M * K,
 K * N_i) must stay below 2**31. On GPUs the per-element order is fixed by this walk and by the
-tensor-core instruction Triton emits for a block with float32 accumulation. The two launches'
-row tiles differ (32, 64), so their bits agree only because that instruction's per-element
-rounding does not depend on the block shape: interpret mode cannot check that, the GPU probe
+tensor-core instruction Triton emits for a block with float32 accumulation. The launches' program
+shapes differ (32 rows on 4 warps; 64 on 4, 128 on 8 warps), so their bits agree only because that
+instruction's per-element rounding does not depend on the block shape or warp count: interpret
+mode cannot check that, the GPU probe
 `benchmarks/probes/fixed_tile_probe.py` does (bit equality across M, launches and tile shapes;
 run it on a new GPU or Triton before trusting the mode there). No atomics (each partial is stored
 by one program), so the result is also run-to-run deterministic.
@@ -73,16 +75,36 @@ TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs, at one row tile (
 MIN_SPLIT_STEPS = 8  # bk steps each split walks at least: keeps a split's pipeline full and
 #                      its float32 partial (4 bytes per element per split) small next to its work
 ROW_TILE = 32  # rows a split-launch program (decode) covers
-WALK_ROW_TILE = 64  # rows a walk-launch program covers at prefill sizes: faster than 32 there (its
-#                     weight block is reused over twice the rows); same bits
+COL_TILE = 128  # the column tile cap that `tiles` (and so S) is computed with
 
 
-WALK_MIN_PROGRAMS = TARGET_PROGRAMS // 2  # 64-row walk tiles down to about one wave: W1's 256-row
-#                     decode bucket streamed q/k/v, o and down at 0.8-0.9 TB/s on 32-row tiles
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """A program's shape: rows, columns (a cap: the group's largest power-of-two column tile up to
+    it), warps, software-pipeline stages. Changes the speed, never an element's bits."""
+    bm: int
+    bn: int
+    warps: int = 4
+    stages: int = 3
 
 
-def _col_tile(N: int) -> int:
-    return _pow2_divisor(N, 128) or min(128, 1 << (N.bit_length() - 1))
+# Walk-launch shapes, the first that still gives WALK_MIN_PROGRAMS programs wins: 128 x 128 tiles
+# on 8 warps with 4 pipeline stages (each thread holds two accumulators of 64 float32 registers, a
+# range's sum and the running total: 128 x 256 or 256 x 128 tiles spill), else 64 x 128 on 4 warps
+# (twice the rows of 32 for each weight block read). Same bits for any shape.
+WALK_LAUNCHES: tuple[Launch, ...] = (Launch(128, 128, 8, 4), Launch(64, 128))
+WALK_MIN_PROGRAMS = TARGET_PROGRAMS // 2  # about one wave: W1's 256-row decode bucket streamed
+#                     q/k/v, o and down at 0.8-0.9 TB/s on 32-row tiles
+
+
+def _col_tile(N: int, cap: int = COL_TILE) -> int:
+    return _pow2_divisor(N, cap) or min(cap, 1 << (N.bit_length() - 1))
+
+
+def _col_tiles(Ns: Sequence[int], cap: int) -> tuple[int, int]:
+    """(bn, column tiles of the group laid end to end) for a column cap."""
+    bn = min(_col_tile(N, cap) for N in Ns)
+    return bn, sum(-(-N // bn) for N in Ns)
 
 
 def tiles(K: int, *Ns: int) -> Tiles:
@@ -99,8 +121,8 @@ def tiles(K: int, *Ns: int) -> Tiles:
     for N in Ns:
         if N < 16:
             raise ValueError(f"fixed_tile_matmul: N={N} is below the smallest Triton block (16)")
-    bn = min(_col_tile(N) for N in Ns)
-    nk, col_tiles, s = K // bk, sum(-(-N // bn) for N in Ns), 1
+    bn, col_tiles = _col_tiles(Ns, COL_TILE)
+    nk, s = K // bk, 1
     while col_tiles * s < TARGET_PROGRAMS and nk % (2 * s) == 0 and nk // (2 * s) >= MIN_SPLIT_STEPS:
         s *= 2
     return Tiles(bm=ROW_TILE, bn=bn, bk=bk, splits=s)
@@ -112,13 +134,17 @@ def launch_splits(t: Tiles, M: int, col_tiles: int) -> int:
     return t.splits if -(-max(M, 1) // t.bm) * col_tiles < TARGET_PROGRAMS else 1
 
 
-def row_tile(t: Tiles, M: int, col_tiles: int, S: int) -> int:
-    """Rows a program covers: WALK_ROW_TILE for a walk launch (S == 1) of more than one ROW_TILE
-    whose WALK_ROW_TILE row tiles still give >= WALK_MIN_PROGRAMS programs, else t.bm. Any choice
-    gives the same bits (see the hazards above); this one only decides the speed."""
-    if S == 1 and M > t.bm and -(-M // WALK_ROW_TILE) * col_tiles >= WALK_MIN_PROGRAMS:
-        return WALK_ROW_TILE
-    return t.bm
+def launch_shape(t: Tiles, Ns: Sequence[int], M: int, S: int) -> Launch:
+    """The program shape of a call: for a walk launch (S == 1) over more than one ROW_TILE, the
+    first of WALK_LAUNCHES whose row tiles times column tiles reach WALK_MIN_PROGRAMS; else the
+    split launch's (t.bm, t.bn, 4 warps, 3 stages). Any choice gives the same bits (see the
+    hazards above); this one only decides the speed."""
+    if S == 1 and M > t.bm:
+        for cand in WALK_LAUNCHES:
+            bn, col_tiles = _col_tiles(Ns, cand.bn)
+            if -(-M // cand.bm) * col_tiles >= WALK_MIN_PROGRAMS:
+                return dataclasses.replace(cand, bn=bn)
+    return Launch(t.bm, t.bn)
 
 
 def _kernel(x_ref, *refs, t: Tiles, M: int, Ns: tuple, nk: int, walk: int, transposed: bool):
@@ -175,13 +201,14 @@ def _kernel(x_ref, *refs, t: Tiles, M: int, Ns: tuple, nk: int, walk: int, trans
 
 
 def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: bool = False, out_dtype=None,
-                       num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None,
+                       num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
                        launch: str = "auto") -> list[jax.Array]:
     """x [M, K] through each w_i [K, N_i] ([N_i, K] when `w_transposed`) in one launch -> a list
     of [M, N_i] in `out_dtype` (None: x's dtype); see the module docstring for the invariance
     contract. `interpret` None = interpret unless the default backend is a GPU. `launch`: "auto"
     (`launch_splits`), or "split" / "walk" to force one (tests and probes: both give the same
-    bits). ValueError on mismatched shapes or an unknown launch."""
+    bits). `num_warps` / `num_stages` None: the launch shape's (`launch_shape`); set, they override
+    it (probes). ValueError on mismatched shapes or an unknown launch."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -205,7 +232,9 @@ def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: b
     S = launch_splits(t, M, col_tiles) if launch == "auto" else t.splits if launch == "split" else 1
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    t = dataclasses.replace(t, bm=row_tile(t, M, col_tiles, S))
+    shape = launch_shape(t, Ns, M, S)
+    t = dataclasses.replace(t, bm=shape.bm, bn=shape.bn)
+    col_tiles = sum(-(-N // t.bn) for N in Ns)
     kernel = functools.partial(_kernel, t=t, M=M, Ns=tuple(Ns), nk=K // (t.splits * t.bk),
                                walk=t.splits // S, transposed=w_transposed)
     if S == 1:  # the kernel stores the outputs themselves
@@ -214,7 +243,9 @@ def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: b
     else:  # one float32 partial [M, N_i] per split
         out_specs = [pl.BlockSpec((pl.squeezed, M, N), lambda i, j, s: (s, 0, 0)) for N in Ns]
         out_shape = [jax.ShapeDtypeStruct((S, M, N), jnp.float32) for N in Ns]
-    name = (f"jvllm_fixed_tile_matmul_bm{t.bm}_bn{t.bn}_bk{t.bk}_s{t.splits}{'_walk' if S == 1 < t.splits else ''}"
+    warps, stages = num_warps or shape.warps, num_stages or shape.stages
+    name = (f"jvllm_fixed_tile_matmul_bm{t.bm}_bn{t.bn}_bk{t.bk}_s{t.splits}_nw{warps}_ns{stages}"
+            f"{'_walk' if S == 1 < t.splits else ''}"
             f"{f'_g{len(Ns)}' if len(Ns) > 1 else ''}{'_t' if w_transposed else ''}")
     outs = pl.pallas_call(
         kernel,
@@ -224,7 +255,7 @@ def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: b
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         name=name,
     )(x, *ws)
     if S == 1:
@@ -242,7 +273,7 @@ def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: b
 
 
 def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False, out_dtype=None,
-                      num_warps: int = 4, num_stages: int = 3, interpret: bool | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
                       launch: str = "auto") -> jax.Array:
     """x [M, K] @ w [K, N] (w [N, K] when `w_transposed`) -> [M, N]: `fixed_tile_matmuls` of one
     weight."""
