@@ -103,6 +103,32 @@ def test_launch_shape_keeps_one_wave():
         assert tiles(4096, 4096).splits == t.splits
 
 
+def test_walk_shape_fits_the_devices_shared_memory():
+    """A GPU whose blocks hold about 99 KB of shared memory (Ampere / Ada consumer parts) skips the
+    128 KB 128 x 128, 4-stage shape and takes the next; Hopper keeps it."""
+    from jvllm.ops import fixed_tile_matmul as ftm
+
+    t = tiles(4096, 14336, 14336)
+    big = ftm._smem_bytes(128, 128, t.bk, 4)
+    assert big == 128 * 1024 and ftm._smem_bytes(64, 128, t.bk, 3) <= 99 * 1024
+    for limit, bm in ((99 * 1024, 64), (227 * 1024, 128)):
+        with mock.patch.object(ftm, "WALK_LAUNCHES", (Launch(128, 128, 8, 4), Launch(64, 128))), \
+             mock.patch.object(ftm, "_smem_limit", lambda limit=limit: limit):
+            assert launch_shape(t, [14336, 14336], 2048, 1).bm == bm
+
+    class Dev:  # what jax reports for a CUDA device
+        platform, compute_capability = "gpu", "8.9"
+    ftm._smem_limit.cache_clear()
+    try:
+        with mock.patch.object(ftm.jax, "devices", lambda: [Dev()]):
+            assert ftm._smem_limit() == 99 * 1024
+            ftm._smem_limit.cache_clear()
+            Dev.compute_capability = "9.0"
+            assert ftm._smem_limit() == 227 * 1024
+    finally:
+        ftm._smem_limit.cache_clear()
+
+
 def test_walk_shapes_keep_the_bits():
     """Every walk shape (rows, column cap, warps, stages) computes the same bits as the split
     launch: the shape picks the program, not the order of an element's sum."""

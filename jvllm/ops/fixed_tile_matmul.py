@@ -136,15 +136,42 @@ def launch_splits(t: Tiles, M: int, col_tiles: int) -> int:
 
 def launch_shape(t: Tiles, Ns: Sequence[int], M: int, S: int) -> Launch:
     """The program shape of a call: for a walk launch (S == 1) over more than one ROW_TILE, the
-    first of WALK_LAUNCHES whose row tiles times column tiles reach WALK_MIN_PROGRAMS; else the
+    first of WALK_LAUNCHES whose row tiles times column tiles reach WALK_MIN_PROGRAMS and whose
+    pipeline fits the device's shared memory (`_smem_limit`); else the
     split launch's (t.bm, t.bn, 4 warps, 3 stages). Any choice gives the same bits (see the
     hazards above); this one only decides the speed."""
     if S == 1 and M > t.bm:
         for cand in WALK_LAUNCHES:
             bn, col_tiles = _col_tiles(Ns, cand.bn)
-            if -(-M // cand.bm) * col_tiles >= WALK_MIN_PROGRAMS:
+            if (-(-M // cand.bm) * col_tiles >= WALK_MIN_PROGRAMS
+                    and _smem_bytes(cand.bm, bn, t.bk, cand.stages) <= _smem_limit()):
                 return dataclasses.replace(cand, bn=bn)
     return Launch(t.bm, t.bn)
+
+
+def _smem_bytes(bm: int, bn: int, bk: int, stages: int, itemsize: int = 2) -> int:
+    """Shared memory a program's pipeline holds: `stages` copies of its x and w blocks."""
+    return stages * (bm * bk + bk * bn) * itemsize
+
+
+# Shared memory a block may use, by CUDA compute capability (major, minor): Hopper and A100 hold
+# the 128 KB of the 128 x 128, 4-stage walk; Ampere / Ada / consumer Blackwell parts (about
+# 99 KB) take the next shape. Unknown capabilities get the smallest.
+_SMEM_LIMIT = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024}
+_SMEM_DEFAULT = 99 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit() -> int:
+    """The default device's shared memory per block (no limit off GPUs: interpret mode)."""
+    d = jax.devices()[0]
+    if d.platform != "gpu":
+        return 1 << 62
+    try:
+        major, minor = (int(v) for v in str(getattr(d, "compute_capability", "")).split(".")[:2])
+    except ValueError:
+        return _SMEM_DEFAULT
+    return _SMEM_LIMIT.get((major, minor), _SMEM_DEFAULT)
 
 
 def _kernel(x_ref, *refs, t: Tiles, M: int, Ns: tuple, nk: int, walk: int, transposed: bool):
