@@ -107,6 +107,17 @@ def test_device_scripts_parse_source_their_env_and_name_existing_files():
             assert os.path.isfile(os.path.join(ROOT, path)), (s, path)
 
 
+def test_require_card_exits_before_installing(tmp_path):
+    """REQUIRE_CARD names the GPU a script needs: on any other machine (here, none) the sourced
+    device_env.sh exits 3 at once, before its pip install and before creating $OUT (a name no GPU has)."""
+    out = tmp_path / "out"
+    cmd = f'source "{os.path.join(SCRIPTS, "device_env.sh")}"; echo continued'
+    p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                       env={**os.environ, "REQUIRE_CARD": "NoSuchCard", "OUT": str(out), "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 3 and "continued" not in p.stdout and "REQUIRE_CARD=NoSuchCard" in p.stdout
+    assert not out.exists()
+
+
 def test_decode_sweep_finds_gpu_kernels_from_probes():
     p = subprocess.run([sys.executable, os.path.join(BENCH, "probes", "gpu_decode_sweep.py"), "--help"],
                        capture_output=True, text=True, timeout=300)

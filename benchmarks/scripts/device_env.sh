@@ -2,6 +2,12 @@
 # a stage-limit helper `left`, jvllm installed from this copy (editable; the device image has jax
 # but not jvllm), the server's wheels carried in .whl/ (the image lacks fastapi, starlette, uvicorn,
 # pydantic) on PYTHONPATH, and one compile cache directory for every run of the call.
+# REQUIRE_CARD (e.g. H200): exit 3 at once, before installing anything, unless the GPU's name
+# holds it (a call naming `nvidia-h200` may be given an H100).
+if [ -n "${REQUIRE_CARD:-}" ]; then
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  case "$card" in *"$REQUIRE_CARD"*) ;; *) echo "REQUIRE_CARD=$REQUIRE_CARD but the GPU is '${card:-none}': exit"; exit 3 ;; esac
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
