@@ -115,6 +115,8 @@ def test_walk_shape_fits_the_devices_shared_memory():
         with mock.patch.object(ftm, "WALK_LAUNCHES", (Launch(128, 128, 8, 4), Launch(64, 128))), \
              mock.patch.object(ftm, "_smem_limit", lambda limit=limit: limit):
             assert launch_shape(t, [14336, 14336], 2048, 1).bm == bm
+    with mock.patch.object(ftm, "_smem_limit", lambda: 227 * 1024):  # float32 blocks take twice the bytes
+        assert launch_shape(t, [14336, 14336], 2048, 1, (4, 4)) == Launch(64, 128)
 
     class Dev:  # what jax reports for a CUDA device
         platform, compute_capability = "gpu", "8.9"

@@ -134,24 +134,24 @@ def launch_splits(t: Tiles, M: int, col_tiles: int) -> int:
     return t.splits if -(-max(M, 1) // t.bm) * col_tiles < TARGET_PROGRAMS else 1
 
 
-def launch_shape(t: Tiles, Ns: Sequence[int], M: int, S: int) -> Launch:
+def launch_shape(t: Tiles, Ns: Sequence[int], M: int, S: int, itemsizes: tuple[int, int] = (2, 2)) -> Launch:
     """The program shape of a call: for a walk launch (S == 1) over more than one ROW_TILE, the
     first of WALK_LAUNCHES whose row tiles times column tiles reach WALK_MIN_PROGRAMS and whose
-    pipeline fits the device's shared memory (`_smem_limit`); else the
-    split launch's (t.bm, t.bn, 4 warps, 3 stages). Any choice gives the same bits (see the
-    hazards above); this one only decides the speed."""
+    pipeline fits the device's shared memory (`_smem_limit`; `itemsizes`: bytes of an x and of a w
+    element); else the split launch's (t.bm, t.bn, 4 warps, 3 stages). Any choice gives the same
+    bits (see the hazards above); this one only decides the speed."""
     if S == 1 and M > t.bm:
         for cand in WALK_LAUNCHES:
             bn, col_tiles = _col_tiles(Ns, cand.bn)
             if (-(-M // cand.bm) * col_tiles >= WALK_MIN_PROGRAMS
-                    and _smem_bytes(cand.bm, bn, t.bk, cand.stages) <= _smem_limit()):
+                    and _smem_bytes(cand.bm, bn, t.bk, cand.stages, *itemsizes) <= _smem_limit()):
                 return dataclasses.replace(cand, bn=bn)
     return Launch(t.bm, t.bn)
 
 
-def _smem_bytes(bm: int, bn: int, bk: int, stages: int, itemsize: int = 2) -> int:
+def _smem_bytes(bm: int, bn: int, bk: int, stages: int, x_item: int = 2, w_item: int = 2) -> int:
     """Shared memory a program's pipeline holds: `stages` copies of its x and w blocks."""
-    return stages * (bm * bk + bk * bn) * itemsize
+    return stages * (bm * bk * x_item + bk * bn * w_item)
 
 
 # Shared memory a block may use, by CUDA compute capability (major, minor): Hopper and A100 hold
@@ -259,7 +259,7 @@ def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: b
     S = launch_splits(t, M, col_tiles) if launch == "auto" else t.splits if launch == "split" else 1
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    shape = launch_shape(t, Ns, M, S)
+    shape = launch_shape(t, Ns, M, S, (x.dtype.itemsize, max(w.dtype.itemsize for w in ws)))
     t = dataclasses.replace(t, bm=shape.bm, bn=shape.bn)
     col_tiles = sum(-(-N // t.bn) for N in Ns)
     kernel = functools.partial(_kernel, t=t, M=M, Ns=tuple(Ns), nk=K // (t.splits * t.bk),
