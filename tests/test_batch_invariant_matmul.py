@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.ops.fixed_tile_matmul import (MIN_SPLIT_STEPS, ROW_TILE, TARGET_PROGRAMS, WALK_LAUNCHES, WALK_MIN_PROGRAMS,
+from jvllm.ops.fixed_tile_matmul import (MIN_SPLIT_STEPS, ROW_TILE, TARGET_PROGRAMS, WALK_LAUNCHES,
                                          Launch, Tiles, fixed_tile_matmul, fixed_tile_matmuls, launch_shape,
                                          launch_splits, tiles)
 
@@ -86,13 +86,13 @@ def test_launch_shape_keeps_one_wave():
     """A walk launch takes the first WALK_LAUNCHES shape that still gives WALK_MIN_PROGRAMS
     programs, and only where M spans more than one ROW_TILE; a split launch keeps the tiles'."""
     t = tiles(4096, 4096)  # o: 32 column tiles of 128
-    walk = WALK_LAUNCHES[-1]
-    shapes = [launch_shape(t, [4096], M, 1) for M in (32, 192, 2048)]
-    assert shapes[0] == shapes[1] == Launch(ROW_TILE, 128)
-    assert shapes[2].bm in {c.bm for c in WALK_LAUNCHES}
-    need = -(-WALK_MIN_PROGRAMS // (4096 // walk.bn))  # row tiles the last shape needs
-    assert launch_shape(t, [4096], need * walk.bm, 1).bm in {c.bm for c in WALK_LAUNCHES}
-    assert launch_shape(t, [4096], 2048, 8) == Launch(ROW_TILE, 128)  # a split launch
+    big, small = Launch(128, 128, 8, 4), Launch(64, 128)
+    with mock.patch("jvllm.ops.fixed_tile_matmul.WALK_LAUNCHES", (big, small)), \
+         mock.patch("jvllm.ops.fixed_tile_matmul.WALK_MIN_PROGRAMS", 128):
+        # 128 programs: from 385 rows in 128-row tiles (4 x 32), from 193 in 64-row tiles
+        assert [launch_shape(t, [4096], M, 1) for M in (32, 192, 193, 384, 385, 2048)] == \
+            [Launch(ROW_TILE, 128), Launch(ROW_TILE, 128), small, small, big, big]
+        assert launch_shape(t, [4096], 2048, 8) == Launch(ROW_TILE, 128)  # a split launch
     lm = tiles(4096, 128256)
     assert [launch_shape(lm, [128256], M, 1).bm for M in (8, 32)] == [ROW_TILE, ROW_TILE]
     assert launch_shape(lm, [128256], 33, 1) == WALK_LAUNCHES[0]  # 1002 column tiles: the first shape

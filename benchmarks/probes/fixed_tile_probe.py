@@ -156,7 +156,7 @@ def _sweep(a, groups, time_ms, interpret, write, res):
                 # split count kept at the default's: the tiles' bn no longer decides it)
                 ftm.ROW_TILE, ftm.WALK_LAUNCHES = bm, (ftm.Launch(bm, bn, warps, stages),)
                 ftm.tiles = lambda K, *Ns, S=S, bn=bn: dataclasses.replace(
-                    orig_tiles(K, *Ns), bm=bm, bn=ftm._col_tiles(Ns, bn)[0], splits=S)
+                    orig_tiles(K, *Ns), bn=ftm._col_tiles(Ns, bn)[0], splits=S)
             try:
                 t = ftm.tiles(K, *Ns)
                 walk = ftm.launch_shape(t, Ns, 2048, 1)  # the walk's shape at a prefill chunk

@@ -93,8 +93,7 @@ class Launch:
 # range's sum and the running total: 128 x 256 or 256 x 128 tiles spill), else 64 x 128 on 4 warps
 # (twice the rows of 32 for each weight block read). Same bits for any shape.
 WALK_LAUNCHES: tuple[Launch, ...] = (Launch(128, 128, 8, 4), Launch(64, 128))
-WALK_MIN_PROGRAMS = TARGET_PROGRAMS // 2  # about one wave: W1's 256-row decode bucket streamed
-#                     q/k/v, o and down at 0.8-0.9 TB/s on 32-row tiles
+WALK_MIN_PROGRAMS = TARGET_PROGRAMS // 2  # about one wave: below it the larger tiles leave SMs idle
 
 
 def _col_tile(N: int, cap: int = COL_TILE) -> int:
@@ -253,7 +252,7 @@ def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: b
         Ns.append(N)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     t = tiles(K, *Ns)
-    col_tiles = sum(-(-N // t.bn) for N in Ns)
+    col_tiles = _col_tiles(Ns, COL_TILE)[1]
     if launch not in ("auto", "split", "walk"):
         raise ValueError(f"fixed_tile_matmul: launch={launch!r}; expected 'auto', 'split' or 'walk'")
     S = launch_splits(t, M, col_tiles) if launch == "auto" else t.splits if launch == "split" else 1
@@ -261,7 +260,7 @@ def fixed_tile_matmuls(x: jax.Array, ws: Sequence[jax.Array], *, w_transposed: b
         interpret = jax.default_backend() != "gpu"
     shape = launch_shape(t, Ns, M, S, (x.dtype.itemsize, max(w.dtype.itemsize for w in ws)))
     t = dataclasses.replace(t, bm=shape.bm, bn=shape.bn)
-    col_tiles = sum(-(-N // t.bn) for N in Ns)
+    col_tiles = _col_tiles(Ns, shape.bn)[1]
     kernel = functools.partial(_kernel, t=t, M=M, Ns=tuple(Ns), nk=K // (t.splits * t.bk),
                                walk=t.splits // S, transposed=w_transposed)
     if S == 1:  # the kernel stores the outputs themselves
