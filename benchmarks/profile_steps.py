@@ -1,9 +1,10 @@
 """Where a decode step's time goes: a JAX profiler trace (CUPTI on GPUs) of N engine steps of B1
-(one request) or W1 (256 requests, once all are decoding), summarised per kernel and per host
+(one request) or W1 (256 requests, once all are decoding; `w1_prefill`: W1's first steps after
+two warm ones, the prompt chunks that fill its prefill phase), summarised per kernel and per host
 function into JSON, so design questions (small kernels around the matmuls at batch 1, attention
 share at batch 256, what the host blocks on in a step call) are settled by a profile.
 
-    [jvllm launch --nproc 2 --] python benchmarks/profile_steps.py --workload b1|w1|copy --model random:llama3-8b --dtype bfloat16 \
+    [jvllm launch --nproc 2 --] python benchmarks/profile_steps.py --workload b1|w1|w1_prefill|copy --model random:llama3-8b --dtype bfloat16 \
         [--steps 20] [--out $OUT/profile_b1.json] [--keep-trace] [engine flags, as for jvllm bench]
 
 `copy`: B1 on spec_workload.py's "oproj" weights with a prompt that holds its own greedy
@@ -112,7 +113,7 @@ def main(argv=None):
     from jvllm.cli import add_engine_args, engine_kwargs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", choices=("b1", "w1", "copy"), default="b1")
+    ap.add_argument("--workload", choices=("b1", "w1", "w1_prefill", "copy"), default="b1")
     ap.add_argument("--corrupt-every", type=int, default=6, help="copy: J (spec_workload.make_case)")
     ap.add_argument("--model", default="random:llama3-8b")
     add_engine_args(ap)
@@ -150,7 +151,7 @@ def main(argv=None):
     else:
         for i, p in enumerate(w1_prompts(a.num_prompts, (64, 1024), vocab)):
             eng.add_request(f"w{i}", {"prompt_token_ids": p}, sampling_params(big + 200))
-        warm = 0
+        warm = 2 if a.workload == "w1_prefill" else 0
     for _ in range(warm):
         eng.step()
     if a.workload == "w1":  # until every request decodes (no prompt tokens left), then a few more
