@@ -13,6 +13,8 @@
 #   prof_w1_on / prof_w1_default   profile_steps.py W1 (20 steps once all 256 decode), --batch-invariant /
 #                        default, command buffers off (per-kernel rows), a fixed 50 GB KV pool (no
 #                        sizing compile: the mode's took 124 s on an empty cache)
+#   prof_w1p_on / prof_w1p_default   the same on W1's prefill phase (10 of its first 2,048-token steps:
+#                        profile_steps.py --workload w1_prefill)
 #   w1_kv_default / w1_on_qt16 / w1_on_qt8 / w1_on_qt4   W1 default / --batch-invariant at query tiles
 #                        of 16 (the accelerator default), 8, 4 tokens, all with a fixed 50 GB KV pool
 #                        (no sizing compile)
@@ -55,10 +57,10 @@ for s in ${STAGES:-b1_default spec b1_on}; do case $s in
   w1_ngram) bench w1_ngram 240 throughput WIDE --speculative-config "$NGRAM" ;;
   w1_ngram_dbs) bench w1_ngram_dbs 240 throughput WIDE --speculative-config "$NGRAM_DBS" ;;
   w1_kv_fp8) bench w1_kv_fp8 240 throughput WIDE --kv-cache-dtype fp8 ;;
-  prof_w1_on|prof_w1_default)
+  prof_w1_on|prof_w1_default|prof_w1p_on|prof_w1p_default)
     XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=" run $s 300 benchmarks/profile_steps.py \
-      --workload w1 "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --kv-cache-memory-bytes 50000000000 \
-      --no-python-trace --out $OUT/$s.json $([ $s = prof_w1_on ] && echo --batch-invariant) ;;
+      $(case $s in prof_w1p_*) echo --workload w1_prefill --steps 10 ;; *) echo --workload w1 ;; esac) "${M[@]}" --max-model-len ${MAXLEN:-4096} "${WIDE[@]}" --kv-cache-memory-bytes 50000000000 \
+      --no-python-trace --out $OUT/$s.json $(case $s in *_on) echo --batch-invariant ;; esac) ;;
   w1_kv_default) bench $s 200 throughput WIDE --kv-cache-memory-bytes 50000000000 ;;
   w1_on_qt16|w1_on_qt8|w1_on_qt4) bench $s 300 throughput WIDE --kv-cache-memory-bytes 50000000000 --batch-invariant \
       --query-tile ${s#w1_on_qt} ;;
