@@ -249,3 +249,22 @@ def test_ncu_summary_reads_the_raw_csv(tmp_path):
     assert k["time_us"] == 162.016 and k["grid"] == 5760 and k["registers"] == 168
     assert k["dram_GBps"] == 2825.427
     assert list(k["top_stalls"]) == ["long_scoreboard", "barrier"]  # the _not_issued twin is left out
+
+
+def test_candidate_patches_listed_and_apply_in_order(tmp_path):
+    """Every patch in benchmarks/candidates is described in its README and still applies to this
+    tree, stacked in the README's order (a candidate that no longer applies fails here, not in a
+    device call)."""
+    import re
+    import shutil
+
+    cand = os.path.join(BENCH, "candidates")
+    names = re.findall(r"`(\w+)\.patch`", open(os.path.join(cand, "README.md")).read())
+    on_disk = sorted(f[:-6] for f in os.listdir(cand) if f.endswith(".patch"))
+    assert sorted(set(names)) == on_disk
+    for d in ("jvllm", "tests"):
+        shutil.copytree(os.path.join(ROOT, d), tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in dict.fromkeys(names):
+        p = subprocess.run(["git", "apply", os.path.join(cand, name + ".patch")], cwd=tmp_path,
+                           capture_output=True, text=True)
+        assert p.returncode == 0, (name, p.stdout, p.stderr)
