@@ -2,7 +2,7 @@
 # Here, not on the device: the folders a device call carries to A/B candidates against HEAD.
 #   bash benchmarks/candidates/prepare.sh fixed_tile_col32 fixed_tile_single_range_128x256
 # makes .cand_<name> = `git archive HEAD` plus the named patches up to and including <name> (they
-# stack, in the order given), and prints the carry list and one `ab_builds.sh` line per candidate:
+# stack, in the order given), and prints the carry list and the device command, one `ab_builds.sh` per build:
 # ORDER=before runs the candidate as the "before" build, so its JSONs are before_<stage>_<name>.json;
 # the base (HEAD itself, this tree) runs once with ORDER=after, TAG=_base. Pass the workload in
 # STAGES / W1ARGS / B1ARGS / EXTRA as for ab_builds.sh.
@@ -24,7 +24,8 @@ for name in "$@"; do
   carry+=("\"$d\"")
 done
 echo "carry: [$(IFS=,; echo "${carry[*]}")]"
-echo "bash benchmarks/scripts/ab_builds.sh with ORDER=after TAG=_base AFTER_COMMIT=$head BEFORE=.cand_$1"
+cmd="ORDER=after TAG=_base AFTER_COMMIT=$head BEFORE=.cand_$1 bash benchmarks/scripts/ab_builds.sh"
 for name in "$@"; do
-  echo "bash benchmarks/scripts/ab_builds.sh with ORDER=before TAG=_$name BEFORE=.cand_$name BEFORE_COMMIT=$head+$name"
+  cmd+="; ORDER=before TAG=_$name BEFORE=.cand_$name BEFORE_COMMIT=$head+$name bash benchmarks/scripts/ab_builds.sh"
 done
+echo "command (after exporting STAGES, W1ARGS / B1ARGS, EXTRA, LIMIT): $cmd"

@@ -25,11 +25,12 @@ install() {  # install <src> <target>
   python -m pip install -q --no-deps --no-build-isolation --no-compile --target "$2" "$1" > "$OUT/pip_$(basename $2).log" 2>&1 \
     || { echo "pip failed for $1"; tail -5 "$OUT/pip_$(basename $2).log"; exit 1; }
 }
-# a warm machine keeps /tmp between calls: install both builds afresh and empty their caches, or a
-# later call would run the previous call's builds under this call's names
-rm -rf /tmp/site_after /tmp/site_before /tmp/cache_after /tmp/cache_before
-install "$PWD" /tmp/site_after
-install "$(realpath $BEFORE)" /tmp/site_before
+# a warm machine keeps /tmp between calls: install the builds in ORDER afresh and empty their
+# caches, or a later call would run the previous call's builds under this call's names
+for b in ${ORDER:-before after}; do
+  rm -rf /tmp/site_$b /tmp/cache_$b
+  if [ "$b" = after ]; then install "$PWD" /tmp/site_after; else install "$(realpath $BEFORE)" /tmp/site_before; fi
+done
 run() {  # run <build> <name> <args...>
   local b=$1 name=$2; shift 2
   echo "[$(el)s] $b $name"
