@@ -246,3 +246,12 @@ def test_gpu_probe_dry_run(tmp_path):
     rows = json.loads(out.read_text())["sweep"]["qkv"]
     assert rows["16x64x4x2"]["walk_row_tile"] == 16 and rows["default"]["walk_row_tile"] == 64
     assert rows["16x64x4x2"]["m8_walk_unequal_vs_default"] == 0
+    # a fifth field sets the split count (timed as a walk: S ranges); one that does not divide K's
+    # bk steps is an error row, not a wrong result
+    p = subprocess.run([sys.executable, probe, "--tiny", "--skip-main", "--sweep", "16x64x4x2x1,16x64x4x2x3",
+                        "--sweep-groups", "qkv", "--sweep-launch", "walk", "--iters", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.loads(out.read_text())["sweep"]["qkv"]
+    assert rows["default"]["tiles"]["splits"] > 1 and rows["16x64x4x2x1"]["tiles"]["splits"] == 1
+    assert "m8_walk_ms" in rows["16x64x4x2x1"] and "does not divide" in rows["16x64x4x2x3"]["error"]

@@ -4,8 +4,8 @@ split and walk launches (the invariance contract, checked on the real Triton low
 than interpret mode), with the error against XLA's float32 dot as a sanity check; (2) ms per call
 of the grouped launches (q/k/v, gate/up) against one launch per weight, and of the walk and split
 launches against XLA's bf16 dot at prefill sizes; (3) with --sweep, other launch configurations
-(row tile bm x column tile cap bn x warps x stages, patched into the module as both launches'
-shape; the split count kept at the default's): ms per call and
+(row tile bm x column tile cap bn x warps x stages [x split count S], patched into the module as
+both launches' shape; S the default's unless given): ms per call and
 whether each gives the same bits as the default configuration (does the per-element rounding depend
 on the tile shape, i.e. may a configuration be chosen by M?). One JSON, rewritten after each group.
 
@@ -147,18 +147,22 @@ def _sweep(a, groups, time_ms, interpret, write, res):
               for k, N in zip(kws, Ns)]
         base = {}
         rows = sweep.setdefault(name, {})
-        S = orig_tiles(K, *Ns).splits  # kept: the sweep isolates the tile shape from the split count
+        S0 = orig_tiles(K, *Ns).splits  # kept unless a configuration names its own
         for cfg in ["default"] + a.sweep.split(","):
             warps = stages = None  # default: each launch's own shape
             if cfg != "default":
-                bm, bn, warps, stages = (int(v) for v in cfg.split("x"))
+                bm, bn, warps, stages, *rest = (int(v) for v in cfg.split("x"))
+                S = rest[0] if rest else S0
                 # both launches: the split launch's row and column tiles, the only walk shape (the
-                # split count kept at the default's: the tiles' bn no longer decides it)
+                # split count the default's, or the configuration's fifth field: the tiles' bn no
+                # longer decides it; another S sums in another order, so its bits may differ)
                 ftm.ROW_TILE, ftm.WALK_LAUNCHES = bm, (ftm.Launch(bm, bn, warps, stages),)
                 ftm.tiles = lambda K, *Ns, S=S, bn=bn: dataclasses.replace(
                     orig_tiles(K, *Ns), bn=ftm._col_tiles(Ns, bn)[0], splits=S)
             try:
                 t = ftm.tiles(K, *Ns)
+                if (K // t.bk) % t.splits:
+                    raise ValueError(f"S={t.splits} does not divide the {K // t.bk} bk steps of K={K}")
                 walk = ftm.launch_shape(t, Ns, 2048, 1)  # the walk's shape at a prefill chunk
                 row = {"tiles": dataclasses.asdict(t), "walk_launch_m2048": dataclasses.asdict(walk),
                        "walk_row_tile": walk.bm}
