@@ -18,11 +18,16 @@ every shape.
 
     python benchmarks/probes/fp8_decode_probe.py [--tokens 1,8] [--layers 16] [--iters 10]
         [--cands kn:0:16:128:64:8:4:3,nk:1:16:128:128:8:4:3,...] [--shapes gate_up,qkv,down,o]
-        [--tiny] [--out $OUT/fp8_decode_probe.json]
+        [--chain] [--tiny] [--out $OUT/fp8_decode_probe.json]
 
-A cand is layout:swap:bm:bn:bk:S:warps:stages[:conv[:pf]] (conv: bf16 (default), cvt16, bits16,
-a8; pf: prefetch depth, default 0; see cand_matmul; S 0: the smallest power of two reaching
-TARGET_PROGRAMS programs with >= MIN_STEPS K steps a split). --tiny: small shapes in interpret mode (a CPU
+A cand is layout:swap:bm:bn:bk:S:warps:stages[:conv[:pf[:epi]]] (conv: bf16 (default), cvt16,
+bits16, a8, fma, tf32; pf: prefetch depth, default 0; epi: the scales and the cast inside the
+kernel, S 1; see cand_matmul; S 0: the smallest power of two reaching TARGET_PROGRAMS programs
+with >= MIN_STEPS K steps a split). Without --chain every layer reads the same x and only one
+element of each output is used, so XLA drops most of a launch's prologue and epilogue kernels
+(the per-row float16 scaling, the split sum): the kernel alone is timed. --chain feeds each
+layer's whole output into the next layer's x, so those kernels run on the critical path as in
+the model's decode step. --tiny: small shapes in interpret mode (a CPU
 smoke test of the probe).
 """
 from __future__ import annotations
@@ -64,12 +69,13 @@ def _to_f16_bits(b):
     return lax.bitcast_convert_type(h, jnp.float16)
 
 
-def _kernel(x_ref, w_ref, o_ref, *, M, bm, bn, bk, nk, nk_layout, swap, conv, pf):
+def _kernel(x_ref, w_ref, *refs, M, bm, bn, bk, nk, nk_layout, swap, conv, pf, epi):
     from jax import lax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    (post_ref, o_ref) = refs if epi else (None, refs[0])
     m0, n0, s = pl.program_id(0) * bm, pl.program_id(1) * bn, pl.program_id(2)
     xmask = (m0 + lax.broadcasted_iota(jnp.int32, (bm, bk), 0)) < M
     dims = lambda lc, rc: (((lc,), (rc,)), ((), ()))  # noqa: E731
@@ -88,6 +94,8 @@ def _kernel(x_ref, w_ref, o_ref, *, M, bm, bn, bk, nk, nk_layout, swap, conv, pf
                 return acc + jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
             return acc + jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
         a = xw[...] if conv == "a8" else plgpu.load(xw, mask=xmask, other=0)  # a8: x padded to bm rows
+        if conv == "tf32":  # exact in TF32: bf16's 8 and e4m3's 4 significant bits fit its 11
+            a = a.astype(jnp.float32)
         b = _to_f16_bits(braw) if conv == "bits16" else braw if conv == "a8" else braw.astype(a.dtype)
         if nk_layout:
             d = (lax.dot_general(b, a, dims(1, 1), preferred_element_type=jnp.float32) if swap
@@ -110,6 +118,8 @@ def _kernel(x_ref, w_ref, o_ref, *, M, bm, bn, bk, nk, nk_layout, swap, conv, pf
     if swap:
         acc = acc.T
     rows = m0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+    if epi:  # S == 1: the scales and the cast here, the kernel's output is the projection's
+        acc = (acc * post_ref[:, pl.ds(n0, bn)]).astype(o_ref.dtype)  # post [1, N]: the channel scales
     plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc, mask=rows < M)
 
 
@@ -123,15 +133,17 @@ def splits(M, K, N, bm, bn, bk, S):
     return S
 
 
-def cand_matmul(x, w, scale, *, layout, swap, bm, bn, bk, S, warps, stages, conv, pf, interpret):
+def cand_matmul(x, w, scale, *, layout, swap, bm, bn, bk, S, warps, stages, conv, pf, interpret, epi=False):
     """x [M, K] @ fp8 w ([K, N] or [N, K]) * scale [N] -> x.dtype: S float32 partials [S, M, N]
     stored by the kernel, summed and scaled by XLA. conv "bf16": the weight tile converted to x's
     dtype; "cvt16" / "bits16": x scaled per row by a power of two into float16 (exact for bf16
     values: its 8 significant bits fit, |x / rs| <= 256) and the weight converted to float16 by
     a cast / by `_to_f16_bits`, the row scale (and 2**8) applied to the float32 result; "a8": x
     quantized per row to float8_e4m3fn (absmax / 448, W8A8), an fp8 x fp8 dot; "fma": no dot,
-    float32 multiply-adds (bm may be below 16). pf: register
-    prefetch depth (0: none)."""
+    float32 multiply-adds (bm may be below 16); "tf32": x and the weight tile converted to float32
+    in registers, a TF32 dot (exact for these inputs), no row scale. pf: register prefetch depth
+    (0: none). epi (S must be 1; conv bf16, tf32 or fma: no row scale): the kernel multiplies by the
+    channel scales and stores x.dtype itself, no XLA kernel after it."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -141,10 +153,10 @@ def cand_matmul(x, w, scale, *, layout, swap, bm, bn, bk, S, warps, stages, conv
     out_dtype = x.dtype
     N = w.shape[0] if layout == "nk" else w.shape[1]
     S = splits(M, K, N, bm, bn, bk, S)
-    if N % bn or K % (bk * S):
-        raise ValueError(f"cand bn={bn} bk={bk} S={S} does not tile K={K} N={N}")
+    if N % bn or K % (bk * S) or (epi and (S != 1 or conv not in ("bf16", "tf32", "fma"))):
+        raise ValueError(f"cand bn={bn} bk={bk} S={S} epi={epi} does not tile K={K} N={N}")
     kern = functools.partial(_kernel, M=M, bm=bm, bn=bn, bk=bk, nk=K // (bk * S), nk_layout=layout == "nk",
-                             swap=swap, conv=conv, pf=pf)
+                             swap=swap, conv=conv, pf=pf, epi=epi)
     post = scale
     if conv == "a8":
         amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
@@ -152,19 +164,21 @@ def cand_matmul(x, w, scale, *, layout, swap, bm, bn, bk, S, warps, stages, conv
         x = jnp.clip(x.astype(jnp.float32) / rs, -448.0, 448.0).astype(jnp.float8_e4m3fn)
         x = jnp.pad(x, ((0, -M % bm), (0, 0)))  # Triton cannot fill a masked fp8 load
         post = scale * rs
-    elif conv != "bf16":
+    elif conv not in ("bf16", "tf32"):
         amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
         rs = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-30))) - 8)
         x = (x.astype(jnp.float32) / rs).astype(jnp.float16)
         post = scale * rs * (256.0 if conv == "bits16" else 1.0)
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j, s: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kern, grid=(-(-M // bm), N // bn, S),
-        in_specs=[pl.BlockSpec(x.shape, lambda i, j, s: (0, 0)), pl.BlockSpec(w.shape, lambda i, j, s: (0, 0))],
-        out_specs=pl.BlockSpec((pl.squeezed, M, N), lambda i, j, s: (s, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((S, M, N), jnp.float32), interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-        name=f"probe_fp8_{layout}_sw{int(swap)}_bm{bm}_bn{bn}_bk{bk}_s{S}_{conv}")(x, w)
-    return (jnp.sum(out, axis=0) * post).astype(out_dtype)
+        in_specs=[full(x.shape), full(w.shape)] + ([full((1, N))] if epi else []),
+        out_specs=full((M, N)) if epi else pl.BlockSpec((pl.squeezed, M, N), lambda i, j, s: (s, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype) if epi else jax.ShapeDtypeStruct((S, M, N), jnp.float32),
+        interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        name=f"probe_fp8_{layout}_sw{int(swap)}_bm{bm}_bn{bn}_bk{bk}_s{S}_{conv}{'_epi' if epi else ''}",
+    )(x, w, *([post.reshape(1, N).astype(jnp.float32)] if epi else []))
+    return out if epi else (jnp.sum(out, axis=0) * post).astype(out_dtype)
 
 
 def main(argv=None):
@@ -174,6 +188,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--cands", default=CANDS)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--chain", action="store_true")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_decode_probe.json"))
     a = ap.parse_args(argv)
@@ -194,16 +209,30 @@ def main(argv=None):
     for c in a.cands.split(","):
         lay, sw, bm, bn, bk, S, wa, st, *rest = c.split(":")
         cands.append(dict(layout=lay, swap=sw == "1", bm=int(bm), bn=int(bn), bk=int(bk), S=int(S), warps=int(wa),
-                          stages=int(st), conv=rest[0] if rest else "bf16", pf=int(rest[1]) if len(rest) > 1 else 0))
+                          stages=int(st), conv=rest[0] if rest else "bf16", pf=int(rest[1]) if len(rest) > 1 else 0,
+                          epi=len(rest) > 2 and rest[2] == "epi"))
     if a.tiny:
-        cands = [dict(c, bn=min(c["bn"], 64), bk=min(c["bk"], 64)) for c in cands[:3] + cands[8:9]]
+        cands = [dict(c, bn=min(c["bn"], 64), bk=min(c["bk"], 64)) for c in cands[:3] + cands[8:9]] + [
+            dict(layout="nk", swap=False, bm=16, bn=32, bk=64, S=1, warps=4, stages=3, conv="tf32", pf=0, epi=True)]
     res = dict(probe="fp8_decode", jax=jax.__version__, device=str(jax.devices()[0].device_kind), layers=L,
-               rows=[])
+               chain=a.chain, rows=[])
     t0 = time.perf_counter()
 
     def layered(f):  # f(x, w_l, s_l) for each of the L weights, one program; a scalar out of each
         return jax.jit(lambda x, ws, ss: jnp.stack([f(x, w, s)[-1, -1].astype(jnp.float32)
                                                     for w, s in zip(ws, ss)]))
+
+    def chained(f):  # --chain: layer l's whole output feeds layer l+1's x, as in the model
+        def run(x, ws, ss):
+            K = x.shape[1]
+            for w, s in zip(ws, ss):
+                y = f(x, w, s)
+                y = y[:, :K] if y.shape[1] >= K else jnp.pad(y, ((0, 0), (0, K - y.shape[1])))
+                x = (x.astype(jnp.float32) + y.astype(jnp.float32) * 2.0 ** -10).astype(x.dtype)
+            return x
+        return jax.jit(run)
+
+    timed = chained if a.chain else layered
 
     for name, (K, N) in shapes.items():
         keys = jax.random.split(jax.random.PRNGKey(K * 7 + N), L)
@@ -226,7 +255,7 @@ def main(argv=None):
                     y = np.asarray(jax.jit(fn)(x, ws[0], ss[0]).astype(jnp.float32))
                     r["rel_err"] = float(np.abs(y - (np.asarray(jnp.dot(x.astype(jnp.float32), wb[0].astype(
                         jnp.float32))) if kind in ("xla_bf16", "ft_bf16") else want)).max() / tol)
-                    ms = median_ms(layered(fn), (x, ws, ss), iters) / L
+                    ms = median_ms(timed(fn), (x, ws, ss), iters) / L
                     r.update(ms=round(ms, 4), weight_gb_s=round(wbytes / ms / 1e6, 1))
                 except Exception as e:  # a launch Triton refuses: record it, go on
                     r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
