@@ -197,7 +197,7 @@ def model_config_from_dict(cfg: dict):
 
     from jvllm.config import ModelConfig
 
-    return ModelConfig.from_hf_config(types.SimpleNamespace(**cfg))
+    return ModelConfig.from_hf_config(types.SimpleNamespace(**cfg), generic_names=True)
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -76,6 +76,7 @@ class MoEConfig:
     routed_scaling: float = 1.0
     shared_expert_gate: bool = True
     jitter_eps: float = 0.0  # sparsemixer's relative band (Phi-3.5-MoE's router_jitter_noise)
+    norm_min: float = 0.0  # softmax renormalisation divides by max(sum of the top-k, norm_min) (ERNIE's moe_norm_min)
 
     def __post_init__(self):
         for f in ("num_experts", "top_k", "expert_size", "decoder_sparse_step", "num_groups", "topk_groups"):
@@ -140,6 +141,9 @@ class ModelConfig:
       attn_logit_softcap   attention scores s -> cap * tanh(s / cap) before masking (Gemma 2)
       final_logit_softcap  logits z -> cap * tanh(z / cap) (Gemma 2)
       partial_rotary_factor  rotary embedding on the first head_dim * factor dims only
+      longrope_mscale      longrope's cos / sin are scaled by the rope parameters' short_mscale
+                           (positions within the original context) and long_mscale (past it)
+                           instead of its attention factor (Phi-3.5-MoE)
       nope_layers          layers whose attention has no rotary embedding at all (SmolLM3's NoPE)
       rope_interleaved     rope rotates dims (2i, 2i + 1) instead of (i, i + rotary_dim/2) (Cohere, GLM)
       embedding_multiplier, residual_multiplier, attention_multiplier, logits_scaling  Granite's
@@ -192,6 +196,7 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: tuple | None = None
     partial_rotary_factor: float = 1.0
+    longrope_mscale: bool = False
     nope_layers: tuple = ()
     rope_interleaved: bool = False
     embedding_multiplier: float | None = None
@@ -265,6 +270,10 @@ class ModelConfig:
                 if len(p.get(k) or ()) != half:
                     raise ValueError(f"longrope {k} needs {half} values (rotary_dim / 2), got "
                                      f"{len(p.get(k) or ())}")
+            missing = [k for k in ("short_mscale", "long_mscale") if self.longrope_mscale and p.get(k) is None]
+            if missing:
+                raise ValueError(f"{self.architecture}'s longrope needs rope parameters {missing} (its cos / sin "
+                                 f"scales)")
         if self.quant is not None and not isinstance(self.quant, QuantConfig):
             raise ValueError(f"ModelConfig.quant must be a jvllm.quantization.QuantConfig or None, got {self.quant!r}")
         if (self.moe is not None) != (self.architecture in _MOE_ARCHITECTURES):
@@ -304,11 +313,11 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def from_hf_config(cls, hf) -> "ModelConfig":
+    def from_hf_config(cls, hf, *, generic_names: bool = False) -> "ModelConfig":
         """From a `transformers.PretrainedConfig` (4.x or 5.x style): `jvllm.hf_config.model_config_from_hf`."""
         from jvllm.hf_config import model_config_from_hf
 
-        return model_config_from_hf(hf)
+        return model_config_from_hf(hf, generic_names=generic_names)
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":

@@ -10,9 +10,11 @@ import os
 from jvllm.config import _MOE_ARCHITECTURES, ModelConfig, MoEConfig, _freeze, supported_architectures
 
 
-def model_config_from_hf(hf) -> ModelConfig:
+def model_config_from_hf(hf, *, generic_names: bool = False) -> ModelConfig:
     """jvllm's ModelConfig of HF config `hf`. ValueError naming the architecture when no family
-    serves it (or a field the family refuses)."""
+    serves it (or a field the family refuses). `generic_names`: `hf` is not a transformers config
+    but names every size by the shared keys (a GGUF file's `converters.gguf.gguf_hf_config`), so
+    the attributes an architecture's transformers class never reads (`Family.unread`) are read."""
     from jvllm.models.registry import arch_of_model_type, family_of, text_only
 
     archs = list(getattr(hf, "architectures", None) or [])
@@ -29,9 +31,14 @@ def model_config_from_hf(hf) -> ModelConfig:
         top = getattr(hf, "tie_word_embeddings", None)
         hf, arch = hf.text_config, wrapper.text_arch(hf.text_config)
         tied = bool(top if top is not None else getattr(hf, "tie_word_embeddings", False))
+    unread = frozenset() if generic_names else family_of(arch).unread_attrs(arch)
+
+    def read(attr, default=None):  # an attribute the architecture's transformers class reads
+        return default if attr in unread else getattr(hf, attr, default)
+
     heads = hf.num_attention_heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    kv = read("num_key_value_heads") or heads
+    head_dim = read("head_dim") or hf.hidden_size // heads
     rope = getattr(hf, "rope_parameters", None)
     if rope is None:  # transformers 4.x
         rope = dict(getattr(hf, "rope_scaling", None) or {})
@@ -61,6 +68,8 @@ def model_config_from_hf(hf) -> ModelConfig:
         theta *= float(rope["alpha"]) ** (head_dim / (head_dim - 2))
         rope = {}
     partial = float(rope.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None) or 1.0)
+    if "partial_rotary_factor" in unread:  # transformers 5 moves it into rope_parameters, where these ignore it
+        partial = 1.0
     if rope.get("rope_type") == "longrope":
         rope.setdefault("original_max_position_embeddings",
                         getattr(hf, "original_max_position_embeddings", None) or hf.max_position_embeddings)
@@ -92,8 +101,7 @@ def model_config_from_hf(hf) -> ModelConfig:
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
         # GPT-2 names it n_inner (None: 4 x hidden)
-        intermediate_size=(getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None)
-                           or 4 * hf.hidden_size),
+        intermediate_size=(read("intermediate_size") or read("n_inner") or 4 * hf.hidden_size),
         num_layers=n,
         num_heads=heads,
         num_kv_heads=kv,
@@ -115,7 +123,9 @@ def model_config_from_hf(hf) -> ModelConfig:
     if temp_beta:
         fields.update(attn_temperature_beta=float(temp_beta), attn_temperature_len=int(
             rope.get("original_max_position_embeddings") or hf.max_position_embeddings))
-    fields.update(family_of(arch).config_fields(arch, hf))
+    fields.update(family_of(arch).config_fields(arch, hf, use_unread=not generic_names))
+    if wrapper is not None:  # transformers' multimodal classes end in a plain bias-free Linear head
+        fields.update(final_logit_softcap=None, logits_scaling=None, logit_scale=None, lm_head_bias=False)
     return ModelConfig(**fields)
 
 
@@ -181,6 +191,7 @@ def _moe_from_hf(hf, arch: str) -> MoEConfig | None:
                          norm_topk_prob=True, correction_bias=True,
                          shared_expert_size=hf.moe_intermediate_size * int(hf.moe_num_shared_experts or 0),
                          shared_expert_gate=False, decoder_sparse_step=int(hf.moe_layer_interval or 1),
+                         norm_min=float(getattr(hf, "moe_norm_min", None) or 0.0),
                          mlp_only_layers=tuple(i for i in range(n) if i < start or i > end))
     if arch == "OlmoeForCausalLM":  # every layer sparse; the experts' size is intermediate_size
         return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, expert_size=hf.intermediate_size,

@@ -213,6 +213,23 @@ def smollm2_tokenizer_dir() -> str:
     return d
 
 
+def tiny_hf_config(arch: str = "llama", **overrides):
+    """The transformers config `make_checkpoint` writes for `arch` (TINY sizes, the arch's extras,
+    then `overrides`), with `architectures` set."""
+    import transformers
+
+    cfg_name, model_name, extra = ARCHS[arch]
+    kw = dict(TINY)
+    kw.update(extra)
+    kw.update(overrides)
+    cls = getattr(transformers, cfg_name)
+    # sizes a config class derives itself (Falcon's head_dim is a read-only property) are left to it
+    kw = {k: v for k, v in kw.items() if not (isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None)}
+    cfg = cls(**kw)
+    cfg.architectures = [model_name]
+    return cfg
+
+
 def make_checkpoint(out: str, arch: str = "llama", tokenizer: bool = False, fmt: str = "safetensors",
                     seed: int = 0, **overrides):
     """Write a tiny random checkpoint of `arch` with transformers' save_pretrained.
@@ -222,19 +239,11 @@ def make_checkpoint(out: str, arch: str = "llama", tokenizer: bool = False, fmt:
     import torch
     import transformers
 
-    cfg_name, model_name, extra = ARCHS[arch]
-    kw = dict(TINY)
-    kw.update(extra)
     if tokenizer:
-        kw["vocab_size"] = 49152
-    kw.update(overrides)
-    cls = getattr(transformers, cfg_name)
-    # sizes a config class derives itself (Falcon's head_dim is a read-only property) are left to it
-    kw = {k: v for k, v in kw.items() if not (isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None)}
-    cfg = cls(**kw)
-    cfg.architectures = [model_name]
+        overrides = dict(overrides, vocab_size=overrides.get("vocab_size", 49152))
+    cfg = tiny_hf_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg).eval()
+    model = getattr(transformers, cfg.architectures[0])(cfg).eval()
     with torch.no_grad():  # random norms too, so a misplaced norm weight is caught
         for name, p in model.named_parameters():
             if "norm" in name:

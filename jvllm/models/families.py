@@ -57,6 +57,8 @@ register(Family(
               "Ernie4_5ForCausalLM": {"rope_interleaved": True, "attention_bias": FromHF("use_bias", False),
                                       "o_bias": FromHF("use_bias", False), "mlp_bias": FromHF("use_bias", False)},
               "SmolLM3ForCausalLM": {"nope_layers": Derived(_smollm3_nope), "layer_windows": Derived(_smollm3_windows)}},
+    unread={"*": ("partial_rotary_factor",), "MistralForCausalLM": ("attention_bias", "mlp_bias"), "Qwen2ForCausalLM": ("attention_bias", "mlp_bias"), "Qwen3ForCausalLM": ("mlp_bias",),
+            "MinistralForCausalLM": ("attention_bias", "mlp_bias"), "Ministral3ForCausalLM": ("attention_bias", "mlp_bias"), "Ernie4_5ForCausalLM": ("attention_bias", "mlp_bias")},
 ))
 register(Family(
     # Phi-3 is a Llama-shaped decoder; its fused qkv_proj / gate_up_proj are split by the name map
@@ -97,6 +99,7 @@ register(Family(
     model="jvllm.models.llama:LlamaForCausalLM",
     defaults={"norm_unit_offset": True, "embed_scale": True},
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     name="gemma",
@@ -111,6 +114,7 @@ register(Family(
     # transformers' Gemma 3 reads attn_logit_softcapping nowhere (real configs set it null): no cap
     per_arch={"Gemma3ForCausalLM": {"qk_norm": True, "attn_logit_softcap": None}},
     refused={"Gemma3ForCausalLM": ("use_bidirectional_attention",)},  # EmbeddingGemma-style non-causal attention
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # IBM Granite 3.x (jvllm.models.granite): Llama with embedding / residual / attention / logit scales
@@ -121,6 +125,7 @@ register(Family(
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias",
                "embedding_multiplier": "embedding_multiplier", "residual_multiplier": "residual_multiplier",
                "attention_multiplier": "attention_multiplier", "logits_scaling": "logits_scaling"},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # Granite 3.0 / 3.1 MoE (1B-A400M, 3B-A800M) and GraniteMoeShared (jvllm.models.granite): the MoE
@@ -134,6 +139,7 @@ register(Family(
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias",
                "embedding_multiplier": "embedding_multiplier", "residual_multiplier": "residual_multiplier",
                "attention_multiplier": "attention_multiplier", "logits_scaling": "logits_scaling"},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # OLMo 2 / OLMo 3 (jvllm.models.olmo): post-norm blocks, q/k norms over all heads jointly
@@ -144,6 +150,7 @@ register(Family(
     name_map="olmo",
     defaults={"qk_norm": True, "qk_norm_layout": "all", "norm_scale_f32": True},
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # Apertus (swiss-ai, jvllm.models.apertus): the Llama decoder with q/k RMSNorms per head (before
@@ -157,6 +164,7 @@ register(Family(
     name_map="apertus",
     defaults={"qk_norm": True, "mlp_gated": False},
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # HunYuan dense (Hunyuan-0.5B / 1.8B / 4B / 7B): the Llama decoder with q/k RMSNorms per head
@@ -169,6 +177,7 @@ register(Family(
     name_map="hunyuan",
     defaults={"qk_norm": True, "qk_norm_after_rope": True},
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias"},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # OLMo 1 (OlmoForCausalLM, AI2's allenai/OLMo-*-hf): the Llama decoder with LayerNorms that have
@@ -180,6 +189,7 @@ register(Family(
     model="jvllm.models.llama:LlamaForCausalLM",
     defaults={"norm_kind": "layer", "norm_affine": False, "rms_norm_eps": 1e-5},
     hf_fields={"attention_bias": "attention_bias", "o_bias": "attention_bias", "clip_qkv": "clip_qkv"},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # EXAONE 4.0 (jvllm.models.olmo's post-norm layer, as OLMo 2): no norm before attention or the
@@ -193,6 +203,7 @@ register(Family(
     name_map="olmo",
     defaults={"qk_norm": True},
     per_arch={"Exaone4ForCausalLM": {"nope_layers": Derived(_exaone4_nope)}},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # mixture of experts (jvllm.models.moe): Llama's attention, norms and head around a routed,
@@ -228,11 +239,16 @@ register(Family(
               "MiniMaxM2ForCausalLM": {"qk_norm": True, "qk_norm_layout": "all"},
               # Phi-3.5-MoE: LayerNorms with biases, biases on q/k/v/o, a biased LM head, a window on
               # every layer, longrope
-              "PhimoeForCausalLM": {"norm_kind": "layer", "lm_head_bias": FromHF("lm_head_bias", False)},
+              "PhimoeForCausalLM": {"norm_kind": "layer", "lm_head_bias": FromHF("lm_head_bias", False),
+                                    "longrope_mscale": True},
               # K-EXAONE (EXAONE MoE): EXAONE 4's per-head q/k norms and rope-free global layers under a
               # window, on Llama's pre-norm layer
               "ExaoneMoeForCausalLM": {"qk_norm": True, "nope_layers": Derived(_exaone4_nope)}},
     refused={"OlmoeForCausalLM": ("clip_qkv",), "Ernie4_5_MoeForCausalLM": ("use_bias",)},
+    unread={"*": ("mlp_bias",), "MixtralForCausalLM": ("attention_bias", "partial_rotary_factor"), "Qwen2MoeForCausalLM": ("attention_bias", "partial_rotary_factor"),
+            "Qwen3MoeForCausalLM": ("partial_rotary_factor",), "OlmoeForCausalLM": ("partial_rotary_factor",), "Dots1ForCausalLM": ("partial_rotary_factor",),
+            "Ernie4_5_MoeForCausalLM": ("attention_bias", "partial_rotary_factor"), "MiniMaxM2ForCausalLM": ("attention_bias",),
+            "PhimoeForCausalLM": ("partial_rotary_factor",), "ExaoneMoeForCausalLM": ("attention_bias", "partial_rotary_factor")},
 ))
 register_text_only(TextOnly(
     # Gemma 3 4B / 12B / 27B (SigLIP vision tower + projector around a Gemma 3 decoder)

@@ -84,6 +84,7 @@ register(Family(
     hf_fields={"rms_norm_eps": "layer_norm_eps", "logit_scale": "logit_scale", "qk_norm": "use_qk_norm",
                "attention_bias": "attention_bias", "o_bias": "attention_bias"},
     per_arch={"Cohere2ForCausalLM": {"nope_layers": Derived(_rope_on_sliding_layers_only)}},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # Phi-1 / Phi-1.5 / Phi-2 (jvllm.models.cohere's parallel single-norm layer): LayerNorms with
@@ -111,6 +112,7 @@ register(Family(
               "rope_interleaved": True, "rms_norm_eps": 1e-5},
     hf_fields={"rms_norm_eps": "layer_norm_epsilon", "hidden_act": "activation_function"},
     per_arch={"GPTJForCausalLM": {"partial_rotary_factor": Derived(_gptj_rotary_factor)}},
+    unread={"*": ("num_key_value_heads", "head_dim", "intermediate_size", "partial_rotary_factor")},
 ))
 register(Family(
     # Nemotron (NemotronForCausalLM: Nemotron-4, Minitron, Mistral-NeMo-Minitron): the Llama decoder
@@ -138,6 +140,7 @@ register(Family(
     defaults={"norm_kind": "layer", "rms_norm_eps": 1e-5},
     hf_fields={"rms_norm_eps": "layer_norm_eps", "attention_bias": "use_qkv_bias"},
     refused={"StableLmForCausalLM": ("use_parallel_residual", "qk_layernorm")},
+    unread={"*": ("head_dim",)},
 ))
 register(Family(
     # StarCoder2: the Llama decoder with LayerNorms, an ungated GELU MLP (c_fc / c_proj) and
@@ -150,6 +153,7 @@ register(Family(
     defaults={"norm_kind": "layer", "mlp_gated": False},
     hf_fields={"rms_norm_eps": "norm_epsilon", "attention_bias": "use_bias", "o_bias": "use_bias",
                "mlp_bias": "use_bias"},
+    unread={"*": ("partial_rotary_factor",)},
 ))
 register(Family(
     # GPT-2 (jvllm.models.gpt2): LayerNorm, dense GELU MLP, biases, learned positions, tied head;
@@ -164,6 +168,7 @@ register(Family(
     per_arch={"GPT2LMHeadModel": {"attention_multiplier": Derived(_gpt2_attention_scale)}},
     # attention variants transformers' GPT-2 honours and jvllm does not implement
     refused={"GPT2LMHeadModel": ("scale_attn_by_inverse_layer_idx",)},
+    unread={"*": ("num_key_value_heads", "head_dim", "intermediate_size", "partial_rotary_factor")},
 ))
 register(Family(
     # OPT (jvllm.models.gpt2, as GPT-2): LayerNorm, dense ReLU MLP (fc1 / fc2), biases, learned
@@ -177,6 +182,7 @@ register(Family(
     hf_fields={"hidden_act": "activation_function", "intermediate_size": "ffn_dim", "attention_bias": "enable_bias",
                "o_bias": "enable_bias", "mlp_bias": "enable_bias"},
     per_arch={"OPTForCausalLM": {"position_offset": Derived(_opt_position_offset)}},
+    unread={"*": ("num_key_value_heads", "head_dim", "n_inner", "partial_rotary_factor")},
 ))
 register(Family(
     # GPTBigCode (StarCoder 1, SantaCoder, jvllm.models.gpt2 as GPT-2): LayerNorm, dense GELU MLP,
@@ -191,6 +197,7 @@ register(Family(
     hf_fields={"hidden_act": "activation_function", "rms_norm_eps": "layer_norm_epsilon"},
     per_arch={"GPTBigCodeForCausalLM": {"num_kv_heads": Derived(_bigcode_kv_heads),
                                         "attention_multiplier": Derived(_gpt2_attention_scale)}},
+    unread={"*": ("num_key_value_heads", "head_dim", "intermediate_size", "partial_rotary_factor")},
 ))
 register(Family(
     # Falcon 7B / 40B / 180B (jvllm.models.neox's parallel layer): LayerNorms, a dense GELU MLP,
@@ -206,6 +213,7 @@ register(Family(
                "attention_bias": "bias", "o_bias": "bias", "mlp_bias": "bias"},
     per_arch={"FalconForCausalLM": {"parallel_residual": Derived(_falcon_parallel),
                                     "num_kv_heads": Derived(_falcon_kv_heads)}},
+    unread={"*": ("num_key_value_heads", "head_dim", "n_inner", "partial_rotary_factor")},
 ))
 register(Family(
     # GPT-NeoX / Pythia (jvllm.models.neox): LayerNorm, dense GELU MLP, biases, partial rotary,
@@ -218,4 +226,5 @@ register(Family(
     defaults={"norm_kind": "layer", "mlp_gated": False, "mlp_bias": True},
     hf_fields={"rms_norm_eps": "layer_norm_eps", "attention_bias": "attention_bias", "o_bias": "attention_bias",
                "parallel_residual": "use_parallel_residual"},
+    unread={"*": ("num_key_value_heads", "head_dim")},
 ))

@@ -91,6 +91,7 @@ class Rope:
     scale: float
     long_inv_freq: tuple | None = None
     long_from: int = 0
+    long_scale: float | None = None  # the cos / sin scale at positions >= long_from (else `scale`)
     interleaved: bool = False  # rotate pairs (2i, 2i + 1) (Cohere, GLM) instead of (i, i + rot/2)
 
 
@@ -108,10 +109,14 @@ def layer_rope(cfg: ModelConfig, local: bool) -> Rope:
         att = p.get("attention_factor")
         if att is None:
             att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        long_att = None
+        if cfg.longrope_mscale:  # Phi-3.5-MoE: its own short / long scales replace the attention factor
+            att, long_att = float(p["short_mscale"]), float(p["long_mscale"])
         shape = np.arange(0, d, 2, dtype=np.float64) / d
         short = 1.0 / (np.asarray(p["short_factor"], np.float64) * base ** shape)
         long = 1.0 / (np.asarray(p["long_factor"], np.float64) * base ** shape)
-        return Rope(tuple(short.tolist()), float(att), tuple(long.tolist()), orig, cfg.rope_interleaved)
+        return Rope(tuple(short.tolist()), float(att), tuple(long.tolist()), orig, long_scale=long_att,
+                    interleaved=cfg.rope_interleaved)
     inv, scale = rope_inv_freq(cfg)
     return Rope(tuple(inv.tolist()), float(scale), interleaved=cfg.rope_interleaved)
 
@@ -185,8 +190,11 @@ def apply_rope(x, positions, rope: Rope):
     if rope.long_inv_freq is not None:
         inv = jnp.where(positions[:, None] >= rope.long_from, jnp.asarray(rope.long_inv_freq, jnp.float32)[None, :], inv)
     freqs = positions.astype(jnp.float32)[:, None] * inv  # [T, rot/2]
-    cos = (jnp.cos(freqs) * rope.scale)[:, None, :]
-    sin = (jnp.sin(freqs) * rope.scale)[:, None, :]
+    scale = rope.scale
+    if rope.long_scale is not None and rope.long_scale != rope.scale:
+        scale = jnp.where(positions[:, None] >= rope.long_from, jnp.float32(rope.long_scale), jnp.float32(rope.scale))
+    cos = (jnp.cos(freqs) * scale)[:, None, :]
+    sin = (jnp.sin(freqs) * scale)[:, None, :]
     rot = 2 * len(rope.inv_freq)
     xf = x.astype(jnp.float32)
     if rope.interleaved:

@@ -2,8 +2,9 @@
 top_w [T, k] float32), one function per `MoEConfig.scoring`, picked once per layer (`router_for`).
 
   softmax   Mixtral / Qwen-MoE / OLMoE: softmax over all experts, the k largest, renormalised to
-            sum to one when `norm_topk_prob`; with a selection bias (ERNIE 4.5) the k largest of
-            probability + bias, weighted by their probabilities
+            sum to one when `norm_topk_prob` (divided by max(their sum, `norm_min`)); with a
+            selection bias (ERNIE 4.5) the k largest of probability + bias, weighted by their
+            probabilities
   sigmoid   DeepSeek-V3 / GLM-4.5 ("noaux_tc"): sigmoid scores; the choice ranks score + a learned
             per-expert bias (which balances the load; it never weights an output) among the experts
             of the `topk_groups` best of `num_groups` groups (a group's worth is the sum of its two
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from jvllm.config import MoEConfig
 
 
-def softmax_topk(logits, bias, *, k: int, norm: bool):
+def softmax_topk(logits, bias, *, k: int, norm: bool, norm_min: float = 0.0):
     probs = jax.nn.softmax(logits, axis=-1)
     if bias is None:
         top_w, top_idx = jax.lax.top_k(probs, k)
@@ -35,7 +36,7 @@ def softmax_topk(logits, bias, *, k: int, norm: bool):
         _, top_idx = jax.lax.top_k(probs + bias.astype(jnp.float32)[None, :], k)
         top_w = jnp.take_along_axis(probs, top_idx, axis=-1)
     if norm:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        top_w = top_w / jnp.maximum(jnp.sum(top_w, axis=-1, keepdims=True), norm_min)
     return top_idx, top_w
 
 
@@ -77,7 +78,7 @@ def sparsemixer_top2(logits, bias, *, eps: float):
 def router_for(m: MoEConfig):
     """`f(logits [T, E] float32, bias [E] or None) -> (top_idx, top_w)` for `m`'s scoring."""
     if m.scoring == "softmax":
-        return functools.partial(softmax_topk, k=m.top_k, norm=m.norm_topk_prob)
+        return functools.partial(softmax_topk, k=m.top_k, norm=m.norm_topk_prob, norm_min=m.norm_min)
     if m.scoring == "sparsemixer":
         return functools.partial(sparsemixer_top2, eps=m.jitter_eps)
     return functools.partial(sigmoid_grouped_topk, k=m.top_k, norm=m.norm_topk_prob, groups=m.num_groups,

@@ -15,6 +15,10 @@ and how an HF config fills the family's `ModelConfig` fields:
              `Derived(fn)` is `fn(hf config)` (a rule over several attributes, pure Python)
   refused    {architecture: HF attributes} that must be unset or false: the reference honours them and
              jvllm does not implement them, so a config that sets one is an error naming it
+  unread     {architecture or "*": HF attributes} that architecture's transformers class never reads
+             (Mistral's `attention_bias`, GPT-2's `num_key_value_heads`): treated as absent, by
+             `hf_fields` and by the shared reader (`jvllm.hf_config`), so a stray key in a config
+             (`PretrainedConfig` keeps unknown keys) changes nothing, as in the reference
 
 Adding a family (e.g. mixture-of-experts) is a new file plus one `register` call; nothing else in
 jvllm lists architectures.
@@ -55,6 +59,7 @@ class Family:
     hf_fields: dict = dataclasses.field(default_factory=dict)
     per_arch: dict = dataclasses.field(default_factory=dict)
     refused: dict = dataclasses.field(default_factory=dict)
+    unread: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if ":" not in self.model:
@@ -67,11 +72,17 @@ class Family:
         mod, cls = self.model.split(":")
         return getattr(importlib.import_module(mod), cls)
 
-    def config_fields(self, arch: str, hf) -> dict:
-        """The family's extra ModelConfig fields for architecture `arch` from HF config `hf`."""
+    def unread_attrs(self, arch: str) -> frozenset:
+        """The HF attributes `arch`'s transformers class never reads (`unread`)."""
+        return frozenset(self.unread.get("*", ())) | frozenset(self.unread.get(arch, ()))
+
+    def config_fields(self, arch: str, hf, use_unread: bool = True) -> dict:
+        """The family's extra ModelConfig fields for architecture `arch` from HF config `hf`
+        (`use_unread` False: read the `unread` attributes too, for a config that is not transformers')."""
         out = dict(self.defaults)
+        skip = self.unread_attrs(arch) if use_unread else frozenset()
         for field, attr in self.hf_fields.items():
-            v = getattr(hf, attr, None)
+            v = None if attr in skip else getattr(hf, attr, None)
             if v is not None:
                 out[field] = v
         for field, v in self.per_arch.get(arch, {}).items():
