@@ -12,7 +12,8 @@ Contracts:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import numbers
+from typing import Any, Mapping, Required, Sequence, TypedDict
 
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
 # vLLM's prompt fields that jvllm does not implement (named in the error as such)
@@ -23,6 +24,43 @@ TEXT_PART_TYPES = {"text": "text", "input_text": "text", "output_text": "text", 
 # content parts of OpenAI's / vLLM's chat API that carry something other than text
 NON_TEXT_PART_TYPES = frozenset({"image_url", "image", "image_embeds", "image_pil", "input_image", "input_audio",
                                  "audio_url", "audio", "video_url", "video", "file", "input_file"})
+
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's text prompt dict (the fields jvllm takes): `TextPrompt(prompt="...")` is a plain dict."""
+    prompt: Required[str]
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's token-id prompt dict (the fields jvllm takes); `prompt` is the text to report with it."""
+    prompt_token_ids: Required[list[int]]
+    prompt: str
+
+
+def _is_token_id(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def normalize_prompts(prompts) -> list:
+    """`generate`'s prompts as a list of single prompts: a string, a prompt dict or one sequence of
+    token ids (list, tuple or 1-D array of integers, numpy's included, as ints) is one prompt;
+    any other sequence is a list of prompts, each normalized the same way."""
+    def one(p):
+        if isinstance(p, (str, Mapping)):
+            return p
+        if hasattr(p, "tolist") and getattr(p, "ndim", 1) == 1:  # a numpy / jax array of ids
+            p = p.tolist()
+        if isinstance(p, (list, tuple)) and all(_is_token_id(t) for t in p):
+            return [int(t) for t in p]
+        return p
+
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 1:
+        return [one(prompts)]
+    if isinstance(prompts, (list, tuple)) and prompts and all(_is_token_id(t) for t in prompts):
+        return [one(prompts)]
+    return [one(p) for p in prompts]
 
 
 def check_prompt_dict(prompt: Mapping[str, Any]) -> None:

@@ -6,8 +6,10 @@ weights and the KV pool, so another `LLM` can be built in the same Jupyter kerne
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import time
+import weakref
 from typing import Sequence
 
 from jvllm.engine.engine_config import EngineConfig
@@ -48,6 +50,7 @@ class LLM:
         else:
             self.llm_engine = LLMEngine(self.config)
         self._counter = 0
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ API
     def get_default_sampling_params(self) -> SamplingParams:
@@ -63,11 +66,9 @@ class LLM:
         """Run prompts (str, token-id list, or {"prompt_token_ids": [...]} / {"prompt": ...}; one or a
         list) to completion; outputs come back in input order. All prompts are validated before any
         is queued, so one bad prompt raises without leaving the others half-run."""
-        from jvllm.inputs import check_prompt_dict
+        from jvllm.inputs import check_prompt_dict, normalize_prompts
 
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = normalize_prompts(prompts)
         for p in prompts:
             if isinstance(p, dict):
                 check_prompt_dict(p)  # multi_modal_data and other fields jvllm does not take: named
@@ -76,6 +77,10 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                                f"{type(sp).__name__} {sp!r:.80}")
         # generate() returns only final outputs (vLLM's: whatever output_kind says), and skips
         # building per-step outputs on the host
         params = [p if p.output_kind is RequestOutputKind.FINAL_ONLY else
@@ -274,5 +279,20 @@ class LLM:
     def __del__(self):
         try:
             self.shutdown()
+        except Exception:
+            pass
+
+
+# Engines still alive at interpreter exit are shut down by an atexit hook, while imports still
+# work: a step dispatched ahead of a request that then stopped early is collected and discarded
+# there, instead of failing (with a logged traceback) in __del__ during interpreter teardown.
+_LIVE: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines():
+    for llm in list(_LIVE):
+        try:
+            llm.shutdown()
         except Exception:
             pass

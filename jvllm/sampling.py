@@ -157,17 +157,20 @@ def _allowed(words, V: int):
 
 
 def apply_extras(logits, ex: SamplingExtras):
-    """Penalties (repetition over prompt + output, presence / frequency over output), then logit bias."""
+    """Logit bias (min_tokens' forbidden ids among it, at -inf), then the penalties (repetition
+    over prompt + output, presence / frequency over output): vLLM's order (its logit-bias and
+    min_tokens processors run before the penalties), and transformers' (SequenceBias before
+    RepetitionPenalty). The order matters for repetition: it divides (x + b), not x."""
     R, V = logits.shape
     rows = jnp.arange(R)[:, None]
+    bias_ids = jnp.where(ex.bias_ids >= 0, ex.bias_ids, V)
+    logits = logits.at[rows, bias_ids].add(ex.bias_vals, mode="drop")
     hist = jnp.where(ex.hist_ids >= 0, ex.hist_ids, V)
     seen = jnp.zeros((R, V), bool).at[rows, hist].set(True, mode="drop")
     out_counts = jnp.zeros((R, V), jnp.float32).at[rows, hist].add(ex.hist_is_out.astype(jnp.float32), mode="drop")
     rep = ex.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - ex.frequency[:, None] * out_counts - ex.presence[:, None] * (out_counts > 0)
-    bias_ids = jnp.where(ex.bias_ids >= 0, ex.bias_ids, V)
-    return logits.at[rows, bias_ids].add(ex.bias_vals, mode="drop")
+    return logits - ex.frequency[:, None] * out_counts - ex.presence[:, None] * (out_counts > 0)
 
 
 def _gumbel(sb: SamplingBatch, n: int):

@@ -27,6 +27,20 @@ MAX_PROCESSOR_ARGS = 8  # numbers a request hands each logits processor (extra_a
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+
+def _token_id_key(k) -> int:
+    """A logit_bias key as a token id: an integer (not a bool), an integral float, or the decimal
+    string JSON gives; anything else (5563.9, True, "a") is a ValueError."""
+    if isinstance(k, bool):
+        raise ValueError(k)
+    if isinstance(k, numbers.Integral):
+        return int(k)
+    if isinstance(k, float) and k.is_integer():
+        return int(k)
+    if isinstance(k, str) and k.strip().lstrip("+-").isdigit():
+        return int(k)
+    raise ValueError(k)
+
 @dataclasses.dataclass
 class StructuredOutputsParams:
     """A constraint on a request's output, as vLLM's: exactly one of `json` (a JSON schema: a dict,
@@ -122,7 +136,8 @@ class SamplingParams:
             if v is not None and not isinstance(v, (list, tuple)):
                 raise ValueError(f"{f} must be a list (stop: or one string), got {v!r}")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                               for t in self.stop_token_ids or []]
         if isinstance(self.bad_words, str):
             raise ValueError(f"bad_words must be a list of strings, got the string {self.bad_words!r}")
         if self.allowed_token_ids is not None:
@@ -131,9 +146,10 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if self.logit_bias:
             try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+                self.logit_bias = {_token_id_key(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
-                raise ValueError(f"logit_bias must map token ids to floats, got {self.logit_bias!r}") from None
+                raise ValueError(f"logit_bias must map integer token ids (or their decimal strings, as JSON "
+                                 f"sends them) to floats, got {self.logit_bias!r}") from None
         self.validate()
 
     def validate(self):
@@ -188,7 +204,7 @@ class SamplingParams:
             bad("prompt_logprobs", self.prompt_logprobs, f"an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", self.stop, "a list of non-empty strings")
-        if any(not isinstance(t, int) for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             bad("stop_token_ids", self.stop_token_ids, "a list of integers")
         b = self.best_of
         if b is not None:

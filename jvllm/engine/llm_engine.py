@@ -104,9 +104,10 @@ class LLMEngine(StepCollect, WeightsAndSleep):
 
         self.generation_defaults = generation_config.load(config.generation_config, config.model)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
-        # config.json's, the generation config's and the tokenizer's end tokens (vLLM stops on all)
-        self.eos_token_ids = tuple(dict.fromkeys(tuple(mc.eos_token_ids) + self.generation_defaults.eos_token_ids
-                                                 + ((tok_eos,) if isinstance(tok_eos, int) else ())))
+        # the tokenizer's, config.json's and the generation config's end tokens (vLLM stops on all); the
+        # first is vLLM's EOS (a finish by it has stop_reason None, by the others their id)
+        self.eos_token_ids = tuple(dict.fromkeys(((tok_eos,) if isinstance(tok_eos, int) else ())
+                                                 + tuple(mc.eos_token_ids) + self.generation_defaults.eos_token_ids))
         self._default_params = self._defaults_from(self.generation_defaults)
         refused = None
         if worker.multiprocess:

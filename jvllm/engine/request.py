@@ -217,7 +217,10 @@ class Request:
         stop_tok = (not p.ignore_eos and token_id in self.eos_token_ids) or token_id in p.stop_token_ids
         if stop_tok and n > p.min_tokens:
             self.status = Status.FINISHED_STOPPED
-            self.stop_reason = token_id if token_id in p.stop_token_ids else None
+            # vLLM checks its EOS (the first of eos_token_ids: the tokenizer's) before the stop ids
+            # and reports None for it; its other end tokens stop as stop_token_ids do, by id
+            eos = not p.ignore_eos and bool(self.eos_token_ids) and token_id == self.eos_token_ids[0]
+            self.stop_reason = None if eos else token_id
             # vLLM: a stop token's text (EOS included; empty when special tokens are skipped) is
             # output only with include_stop_str_in_output
             if self.detok is not None and p.include_stop_str_in_output:

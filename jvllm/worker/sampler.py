@@ -118,13 +118,35 @@ def _penalized(p) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _mask_row(s) -> int:
+def min_tokens_bans(req, V: int) -> frozenset:
+    """The ids a request may not sample yet: inside its min_tokens window, its stop_token_ids and
+    the model's EOS ids, ignore_eos or not (vLLM adds the EOS to the ids min_tokens forbids
+    regardless); empty past the window."""
+    p = req.params
+    if req.num_output_tokens >= p.min_tokens:
+        return frozenset()
+    return frozenset(t for t in (*p.stop_token_ids, *req.eos_token_ids) if 0 <= t < V)
+
+
+def _bans_overflow(req, banned) -> bool:
+    """Whether `banned` does not fit the bias slots beside the request's logit_bias: then the row's
+    vocabulary mask bans them instead (any number of ids)."""
+    return len(set(req.params.logit_bias or ()) | banned) > BIAS_SLOTS
+
+
+def _min_tokens_masked(req, V: int) -> bool:
+    """The request's min_tokens bans go through its vocabulary mask this step (too many for the slots)."""
+    banned = min_tokens_bans(req, V) if req.params.min_tokens else ()
+    return bool(banned) and _bans_overflow(req, banned)
+
+
+def _mask_row(s, V: int) -> int:
     """FLAG bits of a row's vocabulary mask (0: none)."""
     if not getattr(s, "samples", True):
         return 0
     if s.req.grammar is not None:
         return FLAG_MASK | FLAG_MASK_LOGPROBS
-    return FLAG_MASK if s.req.params.needs_mask else 0
+    return FLAG_MASK if s.req.params.needs_mask or _min_tokens_masked(s.req, V) else 0
 
 
 def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = False) -> SamplerVariant:
@@ -139,7 +161,7 @@ def choose_variant(scheduled, vocab_size: int, impl: SamplerImpl, full: bool = F
             wide |= impl.narrow_top_k < sp.top_k < vocab_size
         lp |= sp.needs_logprobs
         extras |= _penalized(sp) or bool(sp.logit_bias) or sp.min_tokens > 0
-        mask |= _mask_row(s) != 0
+        mask |= _mask_row(s, vocab_size) != 0
     if impl.branchy or full:
         return SamplerVariant(3, True, extras, mask)
     if extras or wide:  # extras batches (scatters over [R, V] already) and a top_k past the group
@@ -153,7 +175,7 @@ def plan(scheduled, R: int, vocab_size: int, max_model_len: int, impl: SamplerIm
     and unmasked (the argmax-only program serves the batch and needs no inputs). `full`: the
     largest variant for every other batch (batch-invariant mode: one sampler program for every
     batch that samples)."""
-    if all(plain_greedy(s.req.params) for s in scheduled) and not any(_mask_row(s) for s in scheduled):
+    if all(plain_greedy(s.req.params) for s in scheduled) and not any(_mask_row(s, vocab_size) for s in scheduled):
         return None
     V, n = vocab_size, len(scheduled)
     lay = RowLayout(R, V, max_model_len, choose_variant(scheduled, V, impl, full))
@@ -169,7 +191,7 @@ def plan(scheduled, R: int, vocab_size: int, max_model_len: int, impl: SamplerIm
         ints[r, 1] = V if sp.top_k <= 0 else min(sp.top_k, V)
         ints[r, 4:6] = key_data(req.seed)
         ints[r, 6] = req.num_output_tokens + req.num_pending  # index of the token drawn now
-        ints[r, 7] = _mask_row(s) | (FLAG_LOGPROBS if sp.needs_logprobs else 0)
+        ints[r, 7] = _mask_row(s, V) | (FLAG_LOGPROBS if sp.needs_logprobs else 0)
     rows[:, :len(BASE_COLUMNS)] = ints.astype(np.uint32).view(np.int32)
     fb = f.view(np.int32)
     rows[:, 0], rows[:, 2], rows[:, 3] = fb[:, 0], fb[:, 2], fb[:, 3]
@@ -194,11 +216,11 @@ def _fill_extras(rows: np.ndarray, lay: RowLayout, scheduled):
             rows[r, o + 3 + 2 * B:o + 3 + 2 * B + len(toks)] = toks
             rows[r, 9] = len(toks)
         bias = dict(p.logit_bias or {})
-        if req.num_output_tokens < p.min_tokens:  # min_tokens: forbid EOS / stop ids
-            for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)):
-                if 0 <= t < V:
-                    bias[t] = -np.inf
-        items = list(bias.items())[:B]
+        banned = min_tokens_bans(req, V)
+        if banned and not _bans_overflow(req, banned):  # else the row's mask bans them (`_mask_row`)
+            bias.update((t, -np.inf) for t in banned)
+        items = list(bias.items())
+        assert len(items) <= B, (len(items), B)  # SamplingParams caps logit_bias at MAX_LOGIT_BIAS
         if items:
             rows[r, o + 3:o + 3 + len(items)] = [k for k, _ in items]
             rows[r, o + 3 + B:o + 3 + B + len(items)] = np.asarray([v for _, v in items], np.float32).view(np.int32)
@@ -210,13 +232,13 @@ def _fill_masks(words: np.ndarray, scheduled, V: int):
     """Each masked row's words: its grammar's allowed tokens, AND its allowed_token_ids /
     bad_words mask (a row with both gets the intersection)."""
     for r, s in enumerate(scheduled):
-        flags = _mask_row(s)
+        flags = _mask_row(s, V)
         if not flags:
             continue
         if s.req.grammar is not None:
             words[r] = 0
             s.req.grammar.fill(words[r])
-            if s.req.params.needs_mask:
+            if s.req.params.needs_mask or _min_tokens_masked(s.req, V):
                 words[r] &= allow_bits(s.req, V).view(np.int32)
         else:
             words[r] = allow_bits(s.req, V).view(np.int32)
@@ -232,6 +254,8 @@ def allow_bits(req, V: int) -> np.ndarray:
         bans = bad_word_bans(req.bad_words_ids, req.output_token_ids)
         if bans:
             ok[list(bans)] = False
+    if _min_tokens_masked(req, V):  # too many for the bias slots (`_fill_extras`)
+        ok[list(min_tokens_bans(req, V))] = False
     return np.packbits(ok, bitorder="little").view("<u4")
 
 
