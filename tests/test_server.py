@@ -421,6 +421,29 @@ def test_bad_input(server, path, body, status, words):
     assert_still_serves(server)
 
 
+def test_empty_model_name_is_the_served_model(client):
+    """vLLM: an empty (or absent) model name is the served model, not a 404."""
+    out = client.completions.create(model="", prompt="a", max_tokens=1, temperature=0)
+    assert len(out.choices) == 1 and out.model == MODEL
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client):
+    """vLLM / OpenAI: echo with max_tokens 0 returns the prompt alone with its logprobs (prompt
+    scoring); without echo, max_tokens 0 is a 400."""
+    ids = [5, 6, 7, 8]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    c = out.choices[0]
+    assert len(c.logprobs.tokens) == len(ids) and c.logprobs.token_logprobs[0] is None
+    assert all(isinstance(v, float) for v in c.logprobs.token_logprobs[1:])
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
+    assert sum(len(ch.choices[0].logprobs.tokens) for ch in chunks if ch.choices and ch.choices[0].logprobs) == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
 def test_unsupported_fields_via_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, extra_body={"structural_tag": "x"})

@@ -85,6 +85,14 @@ def test_grammar_from_lark(smollm2_llm):
     assert out[0].outputs[0].text in ("color: red", "color: green", "color: blue")
 
 
+def test_grammar_from_gbnf(smollm2_llm):
+    """vLLM's EBNF / llama.cpp's GBNF (`root ::= ...`), converted to Lark by llguidance."""
+    g = 'root ::= "color: " color\ncolor ::= "red" | "green" | "blue"'
+    out = smollm2_llm.generate(["Pick a color."], SamplingParams(max_tokens=10, temperature=0.5, seed=0,
+                                                                 structured_outputs=_so(grammar=g)), use_tqdm=False)
+    assert out[0].outputs[0].text in ("color: red", "color: green", "color: blue")
+
+
 def test_rejected_inputs_are_value_errors(smollm2_llm):
     eng = smollm2_llm.llm_engine
     before = eng.get_num_unfinished_requests()

@@ -173,7 +173,7 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
                               headers={"X-Request-Id": rid})
 
     def check_model(model: str | None):
-        if model is not None and model not in names:
+        if model and model not in names:  # null or "" is the served model (vLLM)
             raise APIError(f"The model `{model}` does not exist; this server serves {names}", status=404,
                            param="model", type="not_found_error")
 
@@ -249,7 +249,8 @@ def build_app(engine, served_model_name: str | list[str], api_key: str | None = 
                  for i, (p, sp) in enumerate(zip(prompts, params))]
         cs = CompletionServer(False, req.model or names[0], req.n, len(prompts), prompts, req.stream,
                               bool(req.stream_options and req.stream_options.include_usage), req.logprobs,
-                              echo=req.echo, decode=renderer.decode, continuous_usage=continuous_usage(req))
+                              echo=req.echo, decode=renderer.decode, continuous_usage=continuous_usage(req),
+                              echo_only=req.echo and req.max_tokens == 0)
         return await run(raw, cs, items, req.stream)
 
     @app.post("/v1/chat/completions")

@@ -170,8 +170,9 @@ class CompletionRequest(_SamplingFields):
     prompt: NonEmptyStr | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] \
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)] = Field(
         ..., description="text, token ids, or a batch of either (batch size capped by --max-prompts)")
-    max_tokens: int | None = Field(16, ge=1, le=2**31 - 1,
-                                   description="null: up to max_model_len; prompt + max_tokens <= max_model_len")
+    max_tokens: int | None = Field(16, ge=0, le=2**31 - 1,
+                                   description="null: up to max_model_len; prompt + max_tokens <= max_model_len; "
+                                               "0 only with echo (the prompt alone, with its logprobs)")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = Field(None, max_length=0, description="not supported: null or empty")

@@ -230,7 +230,13 @@ class Renderer:
         plp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
             plp = max(plp or 0, req.logprobs)
-        return self.sampling_params(req, len(prompt.token_ids), req.max_tokens, req.logprobs, "prompt",
+        max_tokens = req.max_tokens
+        if max_tokens == 0:  # vLLM / OpenAI: with echo, the prompt alone (one token runs, unshown)
+            if not req.echo:
+                raise APIError("max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                               param="max_tokens")
+            max_tokens = 1
+        return self.sampling_params(req, len(prompt.token_ids), max_tokens, req.logprobs, "prompt",
                                     prompt_logprobs=plp, structured=structured_params(req))
 
     def chat_params(self, req: ChatCompletionRequest, prompt: Prompt, tool_constraint=None) -> SamplingParams:

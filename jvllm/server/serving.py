@@ -30,6 +30,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -75,8 +76,9 @@ class ChoiceState:
 class Collector:
     """Per-HTTP-request state: choices, usage, prompt logprobs."""
 
-    def __init__(self, num_prompts: int, n: int):
+    def __init__(self, num_prompts: int, n: int, echo_only: bool = False):
         self.n = n
+        self.echo_only = echo_only  # generated tokens are dropped (CompletionServer's echo_only)
         self.choices = [ChoiceState(i) for i in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
         self.prompt_logprobs: list = [None] * num_prompts
@@ -94,6 +96,8 @@ class Collector:
             ch = self.choices[pidx * self.n + c.index]
             if ch.finish_sent:
                 continue
+            if self.echo_only:
+                c = dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None)
             ch.text.append(c.text)
             ch.token_ids.extend(c.token_ids)
             if c.hidden_states is not None:
@@ -177,7 +181,9 @@ class CompletionServer:
 
     def __init__(self, chat: bool, model: str, n: int, num_prompts: int, prompts, stream: bool,
                  include_usage: bool, top_logprobs: int | None, echo: bool = False, decode=None,
-                 continuous_usage: bool = False, tool_mode=None):
+                 continuous_usage: bool = False, tool_mode=None, echo_only: bool = False):
+        """`echo_only` (completions, echo with max_tokens 0): each choice is its prompt alone; the one
+        token the engine ran is not shown or counted."""
         self.chat, self.model, self.stream = chat, model, stream
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -187,7 +193,7 @@ class CompletionServer:
         self.top_logprobs = top_logprobs
         self.echo = echo
         self.decode = decode  # token ids -> text (the first echoed token has no prompt logprob entry)
-        self.col = Collector(num_prompts, n)
+        self.col = Collector(num_prompts, n, echo_only)
         self.tool_mode = tool_mode  # tools.ToolMode of a chat request whose output may be tool calls
         self._tool_streams: dict = {}  # choice index -> tool_stream.ToolCallStream (streamed chat with tools)
 

@@ -117,7 +117,9 @@ class StructuredBackend:
             else:
                 text = so.grammar
                 if "::=" in text:  # GBNF (llama.cpp / vLLM's xgrammar EBNF)
-                    text = llg.gbnf_to_lark(text)
+                    from llguidance.gbnf_to_lark import gbnf_to_lark  # a module of llguidance: its function
+
+                    text = gbnf_to_lark(text)
                 g = M.grammar_from_lark(text)
         except ValueError as e:
             raise ValueError(f"structured_outputs ({so.kind}) rejected: {e}") from None
