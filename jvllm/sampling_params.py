@@ -27,7 +27,6 @@ MAX_PROCESSOR_ARGS = 8  # numbers a request hands each logits processor (extra_a
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-
 def _token_id_key(k) -> int:
     """A logit_bias key as a token id: an integer (not a bool), an integral float, or the decimal
     string JSON gives; anything else (5563.9, True, "a") is a ValueError."""
@@ -40,6 +39,7 @@ def _token_id_key(k) -> int:
     if isinstance(k, str) and k.strip().lstrip("+-").isdigit():
         return int(k)
     raise ValueError(k)
+
 
 @dataclasses.dataclass
 class StructuredOutputsParams:

@@ -134,10 +134,11 @@ def _bans_overflow(req, banned) -> bool:
     return len(set(req.params.logit_bias or ()) | banned) > BIAS_SLOTS
 
 
-def _min_tokens_masked(req, V: int) -> bool:
-    """The request's min_tokens bans go through its vocabulary mask this step (too many for the slots)."""
-    banned = min_tokens_bans(req, V) if req.params.min_tokens else ()
-    return bool(banned) and _bans_overflow(req, banned)
+def _min_tokens_masked(req, V: int) -> frozenset:
+    """The request's min_tokens bans when they go through its vocabulary mask this step (too many
+    for the bias slots), else empty."""
+    banned = min_tokens_bans(req, V) if req.params.min_tokens else frozenset()
+    return banned if banned and _bans_overflow(req, banned) else frozenset()
 
 
 def _mask_row(s, V: int) -> int:
@@ -254,8 +255,9 @@ def allow_bits(req, V: int) -> np.ndarray:
         bans = bad_word_bans(req.bad_words_ids, req.output_token_ids)
         if bans:
             ok[list(bans)] = False
-    if _min_tokens_masked(req, V):  # too many for the bias slots (`_fill_extras`)
-        ok[list(min_tokens_bans(req, V))] = False
+    banned = _min_tokens_masked(req, V)  # too many for the bias slots (`_fill_extras`)
+    if banned:
+        ok[list(banned)] = False
     return np.packbits(ok, bitorder="little").view("<u4")
 
 
